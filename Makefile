@@ -1,0 +1,44 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create/update .venv first.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+# Offline from the Hugging Face Hub, always: tests and the demo build everything locally.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export DS_ACCELERATOR ?= cpu
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
+
+.PHONY: install demo test test-unit test-distributed lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Reinstall only when the dependency files change. torch first, so the resolver keeps the CPU build.
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt torch
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[mca,deepspeed,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) scripts/make_tiny_model.py --out .demo/tiny-qwen2
+	$(VENV)/bin/roll-train recipes/demo/tiny_sft.yaml
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+test-unit: install
+	$(PY) -m pytest -q -ra tests/unit
+
+test-distributed: install
+	$(PY) -m pytest -q -ra tests/distributed
+
+clean:
+	rm -rf .demo outputs .pytest_cache

@@ -1,0 +1,86 @@
+"""roll-train: parse the recipe, launch processes if asked, call the stage router."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import textwrap
+import typing
+
+import yaml
+
+from roll import __version__
+from roll.errors import RollError
+
+USAGE = """usage: roll-train [RECIPE.yaml] [key=value | --key value | --flag ...] [--use-mca]
+                  [--print-config] [--dry-run [--json]] [--help]
+
+Train a model with one recipe on either backend: the standard one (HF Trainer / TRL + DeepSpeed)
+or, with --use-mca, Megatron-Core. Precedence: defaults < recipe < command line.
+
+switches:
+  --print-config   print the resolved config as YAML and exit (loads nothing)
+  --dry-run        build tokenizer, dataset and collator, print a data summary and one example, exit
+  --json           with --dry-run: print the summary as one JSON object
+  --help           this text
+"""
+
+
+def format_help() -> str:
+    from roll.config import GROUPS
+    from roll.config.coerce import describe
+    from roll.config.docs import field_doc
+
+    lines = [USAGE]
+    for group, cls in GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        lines.append(f"{group} arguments ({cls.__name__}):")
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else "(computed)"
+            lines.append(f"  --{f.name} {describe(hints.get(f.name, str))}  (default: {default})")
+            doc = field_doc(cls, f) or "(no description)"
+            lines.extend(textwrap.wrap(doc, width=100, initial_indent="      ", subsequent_indent="      "))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from roll.logging import setup_logging
+
+    setup_logging()
+    try:
+        from roll.config import parse_args
+
+        options, config = parse_args(argv)
+        if options.help:
+            sys.stdout.write(format_help())
+            return 0
+        if options.version:
+            sys.stdout.write(f"roll-train {__version__}\n")
+            return 0
+        if options.print_config:
+            sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            return 0
+        from roll import launch
+
+        if not options.dry_run and launch.needs_launch(config):
+            return launch.relaunch(config, argv)
+        from roll import router
+
+        router.run(config, dry_run=options.dry_run, as_json=options.json)
+        return 0
+    except RollError as exc:
+        sys.stderr.write(f"roll-train: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("roll-train: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

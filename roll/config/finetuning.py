@@ -1,0 +1,75 @@
+"""What is trained: the stage (pt/sft/dpo), which parameters, and the preference-loss knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from roll.errors import ConfigError
+
+
+@dataclass
+class FinetuningArguments:
+    stage: Literal["pt", "sft", "dpo"] = "sft"
+    """Training stage: pt (pre-training on plain text), sft (supervised fine-tuning), dpo (preference optimisation)."""
+
+    finetuning_type: Literal["full", "lora", "freeze"] = "full"
+    """full: all weights; lora: low-rank adapters only; freeze: only the last freeze_trainable_layers layers."""
+
+    lora_rank: int = 8
+    """LoRA rank r."""
+
+    lora_alpha: int | None = None
+    """LoRA scaling alpha; default 2 * lora_rank."""
+
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+
+    lora_target: str = "all"
+    """Comma-separated module names to adapt, or 'all' for every linear layer except the output head."""
+
+    freeze_trainable_layers: int = 2
+    """With finetuning_type=freeze: how many of the last decoder layers are trained."""
+
+    export_merged: bool = False
+    """With LoRA: also write base + adapter merged into a plain HF model."""
+
+    pref_beta: float = 0.1
+    """DPO beta (strength of the KL constraint to the reference model)."""
+
+    pref_loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """DPO loss type."""
+
+    pref_label_smoothing: float = 0.0
+    """Label smoothing for the sigmoid DPO loss (conservative DPO), in [0, 0.5)."""
+
+    ref_model: str | None = None
+    """Reference model directory for DPO; default: a frozen copy of the starting weights."""
+
+    ref_free: bool = False
+    """Reference-free DPO (no reference model; implicit reference log-probs of 0)."""
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 1:
+            raise ConfigError(f"lora_rank must be >= 1, got {self.lora_rank}.")
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
+        if not self.lora_target.strip():
+            raise ConfigError("lora_target is empty: use 'all' or a comma-separated list such as 'q_proj,v_proj'.")
+        if self.freeze_trainable_layers < 1:
+            raise ConfigError(f"freeze_trainable_layers must be >= 1, got {self.freeze_trainable_layers}.")
+        if self.pref_beta <= 0:
+            raise ConfigError(f"pref_beta must be > 0, got {self.pref_beta}.")
+        if not 0.0 <= self.pref_label_smoothing < 0.5:
+            raise ConfigError(f"pref_label_smoothing must be in [0, 0.5), got {self.pref_label_smoothing}.")
+        if self.ref_free and self.ref_model:
+            raise ConfigError("ref_free=true and ref_model are contradictory: drop one of them.")
+
+    @property
+    def lora_targets(self) -> list[str] | str:
+        """'all' or the explicit list of target module names."""
+        if self.lora_target.strip() == "all":
+            return "all"
+        return [name.strip() for name in self.lora_target.split(",") if name.strip()]

@@ -1,0 +1,80 @@
+"""The parallel layout of a Megatron run, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roll.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How ``world_size`` ranks split into tensor/pipeline/context/data (and expert) groups.
+
+    Megatron-Core's rules: ``world = tp * pp * cp * dp``; the expert layout re-folds the same
+    ranks, so ``etp * ep`` must divide ``tp * cp * dp``.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{self._field_key(name)} must be >= 1, got {getattr(self, name)}.")
+        if self.vpp is not None and self.vpp < 1:
+            raise ConfigError(f"virtual_pipeline_model_parallel_size must be >= 1, got {self.vpp}.")
+        if self.vpp is not None and self.vpp > 1 and self.pp == 1:
+            raise ConfigError("virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1.")
+        if self.etp is not None and self.etp < 1:
+            raise ConfigError(f"expert_tensor_parallel_size must be >= 1, got {self.etp}.")
+        model_parallel = self.tp * self.pp * self.cp
+        if self.world_size % model_parallel:
+            raise ConfigError(
+                f"tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * dp(?) = world_size({self.world_size}) has no "
+                f"solution: tp * pp * cp = {model_parallel} does not divide world_size({self.world_size}). "
+                "Change the parallel sizes or nproc_per_node."
+            )
+        expert = self.expert_tp * self.ep
+        if (self.tp * self.cp * self.dp) % expert:
+            raise ConfigError(
+                f"etp({self.expert_tp}) * ep({self.ep}) = {expert} does not divide tp({self.tp}) * cp({self.cp}) * "
+                f"dp({self.dp}) = {self.tp * self.cp * self.dp} (world_size {self.world_size}, pp {self.pp})."
+            )
+
+    @staticmethod
+    def _field_key(name: str) -> str:
+        return {"world_size": "world_size", "tp": "tensor_model_parallel_size",
+                "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
+                "ep": "expert_model_parallel_size"}[name]
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size; Megatron defaults it to tp."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def vpp_size(self) -> int:
+        return self.vpp or 1
+
+    def describe(self) -> str:
+        return (f"tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * dp({self.dp}) = world_size({self.world_size}), "
+                f"vpp {self.vpp_size}, ep {self.ep}, etp {self.expert_tp}")
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """Every (virtual) pipeline stage must get the same number of layers."""
+        stages = self.pp * self.vpp_size
+        if num_layers % stages:
+            raise ConfigError(
+                f"num_layers({num_layers}) is not divisible by pp({self.pp}) * vpp({self.vpp_size}) = {stages}. "
+                "Change pipeline_model_parallel_size or virtual_pipeline_model_parallel_size."
+            )

@@ -1,0 +1,33 @@
+"""Which model and tokenizer to start from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from roll.errors import ConfigError
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = None
+    """Local directory of a Hugging Face causal LM (config.json + safetensors), or a hub id when online."""
+
+    tokenizer_name_or_path: str | None = None
+    """Tokenizer directory; defaults to model_name_or_path."""
+
+    trust_remote_code: bool = False
+    """Allow executing model/tokenizer code shipped with the checkpoint. Off unless you trust the source."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype the weights are loaded in; 'auto' follows bf16/fp16 of the training arguments, else float32."""
+
+    attn_implementation: str | None = None
+    """HF attention kernel for the standard backend ('eager', 'sdpa', 'flash_attention_2'); default: HF's choice."""
+
+    cache_dir: str | None = None
+    """Where downloaded hub models are cached (unused offline)."""
+
+    def __post_init__(self) -> None:
+        if self.model_name_or_path is not None and not str(self.model_name_or_path).strip():
+            raise ConfigError("model_name_or_path is empty: set it to a model directory.")

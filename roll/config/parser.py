@@ -1,0 +1,170 @@
+"""Recipe + command line -> validated RunConfig. Precedence: defaults < recipe < command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from roll.config.coerce import CoercionError, closest, coerce, describe
+from roll.config.run import GROUPS, RunConfig
+from roll.errors import ConfigError
+
+FLAGS = ("help", "print_config", "dry_run", "json", "version")
+"""Command-line switches that are not config keys."""
+
+
+@dataclass
+class CliOptions:
+    """What the command line asked for, besides config values."""
+
+    recipe: str | None = None
+    help: bool = False
+    print_config: bool = False
+    dry_run: bool = False
+    json: bool = False
+    version: bool = False
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _FieldRef:
+    group: str
+    cls: type
+    name: str
+    type: Any
+
+
+def _field_index() -> dict[str, _FieldRef]:
+    index: dict[str, _FieldRef] = {}
+    for group, cls in GROUPS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in index:
+                index[f.name] = _FieldRef(group, cls, f.name, hints.get(f.name, Any))
+    return index
+
+
+FIELDS = _field_index()
+
+
+def _normalise(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def _unknown_key_error(keys: list[str], source: str) -> ConfigError:
+    parts = []
+    for key in keys:
+        hint = closest(key, FIELDS) or closest(key, FLAGS)
+        parts.append(f"'{key}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+    noun = "key" if len(keys) == 1 else "keys"
+    return ConfigError(f"unknown {noun} {', '.join(parts)} in {source}. "
+                       "Run `roll-train --help` to list every valid key with its meaning.")
+
+
+def split_command_line(argv: list[str]) -> tuple[CliOptions, dict[str, str]]:
+    """Separate the recipe path, switches and ``key=value`` / ``--key value`` overrides."""
+    options = CliOptions(argv=list(argv))
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token in ("-h", "--help"):
+            options.help = True
+            continue
+        if not token.startswith("-") and "=" not in token:
+            if options.recipe is not None:
+                raise ConfigError(f"two recipe files given ({options.recipe!r} and {token!r}); pass one, "
+                                  "and overrides as key=value.")
+            options.recipe = token
+            continue
+        key, sep, value = token.partition("=")
+        key = _normalise(key)
+        if key in FLAGS:
+            setattr(options, key, True)
+            continue
+        if not sep:  # --key value, or a bare --flag meaning true
+            ref = FIELDS.get(key)
+            takes_value = i < len(argv) and not argv[i].startswith("--") and "=" not in argv[i]
+            if ref is not None and _is_bool(ref.type) and not (takes_value and argv[i].lower() in
+                                                               ("true", "false", "yes", "no", "0", "1")):
+                value = "true"
+            elif takes_value:
+                value = argv[i]
+                i += 1
+            else:
+                raise ConfigError(f"command-line option '--{key}' needs a value: write --{key} VALUE or {key}=VALUE.")
+        overrides[key] = value
+    return options, overrides
+
+
+def _is_bool(tp: Any) -> bool:
+    return tp is bool or bool in typing.get_args(tp)
+
+
+def load_recipe(path: str) -> dict[str, Any]:
+    """Read a YAML recipe into a flat ``key -> value`` mapping."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"recipe file {path!r} does not exist.")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {path!r} is not valid YAML: {exc}") from None
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise ConfigError(f"recipe {path!r} must be a mapping of key: value, got {type(content).__name__}.")
+    return {_normalise(str(k)): v for k, v in content.items()}
+
+
+def _parse_cli_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str | None) -> RunConfig:
+    """Apply defaults < recipe < command line, check every key and type, then validate once."""
+    source_of = {}
+    values: dict[str, Any] = {}
+    recipe_source = f"recipe {recipe_path}" if recipe_path else "recipe"
+    unknown = [k for k in recipe if k not in FIELDS]
+    if unknown:
+        raise _unknown_key_error(unknown, recipe_source)
+    unknown = [k for k in overrides if k not in FIELDS]
+    if unknown:
+        raise _unknown_key_error(unknown, "the command line")
+    for key, value in recipe.items():
+        values[key], source_of[key] = value, recipe_source
+    for key, value in overrides.items():
+        values[key], source_of[key] = _parse_cli_value(value), "the command line"
+
+    kwargs: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
+    for key, value in values.items():
+        ref = FIELDS[key]
+        try:
+            kwargs[ref.group][key] = coerce(value, ref.type)
+        except CoercionError as exc:
+            raise ConfigError(f"invalid value for '{key}' (from {source_of[key]}): {exc}. "
+                              f"'{key}' takes {describe(ref.type)}.") from None
+    # Each group's __post_init__ checks its own values and names the field in its message.
+    groups = {group: cls(**kwargs[group]) for group, cls in GROUPS.items()}
+    config = RunConfig(recipe_path=recipe_path, explicit_keys=frozenset(values), **groups)
+    config.validate()
+    return config
+
+
+def parse_args(argv: list[str]) -> tuple[CliOptions, RunConfig | None]:
+    """Parse the full command line; returns (options, config). config is None for --help/--version."""
+    options, overrides = split_command_line(argv)
+    if options.help or options.version:
+        return options, None
+    recipe = load_recipe(options.recipe) if options.recipe else {}
+    return options, resolve(recipe, overrides, options.recipe)

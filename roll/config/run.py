@@ -1,0 +1,119 @@
+"""The whole run's configuration and its one cross-field validation step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+from roll.config.data import DataArguments
+from roll.config.finetuning import FinetuningArguments
+from roll.config.layout import ParallelLayout
+from roll.config.model import ModelArguments
+from roll.config.training import TrainingArguments
+from roll.errors import ConfigError
+from roll.logging import log_rank0, warn_once
+
+logger = logging.getLogger(__name__)
+
+GROUPS = {
+    "model": ModelArguments,
+    "data": DataArguments,
+    "finetuning": FinetuningArguments,
+    "training": TrainingArguments,
+}
+"""Argument groups in --help / --print-config order. Keys are unique across groups (flat recipes)."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelArguments
+    data: DataArguments
+    finetuning: FinetuningArguments
+    training: TrainingArguments
+    recipe_path: str | None = None
+    explicit_keys: frozenset[str] = frozenset()
+    """Keys set by the recipe or command line (the rest are defaults)."""
+    layout: ParallelLayout | None = field(default=None, init=False)
+    """The Megatron parallel layout; set by validate() when use_mca is on."""
+
+    @property
+    def backend_name(self) -> str:
+        return "mca" if self.training.use_mca else "standard"
+
+    def validate(self) -> None:
+        """Cross-field rules, run once after all overrides."""
+        from roll.registry import get_backend_class
+
+        backend_cls = get_backend_class(self.backend_name)
+        backend_cls.check_support(self.finetuning.stage, self.finetuning.finetuning_type)
+        if self.training.use_mca:
+            self._validate_mca()
+        else:
+            self._validate_standard()
+        if self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
+            warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
+
+    def _validate_mca(self) -> None:
+        t = self.training
+        self.layout = ParallelLayout(
+            world_size=t.world_size_from_launch, tp=t.tensor_model_parallel_size,
+            pp=t.pipeline_model_parallel_size, vpp=t.virtual_pipeline_model_parallel_size,
+            cp=t.context_parallel_size, ep=t.expert_model_parallel_size, etp=t.expert_tensor_parallel_size,
+        )
+        if t.tensor_model_parallel_size > 1 and t.expert_model_parallel_size > 1 and not t.sequence_parallel:
+            t.sequence_parallel = True
+            log_rank0(logger, "sequence_parallel turned on: Megatron-Core requires it with TP>1 and EP>1.")
+        if t.tensor_model_parallel_size == 1 and t.sequence_parallel:
+            t.sequence_parallel = False
+            warn_once(logger, "sequence_parallel ignored: it only applies with tensor_model_parallel_size > 1.")
+        if t.deepspeed:
+            warn_once(logger, "deepspeed config ignored: the mca backend shards with Megatron-Core "
+                              "(use_distributed_optimizer for ZeRO-1 style optimizer sharding).")
+        num_layers = self.model_num_layers()
+        if num_layers is not None:
+            self.layout.check_num_layers(num_layers)
+
+    def _validate_standard(self) -> None:
+        t = self.training
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+        ignored = [name for name in t.mca_field_names if getattr(t, name) != defaults[name]]
+        if ignored:
+            warn_once(logger, "standard backend: ignoring Megatron-only settings "
+                              + ", ".join(f"{n}={getattr(t, n)}" for n in ignored) + " (they apply with --use-mca).")
+        if not t.calculate_per_token_loss:
+            raise ConfigError("calculate_per_token_loss=false is only available with use_mca=true; the standard "
+                              "backend always uses the per-token mean over the global batch.")
+
+    def model_num_layers(self) -> int | None:
+        """num_hidden_layers from a local model's config.json, or None when not known yet."""
+        path = self.model.model_name_or_path
+        config_file = os.path.join(path, "config.json") if path else None
+        if not config_file or not os.path.isfile(config_file):
+            return None
+        with open(config_file, encoding="utf-8") as fh:
+            hf_config = json.load(fh)
+        hf_config = hf_config.get("text_config", hf_config)
+        return hf_config.get("num_hidden_layers")
+
+    def to_dict(self) -> dict[str, dict]:
+        """Plain nested dict of every field, for --print-config and logging."""
+        out: dict[str, dict] = {}
+        for group in GROUPS:
+            obj = getattr(self, group)
+            out[group] = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return out
+
+
+def _plain(value):
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,36 @@
+"""The padding policy: declared by a backend, obeyed by the shared collators."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+"""Per-token keys of a sample; pairwise batches use them with 'chosen_' / 'rejected_' prefixes."""
+
+
+@dataclass(frozen=True)
+class PaddingPolicy:
+    """How the shared collators must shape a batch for one backend.
+
+    The standard backend uses the defaults (pad to the longest sample, HF shifts labels inside the
+    model). The Megatron backend derives the rest from its layout: ``max_length`` under expert
+    parallelism with the allgather dispatcher, a multiple of TP with sequence parallelism, a
+    multiple of 2 * CP with context parallelism, and ``shift_labels`` because Megatron's GPT
+    model does not shift.
+    """
+
+    pad_to: Literal["longest", "max_length"] = "longest"
+    max_length: int | None = None
+    """Target length for pad_to='max_length' (the recipe's cutoff_len)."""
+    pad_to_multiple_of: int = 1
+    shift_labels: bool = False
+    """Apply the label shift once in the collator: labels <- labels[1:], other keys drop their last position."""
+    packing: bool = False
+    """Rows are packed: emit position_ids restarting per sample and segment boundaries, no attention_mask."""
+
+    def __post_init__(self) -> None:
+        if self.pad_to == "max_length" and not self.max_length:
+            raise ValueError("PaddingPolicy(pad_to='max_length') needs max_length")
+        if self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")

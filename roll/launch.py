@@ -1,0 +1,70 @@
+"""Start roll-train on several processes: re-execute under torchrun or the deepspeed launcher."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from roll.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+LAUNCHED_ENV = "ROLL_LAUNCHED"
+"""Set in the children so a launched roll-train never launches again."""
+
+
+def inside_launcher() -> bool:
+    return LAUNCHED_ENV in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def needs_launch(config: RunConfig) -> bool:
+    t = config.training
+    return not inside_launcher() and t.nproc_per_node * t.nnodes > 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_command(config: RunConfig, argv: list[str]) -> list[str]:
+    """The launcher command that runs ``roll-train argv`` on nproc_per_node processes."""
+    t = config.training
+    if t.nnodes > 1:
+        from roll.errors import ConfigError
+
+        raise ConfigError("nnodes > 1: start roll-train on each node with your cluster launcher "
+                          "(torchrun --nnodes ... or deepspeed --hostfile ...); roll-train only spawns local processes.")
+    module = ["-m", "roll.cli"]
+    port = str(_free_port())
+    if not t.use_mca and t.deepspeed:
+        # --no_local_rank: roll reads LOCAL_RANK from the environment, not from an injected argument.
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.nproc_per_node),
+                "--master_port", port, "--no_local_rank", "--module", "roll.cli", *argv]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(t.nproc_per_node),
+            "--master_addr", "127.0.0.1", "--master_port", port, *module, *argv]
+
+
+def relaunch(config: RunConfig, argv: list[str]) -> int:
+    """Run the launcher as a child; forward Ctrl-C / SIGTERM so every rank stops; return its exit code."""
+    cmd = launch_command(config, argv)
+    env = dict(os.environ, **{LAUNCHED_ENV: "1"})
+    env.setdefault("OMP_NUM_THREADS", "1")  # the deepspeed launcher does not set it; 2-4x slower without
+    logger.info("launching %d processes: %s", config.training.nproc_per_node, " ".join(cmd))
+    child = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

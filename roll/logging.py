@@ -1,0 +1,52 @@
+"""Logging set-up and rank-aware helpers. Library code logs through these; it never prints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "[%(asctime)s] [%(levelname)s] [rank%(rank)s] %(name)s: %(message)s"
+_warned: set[str] = set()
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = os.environ.get("RANK", "0")
+        return True
+
+
+def setup_logging(level: str | int = "INFO") -> None:
+    """Configure the ``roll`` and ``backends`` loggers once: stderr, timestamps and rank."""
+    for name in ("roll", "backends"):
+        logger = logging.getLogger(name)
+        if logger.handlers:
+            continue
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+        handler.addFilter(_RankFilter())
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False
+
+
+def get_rank() -> int:
+    """Global rank from the launcher's environment (0 outside a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_rank0() -> bool:
+    return get_rank() == 0
+
+
+def log_rank0(logger: logging.Logger, msg: str, *args, level: int = logging.INFO) -> None:
+    """Log on global rank 0 only, so N ranks do not print the same line N times."""
+    if is_rank0():
+        logger.log(level, msg, *args)
+
+
+def warn_once(logger: logging.Logger, msg: str) -> None:
+    """Warn once per process and message (e.g. for a recipe value the active backend ignores)."""
+    if msg not in _warned:
+        _warned.add(msg)
+        log_rank0(logger, msg, level=logging.WARNING)

@@ -1,0 +1,78 @@
+"""Stage router: builds the shared data pieces for a stage and hands them to the chosen backend.
+
+This module is the only place that knows the stage table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from roll.config import RunConfig
+from roll.contract import TrainJob, TrainResult
+from roll.logging import log_rank0
+from roll.registry import get_backend_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What the shared data pipeline does for one stage."""
+
+    processor: str
+    """Name of the stage processor in roll.data.processors."""
+    collator: str
+    """Name of the collator class in roll.data.collators."""
+    formats: tuple[str, ...]
+    """Row formats this stage accepts."""
+
+
+STAGES: dict[str, StageSpec] = {
+    "pt": StageSpec(processor="pretrain", collator="SequenceCollator", formats=("text",)),
+    "sft": StageSpec(processor="supervised", collator="SequenceCollator", formats=("alpaca", "sharegpt")),
+    "dpo": StageSpec(processor="pairwise", collator="PairwiseCollator", formats=("pairwise",)),
+}
+
+
+def build_job(config: RunConfig, padding_policy) -> tuple[TrainJob, object]:
+    """Tokenizer, datasets and collator for the configured stage; returns (job, preprocessing stats)."""
+    from roll import data
+
+    spec = STAGES[config.finetuning.stage]
+    tokenizer = data.load_tokenizer(config.model, config.data)
+    bundle = data.build_datasets(config.data, tokenizer, stage=config.finetuning.stage,
+                                 processor=spec.processor, formats=spec.formats, seed=config.training.seed)
+    collator = data.build_collator(spec.collator, tokenizer, padding_policy, config.data)
+    job = TrainJob(stage=config.finetuning.stage, tokenizer=tokenizer, train_dataset=bundle.train,
+                   eval_dataset=bundle.eval, collator=collator)
+    return job, bundle.stats
+
+
+def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
+        out: Callable[[str], None] = sys.stdout.write) -> TrainResult | None:
+    """Run the configured stage end to end (or only the data side with dry_run)."""
+    backend = get_backend_class(config.backend_name)(config)
+    policy = backend.padding_policy(config.finetuning.stage)
+    if dry_run:
+        from roll.data.report import dry_run_report
+
+        job, stats = build_job(config, policy)
+        summary, text = dry_run_report(job, stats)
+        out(json.dumps(summary) + "\n" if as_json else text)
+        return None
+    backend.setup_distributed()
+    try:
+        job, _ = build_job(config, policy)
+        log_rank0(logger, "stage %s on the %s backend", config.finetuning.stage, config.backend_name)
+        models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))
+        result = backend.train(job, models)
+        if config.training.save_hf_model:
+            result.hf_model_dir = backend.save(models, job.tokenizer, config.training.output_dir)
+            log_rank0(logger, "final model (HF format) written to %s", result.hf_model_dir)
+        return result
+    finally:
+        backend.teardown()

