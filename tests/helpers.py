@@ -1,0 +1,49 @@
+"""Helpers for tests that start real processes. Every subprocess gets a timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "ROLL_LAUNCHED", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without launcher variables, with OMP_NUM_THREADS=1."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repo root, capture output; fail the test (not hang) after ``timeout``."""
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(**extra_env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def roll_train(*args: str, timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    """``roll-train args...`` in a subprocess (the real console entry point)."""
+    return run([sys.executable, "-m", "roll.cli", *args], timeout=timeout, **extra_env)
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc args...`` on a free local port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *args]
+    return run(cmd, timeout=timeout, **extra_env)
+
+
+def output_of(proc: subprocess.CompletedProcess, tail: int = 4000) -> str:
+    """The end of a process's stdout + stderr, for assertion messages."""
+    return (proc.stdout[-tail:] + "\n--- stderr ---\n" + proc.stderr[-tail:])
