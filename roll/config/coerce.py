@@ -83,16 +83,23 @@ def _coerce_union(value: Any, arms: tuple) -> Any:
     if type(None) in arms and (value is None or (
             isinstance(value, str) and value.lower() in _NONE_STRINGS and str not in arms)):
         return None  # a string arm keeps 'none' as text: HF's report_to='none' means no reporter
-    # Try the strict arms first so that '3' for `int | str` becomes 3, not '3'.
-    ordered = sorted(arms, key=lambda a: (a is str, a is type(None)))
-    errors = []
+    # Scalars first so '3' for `int | str` becomes 3; str before containers so 'none' for
+    # `str | list[str]` stays the string HF expects.
+    def rank(arm) -> int:
+        if arm is str:
+            return 1
+        if arm in (list, dict) or typing.get_origin(arm) in (list, tuple, dict):
+            return 2
+        return 0
+
+    ordered = sorted(arms, key=rank)
     for arm in ordered:
         if arm is type(None):
             continue
         try:
             return coerce(value, arm)
-        except CoercionError as exc:
-            errors.append(str(exc))
+        except CoercionError:
+            continue
     raise CoercionError(f"expected {describe(typing.Union[arms])}, got {value!r}")
 
 

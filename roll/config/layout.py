@@ -36,8 +36,8 @@ class ParallelLayout:
         model_parallel = self.tp * self.pp * self.cp
         if self.world_size % model_parallel:
             raise ConfigError(
-                f"tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * dp(?) = world_size({self.world_size}) has no "
-                f"solution: tp * pp * cp = {model_parallel} does not divide world_size({self.world_size}). "
+                f"tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * dp(?) != world_size({self.world_size}) for any "
+                f"dp: tp * pp * cp = {model_parallel} does not divide world_size({self.world_size}). "
                 "Change the parallel sizes or nproc_per_node."
             )
         expert = self.expert_tp * self.ep

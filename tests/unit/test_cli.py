@@ -1,0 +1,76 @@
+"""The roll-train console entry point: help, print-config, clean errors, launch commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import yaml
+
+from roll import launch
+from roll.config import parse_args
+from tests.helpers import roll_train, run
+
+
+def test_help_lists_fields_with_docs():
+    proc = roll_train("--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for text in ("--learning_rate", "The initial learning rate", "--tensor_model_parallel_size",
+                 "[mca] Tensor parallel size", "--stage", "one of pt, sft, dpo", "--cutoff_len"):
+        assert text in proc.stdout
+
+
+def test_console_script_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "roll-train")
+    proc = run([script, "--version"], timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("roll-train "), proc.stderr
+
+
+def test_print_config_shows_overrides():
+    proc = roll_train("recipes/qwen_sft.yaml", "--use-mca", "tensor_model_parallel_size=4", "--print-config",
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load(proc.stdout)
+    assert resolved["training"]["use_mca"] is True
+    assert resolved["training"]["tensor_model_parallel_size"] == 4
+    assert resolved["model"]["model_name_or_path"] == "Qwen/Qwen2.5-7B-Instruct"
+
+
+@pytest.mark.parametrize("content, argv, expected", [
+    ("learning_rat: 1.0e-5\n", [], ["learning_rat", "learning_rate"]),
+    ("stage: sfx\n", [], ["sfx", "sft"]),
+    ("stage: sft\n", ["learnin_rate=1"], ["learnin_rate", "learning_rate", "command line"]),
+])
+def test_user_mistakes_exit_nonzero_without_traceback(tmp_path, content, argv, expected):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(content)
+    proc = roll_train(str(recipe), *argv, "--print-config", timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    for fragment in expected:
+        assert fragment in proc.stderr
+
+
+def test_launch_command_uses_torchrun_or_deepspeed(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stage: sft\nnproc_per_node: 2\n")
+    _, config = parse_args([str(recipe)])
+    assert launch.needs_launch(config)
+    cmd = launch.launch_command(config, [str(recipe)])
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node" in cmd
+    assert cmd[-3:] == ["-m", "roll.cli", str(recipe)]
+
+    _, config = parse_args([str(recipe), "deepspeed=recipes/deepspeed/ds_z2.json"])
+    cmd = launch.launch_command(config, [str(recipe)])
+    assert "deepspeed.launcher.runner" in cmd and "--no_local_rank" in cmd
+    assert cmd[cmd.index("--num_gpus") + 1] == "2"
+
+
+def test_no_relaunch_inside_a_launcher(tmp_path, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("nproc_per_node: 2\n")
+    _, config = parse_args([str(recipe)])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not launch.needs_launch(config)

@@ -1,0 +1,152 @@
+"""Recipe parsing, precedence, type coercion and validation errors (no model or data is loaded)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from roll.config import ParallelLayout, parse_args
+from roll.config.parser import load_recipe, split_command_line
+from roll.errors import ConfigError
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    def write(**values) -> str:
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return str(path)
+
+    return write
+
+
+def test_precedence_defaults_recipe_command_line(recipe):
+    path = recipe(learning_rate=1.0e-4, cutoff_len=256, stage="sft")
+    _, config = parse_args([path, "learning_rate=3e-5", "--stage", "pt"])
+    assert config.training.learning_rate == 3e-5  # command line beats recipe ('3e-5' is a YAML string: coerced)
+    assert config.finetuning.stage == "pt"
+    assert config.data.cutoff_len == 256  # recipe beats default
+    assert config.training.per_device_train_batch_size == 8  # HF default kept
+    assert config.explicit_keys == {"learning_rate", "cutoff_len", "stage"}
+
+
+def test_bool_flags_and_dashes(recipe):
+    _, config = parse_args([recipe(stage="sft"), "--use-mca", "--packing", "--bf16", "false"])
+    assert config.training.use_mca is True and config.data.packing is True and config.training.bf16 is False
+    assert config.backend_name == "mca"
+
+
+def test_optional_and_literal_values(recipe):
+    _, config = parse_args([recipe(recompute_granularity="full"), "virtual_pipeline_model_parallel_size=null",
+                            "report_to=none", "--use-mca"])
+    assert config.training.recompute_granularity == "full"
+    assert config.training.virtual_pipeline_model_parallel_size is None
+    assert config.training.report_to == "none"  # a str-typed field keeps 'none' as text
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["learnin_rate=1"], ["'learnin_rate'", "did you mean 'learning_rate'", "command line"]),
+    (["--tensor-model-parallel-sise", "2"], ["tensor_model_parallel_sise", "tensor_model_parallel_size"]),
+    (["stage=sfx"], ["'stage'", "'sfx'", "pt, sft, dpo", "did you mean 'sft'"]),
+    (["learning_rate=fast"], ["'learning_rate'", "'fast'", "number"]),
+    (["cutoff_len=1.5"], ["'cutoff_len'", "integer"]),
+    (["packing=maybe"], ["'packing'", "true or false"]),
+    (["cutoff_len=1"], ["cutoff_len must be at least 2"]),
+    (["bf16=true", "fp16=true"], ["bf16 and fp16"]),
+    (["lora_rank=0"], ["lora_rank"]),
+    (["--use-mca", "tensor_model_parallel_size=0"], ["tensor_model_parallel_size must be >= 1"]),
+    (["deepspeed=/no/such/ds.json"], ["/no/such/ds.json", "does not exist"]),
+    (["--use-mca", "finetuning_type=freeze"], ["freeze", "mca backend"]),
+    (["--max_steps"], ["--max_steps", "needs a value"]),
+])
+def test_bad_values_name_the_key(recipe, argv, fragments):
+    with pytest.raises(ConfigError) as info:
+        parse_args([recipe(stage="sft"), *argv])
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_unknown_recipe_key_names_file_and_closest(recipe):
+    path = recipe(learning_rat=1.0e-5)
+    with pytest.raises(ConfigError) as info:
+        parse_args([path])
+    message = str(info.value)
+    assert "'learning_rat'" in message and "'learning_rate'" in message and path in message
+
+
+def test_invalid_deepspeed_json(tmp_path, recipe):
+    bad = tmp_path / "ds.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_args([recipe(deepspeed=str(bad))])
+
+
+def test_recipe_must_be_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_recipe(str(path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_recipe(str(tmp_path / "missing.yaml"))
+
+
+def test_split_command_line_switches():
+    options, overrides = split_command_line(["r.yaml", "--print-config", "--dry-run", "--json", "a=1", "--b", "2"])
+    assert options.recipe == "r.yaml" and options.print_config and options.dry_run and options.json
+    assert overrides == {"a": "1", "b": "2"}
+    with pytest.raises(ConfigError, match="two recipe files"):
+        split_command_line(["a.yaml", "b.yaml"])
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(world_size=6, tp=2, pp=2), "tp(2) * pp(2) * cp(1) * dp(?) != world_size(6)"),
+    (dict(world_size=8, tp=2, ep=8), "etp(2) * ep(8) = 16 does not divide tp(2) * cp(1) * dp(4) = 8"),
+    (dict(world_size=4, vpp=2), "needs pipeline_model_parallel_size > 1"),
+])
+def test_layout_errors_show_the_product(kwargs, fragment):
+    with pytest.raises(ConfigError) as info:
+        ParallelLayout(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_layout_derives_dp_and_checks_layers():
+    layout = ParallelLayout(world_size=8, tp=2, pp=2, vpp=2, ep=2)
+    assert layout.dp == 2 and layout.expert_tp == 2
+    layout.check_num_layers(8)
+    with pytest.raises(ConfigError, match=r"num_layers\(6\) is not divisible by pp\(2\) \* vpp\(2\) = 4"):
+        layout.check_num_layers(6)
+
+
+def test_mca_cross_field_rules(recipe, tiny_model_dir, caplog):
+    # SP is forced on with TP>1 and EP>1; the layer count comes from the local model's config.json.
+    _, config = parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "nproc_per_node=4",
+                            "tensor_model_parallel_size=2", "expert_model_parallel_size=2"])
+    assert config.training.sequence_parallel is True
+    assert config.layout.dp == 2
+    with pytest.raises(ConfigError, match=r"num_layers\(2\) is not divisible by pp\(2\) \* vpp\(2\)"):
+        parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "nproc_per_node=2",
+                    "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"])
+
+
+def test_standard_backend_ignores_mca_knobs_with_warning(recipe, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="roll"):
+        logging.getLogger("roll").propagate = True
+        try:
+            _, config = parse_args([recipe(tensor_model_parallel_size=2, sequence_parallel=True)])
+        finally:
+            logging.getLogger("roll").propagate = False
+    assert config.layout is None
+    assert "tensor_model_parallel_size=2" in caplog.text
+
+
+def test_every_shipped_recipe_parses():
+    import glob
+
+    recipes = sorted(glob.glob("recipes/**/*.yaml", recursive=True))
+    assert "recipes/qwen_sft.yaml" in recipes
+    for path in recipes:
+        for extra in ([], ["--use-mca"]):
+            _, config = parse_args([path, *extra])
+            assert config.finetuning.stage in ("pt", "sft", "dpo"), path
