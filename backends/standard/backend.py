@@ -1,11 +1,177 @@
-"""StandardBackend: HF Trainer (pt, sft) and TRL DPOTrainer (dpo) with optional DeepSpeed ZeRO."""
+"""StandardBackend: HF Trainer (pt, sft) and TRL DPOTrainer (dpo) with optional DeepSpeed ZeRO.
+
+Order of work, and why it matters (research notes W1-W6 live in ``_compat``):
+``setup_distributed`` checks the DeepSpeed file, initialises deepspeed.comm (W3) and builds the
+HF/TRL arguments object *before* any model is loaded, so ZeRO-3 loads weights partitioned
+(``zero.Init``); ``load_models`` then checks the path is a causal LM and loads it (and a frozen
+reference for DPO); ``apply_finetuning`` adds LoRA or freezes layers; ``train`` runs the trainer;
+``save`` writes the HF-format model; ``teardown`` releases the process group and per-process state.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+
 from backends.base import Backend, register_backend
+from backends.standard import _compat
+from backends.standard.ds_config import DeepSpeedSettings, check_combination, load_deepspeed_config
+from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
+from roll.data.policy import PaddingPolicy
+from roll.logging import log_rank0, warn_once
+
+logger = logging.getLogger(__name__)
 
 
 @register_backend("standard")
 class StandardBackend(Backend):
     supported_stages = frozenset({"pt", "sft", "dpo"})
     supported_finetuning_types = frozenset({"full", "lora", "freeze"})
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._deepspeed: DeepSpeedSettings | None = None
+        self._hf_args = None
+        self._trainer = None
+        self._restore_env: dict[str, str | None] = {}
+        self._succeeded = False
+
+    # ---- set-up ---------------------------------------------------------------------------------
+
+    def padding_policy(self, stage: str) -> PaddingPolicy:
+        """Pad to the longest sample; HF models shift labels inside their loss, so no shift here."""
+        return PaddingPolicy(packing=self.config.data.packing)
+
+    def setup_distributed(self) -> DistributedInfo:
+        import torch.distributed as dist
+
+        from roll.platform import current_platform
+
+        training = self.config.training
+        self._deepspeed = load_deepspeed_config(training.deepspeed)
+        if self._deepspeed is not None:
+            check_combination(self._deepspeed, training)
+            self._restore_env = _compat.single_process_env()  # W5
+            _compat.init_deepspeed_comm()  # W3: before any HF config exists
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            dist.init_process_group(backend=current_platform().dist_backend)
+        if self._hf_args is None:
+            self._hf_args = self._build_hf_args()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return DistributedInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                               dp_rank=rank, dp_size=world)
+
+    def _build_hf_args(self):
+        """The real HF ``TrainingArguments`` (or TRL ``DPOConfig``), from roll's validated fields."""
+        from backends.standard.hf_args import build_hf_args
+
+        return build_hf_args(self.config, self._deepspeed)
+
+    # ---- models ---------------------------------------------------------------------------------
+
+    def load_models(self, stage: str, tokenizer) -> ModelBundle:
+        from transformers import set_seed
+
+        from backends.standard import models as M
+
+        model_args, finetuning, training = self.config.model, self.config.finetuning, self.config.training
+        M.check_causal_lm(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+        wants_ref = stage == "dpo" and not finetuning.ref_free and (
+            finetuning.ref_model or finetuning.finetuning_type != "lora")  # lora: base = adapter disabled
+        if wants_ref and finetuning.ref_model:
+            M.check_causal_lm(finetuning.ref_model, trust_remote_code=model_args.trust_remote_code, what="ref_model")
+        if self._hf_args is None:  # load_models without setup_distributed (in-process use)
+            self.setup_distributed()
+        dtype = M.resolve_dtype(model_args.dtype, bf16=training.bf16, fp16=training.fp16)
+        load = dict(dtype=dtype, trust_remote_code=model_args.trust_remote_code,
+                    attn_implementation=model_args.attn_implementation)
+        set_seed(training.seed)
+        policy = M.load_causal_lm(model_args.model_name_or_path, **load)
+        ref = None
+        if wants_ref:
+            # A second load, not a deepcopy: under ZeRO-3 the policy's weights are already partitioned.
+            ref = M.freeze_reference(M.load_causal_lm(finetuning.ref_model or model_args.model_name_or_path, **load))
+        return ModelBundle(policy=policy, ref=ref)
+
+    def apply_finetuning(self, models: ModelBundle) -> ModelBundle:
+        from transformers import set_seed
+
+        from backends.standard import models as M
+
+        finetuning = self.config.finetuning
+        if finetuning.finetuning_type == "lora":
+            set_seed(self.config.training.seed)  # the same adapter init on every rank
+            models.policy = M.apply_lora(models.policy, finetuning)
+        elif finetuning.finetuning_type == "freeze":
+            models.policy = M.apply_freeze(models.policy, finetuning.freeze_trainable_layers)
+        if finetuning.export_merged and finetuning.finetuning_type != "lora":
+            warn_once(logger, "export_merged is only used with finetuning_type=lora; ignored.")
+        return models
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def _make_trainer(self, job: TrainJob, models: ModelBundle):
+        from backends.standard.trainers import PreferenceBatch, RollTrainer, make_dpo_trainer_class
+
+        common = dict(args=self._hf_args, train_dataset=job.train_dataset, eval_dataset=job.eval_dataset,
+                      processing_class=job.tokenizer)
+        if job.stage == "dpo":
+            dpo_trainer = make_dpo_trainer_class()
+            return dpo_trainer(model=models.policy, ref_model=models.ref, data_collator=PreferenceBatch(job.collator),
+                               ref_free=self.config.finetuning.ref_free, **common)
+        return RollTrainer(model=models.policy, data_collator=job.collator, **common)
+
+    def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
+        self._succeeded = False
+        self._trainer = self._make_trainer(job, models)
+        output = self._trainer.train(resume_from_checkpoint=_resume_value(self.config.training.resume_from_checkpoint))
+        self._succeeded = True
+        return TrainResult(log_history=list(self._trainer.state.log_history), output_dir=self._hf_args.output_dir,
+                           metrics=dict(output.metrics))
+
+    def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
+        if job.eval_dataset is None:
+            return {}
+        trainer = self._trainer or self._make_trainer(job, models)
+        return trainer.evaluate(job.eval_dataset)
+
+    def save(self, models: ModelBundle, tokenizer, output_dir: str) -> str:
+        from backends.standard.export import export_merged, save_final_model
+
+        if self._trainer is None:
+            raise RuntimeError("StandardBackend.save() needs train() first: it saves through the trainer")
+        self._succeeded = False
+        out = save_final_model(self._trainer, tokenizer, output_dir)
+        finetuning = self.config.finetuning
+        if finetuning.finetuning_type == "lora" and finetuning.export_merged:
+            export_merged(self.config.model.model_name_or_path, out, tokenizer,
+                          trust_remote_code=self.config.model.trust_remote_code)
+        self._succeeded = True
+        log_rank0(logger, "final model: %s", out)
+        return out
+
+    def teardown(self) -> None:
+        """Release the process group and per-process state (W2, W6); restore the env we set (W5)."""
+        _compat.destroy_process_group()
+        if self._deepspeed is not None:
+            _compat.reset_process_state()
+        _compat.restore_env(self._restore_env)
+        self._restore_env = {}
+        if self._succeeded:
+            _compat.install_clean_exit()
+
+
+def _resume_value(value) -> bool | str | None:
+    """resume_from_checkpoint: 'true' -> the latest checkpoint in output_dir, a path -> that checkpoint."""
+    if value is None or value is False:
+        return None
+    if value is True or str(value).strip().lower() in ("true", "yes", "1"):
+        return True
+    if str(value).strip().lower() in ("false", "no", "0", "none", ""):
+        return None
+    if not os.path.isdir(str(value)):
+        from roll.errors import ConfigError
+
+        raise ConfigError(f"resume_from_checkpoint={value!r} is not a checkpoint directory; use true (latest in "
+                          "output_dir) or a path such as OUTPUT_DIR/checkpoint-3.")
+    return str(value)

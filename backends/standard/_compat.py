@@ -1,0 +1,136 @@
+"""Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
+
+Every version- or platform-specific fix of the standard backend lives here, numbered as in the
+research notes (W1-W6), so users and tests need no tricks of their own. Each says what it fixes
+and when it can go.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+
+from roll.platform import current_platform
+
+logger = logging.getLogger(__name__)
+
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def cpu_training_kwargs() -> dict:
+    """W1: HF TrainingArguments kwargs that make accelerate use gloo when there is no accelerator.
+
+    Without ``use_cpu=True`` accelerate finds no accelerator backend, reports world_size 1, and
+    DeepSpeed then fails its batch-size check (``train_batch_size != micro * gas * world``).
+    Needed as long as accelerate only starts MULTI_CPU with use_cpu (accelerate 1.15).
+    """
+    return {} if current_platform().is_accelerator else {"use_cpu": True}
+
+
+def single_process_env() -> dict[str, str | None]:
+    """W5: give a launcher-less process the env of a 1-rank group; return what to restore later.
+
+    Plain ``python`` with a DeepSpeed config otherwise falls back to MPI discovery and fails with
+    ``No module named 'mpi4py'``. DeepSpeed 0.19 behaviour.
+    """
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return {}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    values = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    return previous
+
+
+def restore_env(previous: dict[str, str | None]) -> None:
+    """Undo :func:`single_process_env` (so an in-process run leaves the environment as it found it)."""
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def init_deepspeed_comm() -> None:
+    """W3: initialise deepspeed.comm before any HF config exists.
+
+    With ZeRO-3, a model loaded after ``TrainingArguments(deepspeed=...)`` goes through
+    ``deepspeed.zero.Init``; if deepspeed.comm is not initialised yet it believes world_size=1
+    and fails the batch-size check. Initialising first is harmless for ZeRO-0/1/2.
+    """
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=current_platform().dist_backend)
+
+
+def drop_hf_deepspeed_config() -> None:
+    """W4: forget the process-global HF DeepSpeed config.
+
+    While a ZeRO-3 config is alive, every ``from_pretrained`` enters ``zero.Init`` collectives,
+    so a rank-0-only load (merge, reload for export) deadlocks. Call before single-rank work.
+    """
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:  # pragma: no cover - transformers without the integration
+        return
+    unset_hf_deepspeed_config()
+
+
+def reset_process_state() -> None:
+    """W6: clear state that accelerate and DeepSpeed keep per process after a DeepSpeed run.
+
+    ``Accelerator`` sets ``ACCELERATE_USE_DEEPSPEED=true`` for good and keeps its plugin in a
+    singleton; deepspeed.comm keeps its backend. A later non-DeepSpeed trainer in the same
+    process (tests, notebooks) would otherwise try to DeepSpeed-wrap its models.
+    """
+    drop_hf_deepspeed_config()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    try:
+        import deepspeed.comm.comm as ds_comm
+
+        ds_comm.cdb = None
+    except ImportError:
+        pass
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def destroy_process_group() -> None:
+    """W2 (first half): barrier, then release the process group so no rank is left waiting."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def install_clean_exit() -> None:
+    """W2 (second half): end a launched worker with ``os._exit(0)`` once Python's atexit work ran.
+
+    Even after ``destroy_process_group`` leftover gloo threads make some ranks abort at
+    interpreter shutdown ("terminate called without an active exception", SIGABRT), so the
+    launcher reports failure for a run that succeeded. Only installed in launched workers, and only
+    after a successful run (a failing rank keeps its non-zero exit code). Trainer callbacks
+    (tensorboard, wandb) have finished by then: they close their writers at the end of training.
+    """
+    if not _inside_launched_worker():
+        return
+
+    def _exit_now() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    atexit.register(_exit_now)
+
+
+def _inside_launched_worker() -> bool:
+    return "ROLL_LAUNCHED" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ

@@ -1,0 +1,42 @@
+"""Build the real HF ``TrainingArguments`` / TRL ``DPOConfig`` from roll's validated config.
+
+roll's TrainingArguments skips HF's ``__post_init__`` (it would initialise devices and DeepSpeed
+at parse time); this is where that set-up happens, once, inside the backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from backends.standard._compat import cpu_training_kwargs
+from roll.logging import warn_once
+
+logger = logging.getLogger(__name__)
+
+
+def build_hf_args(config, deepspeed):
+    """HF/TRL arguments for ``config`` (a RunConfig); ``deepspeed`` is the parsed DeepSpeedSettings or None."""
+    training, finetuning = config.training, config.finetuning
+    kwargs = training.hf_kwargs()
+    kwargs.update(cpu_training_kwargs())  # W1
+    # HF fills "auto" values into the dict it gets; give it a copy so the parsed file stays as written.
+    kwargs["deepspeed"] = copy.deepcopy(deepspeed.config) if deepspeed is not None else None
+    kwargs["resume_from_checkpoint"] = None  # passed to train() by the backend
+    # The shared collator decides what a batch holds; HF must not drop columns by the model's signature.
+    kwargs["remove_unused_columns"] = False
+    if kwargs.get("ddp_find_unused_parameters") is None:
+        kwargs["ddp_find_unused_parameters"] = False  # every trainable parameter is used in each step
+    if not kwargs.get("average_tokens_across_devices", True):
+        warn_once(logger, "average_tokens_across_devices=false ignored: roll's loss is the per-token mean over "
+                          "the global batch, which needs the token count of all ranks.")
+    kwargs["average_tokens_across_devices"] = True
+    if finetuning.stage == "dpo":
+        from trl import DPOConfig
+
+        return DPOConfig(**kwargs, beta=finetuning.pref_beta, loss_type=[finetuning.pref_loss],
+                         label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
+                         precompute_ref_log_probs=finetuning.ref_free)
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**kwargs)

@@ -1,0 +1,160 @@
+"""Load the policy (and DPO reference) model and apply the fine-tuning type: full, lora, freeze.
+
+Checks that a user can fail (a path that is not a causal LM, a LoRA target that matches nothing,
+more frozen-training layers than the model has) raise ModelError/ConfigError before training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from roll.errors import ConfigError, ModelError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_causal_lm(path: str | None, *, trust_remote_code: bool = False, what: str = "model_name_or_path") -> None:
+    """Raise ModelError unless ``path`` is a local directory (or hub id when online) holding a causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not path:
+        raise ModelError(f"{what} is not set: point it at a Hugging Face causal LM directory.")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    if not os.path.exists(path) and (offline or path.startswith((".", "/"))):
+        raise ModelError(f"{what}={path!r} does not exist (and the hub is offline). Create a tiny model with "
+                         "`python scripts/make_tiny_model.py --out DIR` or point it at a model directory.")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelError(f"{what}={path!r} has no config.json: it is not a Hugging Face model directory.")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"{what}={path!r} cannot be read as a Hugging Face model config: {exc}") from None
+    model_type = getattr(config, "model_type", None)
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(
+        arch.endswith("ForCausalLM") for arch in (getattr(config, "architectures", None) or []))
+    if not causal:
+        raise ModelError(f"{what}={path!r} is a {model_type!r} model ({getattr(config, 'architectures', None)}), "
+                         "not a causal language model; roll trains decoder-only causal LMs.")
+
+
+def resolve_dtype(dtype: str, *, bf16: bool, fp16: bool) -> torch.dtype:
+    """Load dtype. 'auto' keeps fp32 master weights: Trainer autocast / DeepSpeed handle bf16/fp16 compute."""
+    if dtype == "auto":
+        return torch.float32
+    return _DTYPES[dtype]
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False,
+                   attn_implementation: str | None = None) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained``; under a live ZeRO-3 config it loads partitioned (zero.Init)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.use_cache = False  # training never reuses a KV cache
+    return model
+
+
+def freeze_reference(model: nn.Module) -> nn.Module:
+    """A reference model never trains: eval mode, no gradients."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Short names (last path component) of every nn.Linear except the output head, sorted."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and module is not head}
+    return sorted(names)
+
+
+def resolve_lora_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
+    """'all' -> every linear layer but the output head; an explicit list is checked against the model."""
+    available = linear_module_names(model)
+    if targets == "all":
+        if not available:
+            raise ModelError("lora_target=all found no nn.Linear layers in this model.")
+        return available
+    all_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in all_names]
+    if missing:
+        raise ConfigError(f"lora_target {', '.join(missing)} matches no module of this model; linear modules "
+                          f"that exist: {', '.join(available)} (or use lora_target: all).")
+    head_name = _output_head_name(model)
+    if head_name in targets:
+        raise ConfigError(f"lora_target includes the output head {head_name!r}; roll does not adapt it "
+                          "(TRL's DPO computes log-probs from its weight directly). Remove it from lora_target.")
+    return list(targets)
+
+
+def _output_head_name(model: nn.Module) -> str | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, module in model.named_modules():
+        if module is head:
+            return name.rsplit(".", 1)[-1]
+    return None
+
+
+def apply_lora(model: nn.Module, finetuning) -> nn.Module:
+    """Wrap ``model`` in a PEFT LoRA model; trainable (adapter) parameters are kept in fp32."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    targets = resolve_lora_targets(model, finetuning.lora_targets)
+    lora_config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=finetuning.lora_rank, lora_alpha=finetuning.lora_alpha,
+                             lora_dropout=finetuning.lora_dropout, target_modules=targets)
+    peft_model = get_peft_model(model, lora_config)
+    for param in peft_model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # low-precision adapters lose small updates
+    trainable, total = count_parameters(peft_model)
+    log_rank0(logger, "LoRA r=%d alpha=%d on %s: %d of %d parameters trainable", finetuning.lora_rank,
+              finetuning.lora_alpha, ",".join(targets), trainable, total)
+    return peft_model
+
+
+# ---- freeze -------------------------------------------------------------------------------------
+
+def apply_freeze(model: nn.Module, num_trainable_layers: int) -> nn.Module:
+    """Train only the last ``num_trainable_layers`` decoder layers; embeddings, norm and head stay frozen."""
+    num_layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    if num_layers is None:
+        raise ModelError("finetuning_type=freeze needs config.num_hidden_layers, which this model lacks.")
+    if num_trainable_layers > num_layers:
+        raise ConfigError(f"freeze_trainable_layers={num_trainable_layers} but the model has only {num_layers} "
+                          f"layers; use at most {num_layers} (or finetuning_type=full).")
+    trainable_ids = {str(i) for i in range(num_layers - num_trainable_layers, num_layers)}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        in_layer = any(parts[i] == "layers" and parts[i + 1] in trainable_ids for i in range(len(parts) - 1))
+        param.requires_grad_(in_layer)
+    trainable, total = count_parameters(model)
+    if trainable == 0:
+        raise ModelError("finetuning_type=freeze found no parameters under '...layers.N...'; this architecture "
+                         "names its decoder layers differently.")
+    log_rank0(logger, "freeze: training the last %d of %d layers (%d of %d parameters)", num_trainable_layers,
+              num_layers, trainable, total)
+    return model
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; ZeRO-3 partitioned parameters report their full size."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = getattr(param, "ds_numel", None) or param.numel()
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total

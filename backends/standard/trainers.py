@@ -1,0 +1,143 @@
+"""Trainer subclasses: HF Trainer for pt/sft, TRL's DPOTrainer for dpo, fed by roll's data pipeline.
+
+What they add to HF/TRL, and why:
+
+* **Sample order** (DESIGN.md §3). The pipeline already shuffled the dataset once with the seed;
+  the trainers iterate it in order (a SequentialSampler, no second shuffle). accelerate hands
+  micro-batch ``j`` of every rank ``r`` batch ``j * world + r``, so global step ``k`` consumes
+  exactly samples ``[k*B, (k+1)*B)`` with ``B = micro_batch * grad_accum * world``.
+* **Loss** (DESIGN.md §1). pt/sft: HF counts the trainable tokens of all micro-batches of a step
+  (``num_items_in_batch``, over ``labels[..., 1:]``), gathers the count over ranks
+  (``average_tokens_across_devices``) and the model divides its token-loss *sum* by it, so the
+  step loss is the per-token mean over the global batch. dpo: TRL's per-pair mean of the
+  micro-batch, divided by grad_accum and averaged over ranks: the mean over pairs of the global
+  batch (micro-batches are equal-sized).
+* **Throughput**: ``tokens_per_second`` in every log counts real (attention-mask) tokens only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import SequentialSampler
+from transformers import Trainer
+
+IGNORE_INDEX = -100
+_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class RollTrainerMixin:
+    """Sequential sample order and real-token throughput; mixed in before HF/TRL's trainer."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return SequentialSampler(dataset)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._roll_tokens = getattr(self, "_roll_tokens", 0) + _real_tokens(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.model.training:
+            logs.update(self._throughput())
+        super().log(logs, start_time)
+
+    def _throughput(self) -> dict[str, float]:
+        """Real tokens per second since the last log, summed over ranks (a collective: every rank logs)."""
+        now = time.perf_counter()
+        since = getattr(self, "_roll_last_log_time", None) or getattr(self, "_roll_train_start", now)
+        tokens = torch.tensor(float(getattr(self, "_roll_tokens", 0)), device=self.args.device)
+        if self.args.world_size > 1:
+            tokens = self.accelerator.reduce(tokens, reduction="sum")
+        self._roll_tokens, self._roll_last_log_time = 0, now
+        elapsed = max(now - since, 1e-9)
+        return {"tokens_per_second": round(tokens.item() / elapsed, 2)}
+
+    def train(self, *args, **kwargs):
+        self._roll_train_start = time.perf_counter()
+        return super().train(*args, **kwargs)
+
+
+def _real_tokens(inputs: dict[str, Any]) -> int:
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return int(mask.sum().item())
+    ids = inputs.get("input_ids")
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+
+class RollTrainer(RollTrainerMixin, Trainer):
+    """HF Trainer for pt and sft: the model's own causal-LM loss with HF's global token count."""
+
+
+@dataclass
+class PreferenceBatch:
+    """Turns roll's pairwise batch into the batch TRL's DPO loss reads.
+
+    roll's PairwiseCollator gives ``input_ids/attention_mask/labels`` of shape [2B, L], chosen rows
+    before rejected; TRL wants the same rows with ``completion_mask`` instead of labels. A token is
+    part of the completion exactly when roll supervises it, so ``completion_mask = labels != -100``.
+    Example: labels ``[[-100, -100, 7, 8]]`` -> completion_mask ``[[0, 0, 1, 1]]``.
+    Precomputed reference log-probs (``ref_*_logps`` columns) are passed through as tensors.
+    """
+
+    collator: Callable[[list[dict]], dict]
+
+    def __call__(self, features: list[dict]) -> dict[str, Any]:
+        ref = {key: [f[key] for f in features] for key in _REF_KEYS if key in features[0]}
+        rows = [{k: v for k, v in f.items() if k not in _REF_KEYS} for f in features]
+        batch = dict(self.collator(rows))
+        if "chosen_input_ids" in batch:  # collator that keeps the two halves apart
+            batch = _stack_pairs(batch)
+        labels = batch.pop("labels")
+        batch["completion_mask"] = (labels != IGNORE_INDEX).long()
+        for key, values in ref.items():
+            batch[key] = torch.tensor(values, dtype=torch.float32)
+        return batch
+
+
+def _stack_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key in ("input_ids", "attention_mask", "labels", "position_ids"):
+        chosen, rejected = batch.get(f"chosen_{key}"), batch.get(f"rejected_{key}")
+        if chosen is None:
+            continue
+        width = max(chosen.shape[-1], rejected.shape[-1])
+        pad = IGNORE_INDEX if key == "labels" else 0
+        chosen, rejected = (torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=pad) for t in (chosen, rejected))
+        out[key] = torch.cat([chosen, rejected], dim=0)
+    return out
+
+
+def make_dpo_trainer_class():
+    """Build RollDPOTrainer lazily: importing trl costs seconds and pt/sft runs never need it."""
+    from trl import DPOTrainer
+
+    class RollDPOTrainer(RollTrainerMixin, DPOTrainer):
+        """TRL's DPO loss and metrics on roll's tokenized pairwise rows (TRL does not re-tokenize).
+
+        ``ref_free``: reference log-probs are 0 (TRL has no reference-free switch in 1.16), which
+        we get by declaring them precomputed and filling the columns with zeros.
+        """
+
+        def __init__(self, *args, ref_free: bool = False, **kwargs):
+            self._roll_ref_free = ref_free
+            super().__init__(*args, **kwargs)
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            return dataset  # roll.data tokenized it already; TRL's prompt/chosen/rejected path does not apply
+
+        def _set_signature_columns_if_needed(self):
+            if self._signature_columns is None:
+                self._signature_columns = list(self.train_dataset.column_names) + list(_REF_KEYS)
+
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            if not self._roll_ref_free:
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+            zeros = [0.0] * len(dataset)
+            return dataset.add_column(_REF_KEYS[0], zeros).add_column(_REF_KEYS[1], zeros)
+
+    return RollDPOTrainer
