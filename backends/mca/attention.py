@@ -1,0 +1,151 @@
+"""Core attention for the local (non-TE) spec that also handles packed sequences and CP.
+
+Megatron's ``DotProductAttention`` asserts on both: context parallelism ("only supported by
+TEDotProductAttention") and packed THD sequences. ``LocalCoreAttention`` keeps its exact code path
+for plain batches and otherwise runs SDPA with an explicit mask built from *global token indices*:
+
+- every local token has an index into the full (unsplit) sequence or pack. With CP, rank ``r``
+  holds Megatron's load-balanced chunks ``r`` and ``2*cp-1-r`` of each sequence (of the whole
+  sequence for [s, b] batches, of every packed sequence for THD);
+- K/V are all-gathered over the CP group (backward: all-reduce, keep own slice), so keys carry
+  the indices of all ranks' tokens;
+- a query may see a key iff both lie in the same packed sequence and key index <= query index
+  (block-diagonal causal).
+
+This checks the data plumbing (CP batch split, PackedSeqParams, CP-aware RoPE) on CPU; it is
+O(s^2) memory and not a replacement for TE's ring attention on GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward sums every rank's grads and keeps our slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce_scatter
+        return grad.chunk(dist.get_world_size(ctx.group), dim=0)[dist.get_rank(ctx.group)], None
+
+
+def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global indices of the tokens CP rank ``cp_rank`` holds, in its local order.
+
+    ``cu_seqlens`` are the (padded) boundaries of the full pack, ``[0, s]`` for one sequence.
+    Each sequence is cut into ``2*cp_size`` equal chunks; the rank holds chunks ``cp_rank`` and
+    ``2*cp_size-1-cp_rank`` (Megatron's load balancing for causal attention).
+    Example: cu_seqlens [0, 8], cp 2, rank 0 -> [0, 1, 6, 7]; rank 1 -> [2, 3, 4, 5].
+    """
+    bounds = cu_seqlens.tolist()
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        if length % (2 * cp_size):
+            raise ValueError(f"with context_parallel_size {cp_size} every sequence length must be divisible by "
+                             f"2 * cp = {2 * cp_size}; got a sequence of {length} tokens (pad the sequences).")
+        chunk = length // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank) if cp_size > 1 else (0,):
+            parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk if cp_size > 1 else end))
+    return torch.cat(parts)
+
+
+class LocalCoreAttention(DotProductAttention):
+    """``DotProductAttention`` plus packed THD sequences and context parallelism (any device)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None, pg_collection=None):
+        if config.context_parallel_size > 1:
+            # The parent asserts CP == 1 and uses nothing else CP-related; CP is handled in forward.
+            parent_config = copy.copy(config)
+            parent_config.context_parallel_size = 1
+        else:
+            parent_config = config
+        super().__init__(parent_config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
+        self.config = config
+        self.cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
+        # DotProductAttention divides softmax_scale by the layer number under query-key layer
+        # scaling and multiplies it back inside its softmax; SDPA needs the net scale.
+        self.sdpa_scale = self.softmax_scale * (self.layer_number if config.apply_query_key_layer_scaling else 1)
+        self.dropout_p = self.attention_dropout.p
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        if packed_seq_params is None and self.cp_group is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if attention_bias is not None or self.softmax_offset is not None:
+            raise ValueError("LocalCoreAttention supports neither attention_bias nor softmax offsets with packed "
+                             "sequences or context parallelism.")
+        packed = packed_seq_params is not None
+        if packed and packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed sequences must use qkv_format 'thd', got {packed_seq_params.qkv_format!r}.")
+        if packed:  # [t, h, d] -> [t, 1, h, d]: one code path for both layouts
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        allowed = self._allowed(query.shape[0], packed_seq_params, attention_mask).to(query.device)
+        if self.cp_group is not None:
+            key = _AllGatherSeq.apply(key, self.cp_group)
+            value = _AllGatherSeq.apply(value, self.cp_group)
+        out = self._sdpa(query, key, value, allowed)  # [s, b, h, dv]
+        s, b = out.shape[:2]
+        return out.reshape(s, -1) if packed else out.reshape(s, b, -1)
+
+    def _allowed(self, local_len: int, packed_seq_params: Optional[PackedSeqParams],
+                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Boolean [.., sq, sk] mask, True where a query may attend to a key."""
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        rank = 0 if self.cp_group is None else dist.get_rank(self.cp_group)
+        if packed_seq_params is not None:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            cu = cu.to("cpu", torch.long)
+        else:
+            cu = torch.tensor([0, local_len * cp])
+        q_index = cp_token_index(cu, cp, rank)
+        k_index = torch.cat([cp_token_index(cu, cp, r) for r in range(cp)])
+        if q_index.numel() != local_len:
+            raise ValueError(f"this rank holds {local_len} tokens but cu_seqlens {cu.tolist()} with cp {cp} give "
+                             f"{q_index.numel()}; the packed batch and its cu_seqlens disagree.")
+        segment = lambda idx: torch.searchsorted(cu, idx, right=True)  # noqa: E731 - sequence id of a token
+        allowed = (segment(q_index)[:, None] == segment(k_index)[None, :]) & (q_index[:, None] >= k_index[None, :])
+        if attention_mask is not None:
+            # Megatron's mask is True = masked; its key axis is in global order, ours in gathered order.
+            allowed = allowed & ~attention_mask[..., k_index].bool() if cp > 1 else allowed & ~attention_mask.bool()
+        return allowed
+
+    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              allowed: torch.Tensor) -> torch.Tensor:
+        rep = query.shape[2] // key.shape[2]
+        if rep > 1:  # GQA: [sk, b, ng, d] -> [sk, b, np, d]
+            key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Same RNG choice as the parent: the TP-rank-specific stream unless SP (then heads are whole).
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if not self.config.sequence_parallel else nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                                 scale=self.sdpa_scale)
+        return out.permute(2, 0, 1, 3)  # [sq, b, h, dv]

@@ -1,0 +1,89 @@
+"""Checks of initialize_megatron: idempotence, seeding, layouts. Run as
+``python platform_init.py single`` (no launcher) or ``torchrun --nproc_per_node=2 platform_init.py torchrun``."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from platform_common import build_gpt, batch, emit, tiny_config  # noqa: E402 (sets sys.path)
+
+from backends.mca.initialize import destroy_megatron, initialize_megatron
+from backends.mca.platform import applied_patches, apply_cpu_compat
+from roll.config.layout import ParallelLayout
+from roll.errors import ConfigError
+
+
+def draws() -> dict[str, list[float]]:
+    """One draw from each generator a run uses; the TP tracker state is forked, so it is not consumed elsewhere."""
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        tp_stream = torch.rand(4).tolist()
+    return {"torch": torch.rand(2).tolist(), "numpy": np.random.rand(2).tolist(), "random": [random.random()],
+            "tp_tracker": tp_stream}
+
+
+def single() -> None:
+    layout = ParallelLayout(world_size=1)
+    info = initialize_megatron(layout, seed=5)
+    first = draws()
+    patches = applied_patches()
+    modes = len(torch.overrides._get_current_function_mode_stack())
+    assert initialize_megatron(layout, seed=5) is info, "second initialize_megatron call was not a no-op"
+    apply_cpu_compat()
+    assert applied_patches() == patches and len(torch.overrides._get_current_function_mode_stack()) == modes, \
+        "apply_cpu_compat is not idempotent"
+    try:
+        initialize_megatron(ParallelLayout(world_size=2, tp=2), seed=5)
+        raise AssertionError("re-initialising with another layout did not raise")
+    except ConfigError as err:
+        conflict_error = str(err)
+    destroy_megatron()
+    assert not dist.is_initialized(), "destroy_megatron left the process group it created"
+    initialize_megatron(layout, seed=5)
+    again = draws()
+    destroy_megatron()
+    try:
+        initialize_megatron(ParallelLayout(world_size=2), seed=5)
+        raise AssertionError("a world-size mismatch did not raise")
+    except ConfigError as err:
+        world_error = str(err)
+    assert not dist.is_initialized(), "a failed initialize_megatron left its process group behind"
+    emit(info=info.__dict__, patches=list(patches), first=first, again=again, conflict_error=conflict_error,
+         world_error=world_error)
+
+
+def multi() -> None:
+    dist.init_process_group("gloo")  # ours, so destroy_megatron must leave it alone
+    group = dist.group.WORLD
+    results = {}
+    for name, layout in (("tp2", ParallelLayout(world_size=2, tp=2)), ("dp2", ParallelLayout(world_size=2)),
+                         ("tp2_again", ParallelLayout(world_size=2, tp=2))):
+        info = initialize_megatron(layout, seed=11)
+        mine = draws()
+        gathered = [None, None]
+        dist.all_gather_object(gathered, mine, group=group)
+        results[name] = {"info": info.__dict__, "draws": gathered}
+        if name == "tp2":
+            results[name]["loss"] = _tp2_forward_backward()
+        destroy_megatron()
+        assert dist.is_initialized(), "destroy_megatron destroyed a process group it did not create"
+    emit(**results)
+
+
+def _tp2_forward_backward() -> float:
+    model = build_gpt(tiny_config())
+    tokens, position_ids = batch()
+    loss = model(tokens, position_ids, None, labels=torch.roll(tokens, -1, 1)).mean()
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    return loss.item()
+
+
+if __name__ == "__main__":
+    single() if sys.argv[1] == "single" else multi()

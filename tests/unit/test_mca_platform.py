@@ -1,0 +1,168 @@
+"""Platform layer of the mca backend: CPU compat gating, transformer_impl choice, layer specs,
+CP token layout, and initialize_megatron's idempotence and seeding (in a subprocess, because
+initialising patches this process for good)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roll.errors import ConfigError
+from roll.platform import Platform
+from tests.helpers import REPO, output_of, run
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.mca
+
+WORKERS = os.path.join(REPO, "tests", "distributed", "_mca_workers")
+
+
+def _config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                  normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                  use_cpu_initialization=True, params_dtype=torch.float32)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+# -- transformer_impl ---------------------------------------------------------------------------------
+
+def test_auto_and_local_resolve_to_local_without_a_gpu():
+    from backends.mca.spec import resolve_transformer_impl
+
+    assert resolve_transformer_impl("auto") == "local"
+    assert resolve_transformer_impl("local") == "local"
+
+
+def test_transformer_engine_without_a_gpu_is_a_clear_error():
+    from backends.mca.spec import resolve_transformer_impl
+
+    with pytest.raises(ConfigError, match="transformer_impl: transformer_engine needs Transformer Engine"):
+        resolve_transformer_impl("transformer_engine")
+    with pytest.raises(ConfigError, match="must be one of auto, local, transformer_engine; got 'te'"):
+        resolve_transformer_impl("te")
+
+
+# -- layer specs --------------------------------------------------------------------------------------
+
+def test_local_dense_spec_uses_local_attention_and_rmsnorm():
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from backends.mca.attention import LocalCoreAttention
+    from backends.mca.spec import gpt_layer_spec
+
+    spec = gpt_layer_spec(_config(), "local")
+    attn = spec.submodules.self_attention.submodules
+    assert attn.core_attention is LocalCoreAttention
+    assert attn.q_layernorm is IdentityOp and attn.k_layernorm is IdentityOp
+    assert spec.submodules.input_layernorm is WrappedTorchNorm
+    assert spec.submodules.mlp.module is MLP
+
+
+def test_local_spec_qk_norm_and_moe():
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from backends.mca.spec import gpt_layer_spec
+
+    spec = gpt_layer_spec(_config(qk_layernorm=True, num_moe_experts=4, moe_router_topk=2), "local")
+    attn = spec.submodules.self_attention.submodules
+    assert attn.q_layernorm is not IdentityOp and attn.k_layernorm is not IdentityOp
+    assert spec.submodules.mlp.module is MoELayer
+    assert spec.submodules.mlp.submodules.experts.module is SequentialMLP
+
+
+def test_local_spec_rejects_grouped_gemm_without_a_kernel():
+    from backends.mca.spec import gpt_layer_spec
+
+    config = _config(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True)
+    with pytest.raises(ConfigError, match="set moe_grouped_gemm: false"):
+        gpt_layer_spec(config, "local")
+
+
+# -- context-parallel token layout --------------------------------------------------------------------
+
+def test_cp_token_index_follows_megatron_load_balancing():
+    from backends.mca.attention import cp_token_index
+
+    one_seq = torch.tensor([0, 8])
+    assert cp_token_index(one_seq, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_token_index(one_seq, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cp_token_index(one_seq, 1, 0).tolist() == list(range(8))
+    packed = torch.tensor([0, 4, 12])  # sequences of 4 and 8 tokens: chunks of 1 and 2
+    assert cp_token_index(packed, 2, 0).tolist() == [0, 3, 4, 5, 10, 11]
+    assert cp_token_index(packed, 2, 1).tolist() == [1, 2, 6, 7, 8, 9]
+
+
+def test_cp_token_index_rejects_unpadded_sequences():
+    from backends.mca.attention import cp_token_index
+
+    with pytest.raises(ValueError, match="divisible by 2 \\* cp = 4; got a sequence of 6 tokens"):
+        cp_token_index(torch.tensor([0, 6]), 2, 0)
+
+
+# -- CPU compat gating (fake patches: the real ones would change this process for good) ---------------
+
+@pytest.fixture
+def fake_patches(monkeypatch):
+    from packaging.version import Version
+
+    import backends.mca.platform as platform
+
+    calls: list[str] = []
+    patches = (platform._Patch("always", lambda: calls.append("always"), "never"),
+               platform._Patch("old_bug", lambda: calls.append("old_bug"), "min 0.19", fixed_in=Version("0.19")))
+    monkeypatch.setattr(platform, "_PATCHES", patches)
+    monkeypatch.setattr(platform, "_applied", [])
+    monkeypatch.setattr(platform, "current_platform", lambda: Platform("cpu", "gloo"))
+    return platform, calls
+
+
+def test_cpu_compat_is_idempotent_and_version_gated(fake_patches, monkeypatch):
+    from packaging.version import Version
+
+    platform, calls = fake_patches
+    monkeypatch.setattr(platform, "megatron_core_version", lambda: Version("0.16.1"))
+    platform.apply_cpu_compat()
+    platform.apply_cpu_compat()
+    assert calls == ["always", "old_bug"]
+    assert platform.applied_patches() == ("always", "old_bug")
+
+    monkeypatch.setattr(platform, "_applied", [])
+    calls.clear()
+    monkeypatch.setattr(platform, "megatron_core_version", lambda: Version("0.19.2"))
+    platform.apply_cpu_compat()
+    assert calls == ["always"]  # fixed upstream: skipped
+
+
+def test_cpu_compat_is_a_no_op_with_an_accelerator(fake_patches, monkeypatch):
+    platform, calls = fake_patches
+    monkeypatch.setattr(platform, "current_platform", lambda: Platform("cuda", "nccl"))
+    platform.apply_cpu_compat()
+    assert calls == [] and platform.applied_patches() == ()
+
+
+# -- initialize_megatron (one process, no launcher) ---------------------------------------------------
+
+def test_initialize_megatron_single_process_idempotent_and_reproducible():
+    proc = run([sys.executable, os.path.join(WORKERS, "platform_init.py"), "single"], timeout=120)
+    assert proc.returncode == 0, output_of(proc)
+    result = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+    assert result["info"] == {"rank": 0, "world_size": 1, "local_rank": 0, "dp_rank": 0, "dp_size": 1}
+    assert {"rng_tracker", "current_device", "hardcoded_cuda", "moe_split_sizes"} <= set(result["patches"])
+    # Same seed after destroy + re-init: every generator restarts identically.
+    assert result["first"] == result["again"]
+    # The TP tracker is its own stream, not the default generator's.
+    assert result["first"]["tp_tracker"][:2] != result["first"]["torch"]
+    assert "cannot re-initialise with tp(2)" in result["conflict_error"]
+    assert "expects world_size 2" in result["world_error"] and "has 1 processes" in result["world_error"]
