@@ -1,0 +1,221 @@
+"""McaModelConfig: a Megatron ``TransformerConfig`` that also saves/loads itself like an HF config.
+
+It is built from an HF ``config.json`` through the family template's config key table
+(``backends/mca/models/templates``), carries the verbatim HF config so export restores it, and
+validates the parallel layout against the architecture before any model is built, with errors that
+name the numbers (Megatron's own asserts fire later and say less).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+from roll.errors import ConfigError, ModelError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+MCA_CONFIG_NAME = "mca_config.json"
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+_PARALLEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                    "expert_tensor_parallel_size", "sequence_parallel")
+_DISTRIBUTE_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                      "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                      "expert_tensor_parallel_size", "transformer_impl")
+
+
+@dataclass
+class McaModelConfig(TransformerConfig):
+    """Megatron transformer config plus what GPTModel and HF export need (vocab, RoPE, tying)."""
+
+    hf_model_type: str = ""
+    """The HF ``model_type`` whose template converts this model's weights."""
+
+    hf_config: dict = field(default_factory=dict)
+    """The original HF config.json, verbatim: export writes it back so HF loads the result."""
+
+    vocab_size: int = 0
+    """The tokenizer-facing vocabulary (HF ``vocab_size``); the embedding may be padded beyond it."""
+
+    make_vocab_size_divisible_by: int = 1
+    """The padded vocab is a multiple of this times TP (1: pad only as much as TP needs)."""
+
+    max_sequence_length: int = 4096
+    position_embedding_type: str = "rope"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    """Llama-3.x frequency scaling (Megatron fixes low/high freq factors 1/4 and 8192 original context)."""
+
+    rope_scaling_factor: float = 8.0
+    tie_embeddings_and_output_weights: bool = False
+    activation: str = "silu"
+    """Name of the MLP activation; ``activation_func`` is derived from it (callables do not serialise)."""
+
+    transformer_impl: str = "local"
+    """'local' (Megatron's torch modules) or 'transformer_engine': decides the weight naming layout."""
+
+    def __post_init__(self) -> None:
+        if self.activation not in _ACTIVATIONS:
+            raise ConfigError(f"activation {self.activation!r} is not supported; choose one of {sorted(_ACTIVATIONS)}.")
+        self.activation_func = _ACTIVATIONS[self.activation]
+        self._check_layout()
+        if self.tensor_model_parallel_size > 1 and self.expert_model_parallel_size > 1 and not self.sequence_parallel:
+            log_rank0(logger, "sequence_parallel forced on: Megatron needs it with TP>1 and EP>1.")
+            self.sequence_parallel = True
+        if self.tensor_model_parallel_size == 1:
+            self.sequence_parallel = False
+        if self.variable_seq_lengths and self.num_moe_experts and self.moe_token_dispatcher_type == "allgather":
+            log_rank0(logger, "moe_token_dispatcher_type set to 'alltoall': allgather cannot handle varying lengths.")
+            self.moe_token_dispatcher_type = "alltoall"
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            self.pipeline_dtype = self.params_dtype
+        super().__post_init__()
+
+    def _check_layout(self) -> None:
+        """The architecture/layout rules, checked before Megatron's less specific asserts."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        vpp = self.virtual_pipeline_model_parallel_size or 1
+        if self.num_layers % (pp * vpp):
+            raise ConfigError(
+                f"num_layers({self.num_layers}) is not divisible by pipeline_model_parallel_size({pp}) * "
+                f"virtual_pipeline_model_parallel_size({vpp}) = {pp * vpp}. Change PP or VPP.")
+        groups = self.num_query_groups or self.num_attention_heads
+        for name, value in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", groups)):
+            if value % tp:
+                raise ConfigError(f"tensor_model_parallel_size({tp}) does not divide {name}({value}) of this model. "
+                                  f"Choose a TP that divides {value}.")
+        experts, ep = self.num_moe_experts, self.expert_model_parallel_size
+        if ep > 1 and not experts:
+            raise ConfigError(f"expert_model_parallel_size({ep}) > 1 but the model has no experts. Set it to 1.")
+        if experts and experts % ep:
+            raise ConfigError(f"expert_model_parallel_size({ep}) does not divide num_moe_experts({experts}).")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by * TP``."""
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def num_layers_per_chunk(self) -> int:
+        return self.num_layers // (self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1))
+
+    def distribute_config_match(self, other: McaModelConfig) -> bool:
+        """True when a checkpoint written with ``other``'s layout has exactly this layout's shards."""
+        return all(getattr(self, name) == getattr(other, name) for name in _DISTRIBUTE_FIELDS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields that differ from the dataclass defaults (callables are rebuilt from names)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            elif not _is_json(value) or f.name in ("activation_func",):
+                continue
+            if value != default or f.name in ("hf_model_type", "vocab_size"):
+                out[f.name] = value
+        out["config_class"] = type(self).__name__
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **overrides: Any) -> McaModelConfig:
+        data = {**data, **overrides}
+        klass = MLAMcaModelConfig if data.pop("config_class", cls.__name__) == "MLAMcaModelConfig" else cls
+        names = {f.name: f for f in dataclasses.fields(klass)}
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ModelError(f"{MCA_CONFIG_NAME} has keys {unknown} that this version of {klass.__name__} does not know.")
+        for key in ("params_dtype", "pipeline_dtype", "autocast_dtype"):
+            if isinstance(data.get(key), str):
+                data[key] = getattr(torch, data[key])
+        return klass(**data)
+
+    def save_pretrained(self, out_dir: str) -> str:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, MCA_CONFIG_NAME)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str, **overrides: Any) -> McaModelConfig:
+        """Load ``mca_config.json`` from a directory; ``overrides`` (e.g. a new layout) win."""
+        file = os.path.join(path, MCA_CONFIG_NAME) if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise ModelError(f"{path!r} has no {MCA_CONFIG_NAME}: it is not a roll Megatron checkpoint.")
+        with open(file, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh), **overrides)
+
+    @classmethod
+    def from_hf(cls, hf_config: dict[str, Any], **overrides: Any) -> McaModelConfig:
+        """Build from an HF config dict through its family template; ``overrides`` (layout, dtype) win."""
+        from backends.mca.models.template import get_template
+
+        model_type = hf_config.get("model_type")
+        if not model_type:
+            raise ModelError("the HF config has no 'model_type': cannot pick a conversion template.")
+        kwargs = get_template(model_type).mca_config_kwargs(hf_config)
+        verbatim = json.loads(json.dumps(hf_config))  # JSON-normalised (e.g. int keys of id2label)
+        kwargs.update(hf_model_type=model_type, hf_config=verbatim, use_cpu_initialization=True)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def with_layout(self, **parallel: Any) -> McaModelConfig:
+        """A copy with other parallel sizes (validated again)."""
+        unknown = set(parallel) - set(_PARALLEL_FIELDS) - {"transformer_impl"}
+        if unknown:
+            raise ValueError(f"not parallel-layout fields: {sorted(unknown)}")
+        return type(self).from_dict(self.to_dict(), **parallel)
+
+
+@dataclass
+class MLAMcaModelConfig(McaModelConfig, MLATransformerConfig):
+    """McaModelConfig for DeepSeek-style multi-latent attention (q/kv low-rank projections)."""
+
+    def __post_init__(self) -> None:
+        McaModelConfig.__post_init__(self)
+
+
+def parallel_overrides(training_args: Any) -> dict[str, Any]:
+    """The layout and precision fields of ``roll.config.TrainingArguments`` (or any object with them)."""
+    if training_args is None:
+        return {}
+    out = {name: getattr(training_args, name) for name in _PARALLEL_FIELDS if hasattr(training_args, name)}
+    impl = getattr(training_args, "transformer_impl", None)
+    if impl is not None:
+        from backends.mca.models.layers import resolve_impl
+        out["transformer_impl"] = resolve_impl(impl)
+    if getattr(training_args, "bf16", False):
+        out.update(bf16=True, params_dtype=torch.bfloat16)
+    elif getattr(training_args, "fp16", False):
+        out.update(fp16=True, params_dtype=torch.float16)
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_token_dispatcher_type",
+                 "moe_grouped_gemm", "calculate_per_token_loss"):
+        if getattr(training_args, name, None) is not None:
+            out[name] = getattr(training_args, name)
+    if getattr(training_args, "moe_aux_loss_coeff", None) is not None:
+        out["moe_aux_loss_coeff"] = training_args.moe_aux_loss_coeff
+    return out
+
+
+def _is_json(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    return False

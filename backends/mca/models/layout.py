@@ -1,0 +1,108 @@
+"""Canonical (local-spec, global-index) Megatron names <-> the names a built model chunk uses.
+
+Two independent renamings live here so templates stay layout-free:
+- *implementation*: Transformer Engine fuses the pre-attention/pre-MLP norms into the following
+  linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) and its grouped-GEMM
+  experts are ``experts.linear_fc1.weight{e}``; the local spec keeps separate norms and
+  ``experts.local_experts.{e}.linear_fc1.weight``.
+- *placement*: a chunk numbers its layers and experts locally; PP/VPP and EP offsets make them global.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backends.mca.models.config import McaModelConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT_SEQ = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_EXPERT_TE = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_TE_RENAMES = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
+               (".input_layernorm.bias", ".self_attention.linear_qkv.layer_norm_bias"))
+_TE_DENSE_RENAMES = ((".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
+                     (".pre_mlp_layernorm.bias", ".mlp.linear_fc1.layer_norm_bias"))
+
+
+def _te_renames(config: McaModelConfig) -> tuple[tuple[str, str], ...]:
+    # MoE layers keep a separate pre-MLP norm under TE (there is no single fc1 to fuse it into).
+    return _TE_RENAMES if config.num_moe_experts else _TE_RENAMES + _TE_DENSE_RENAMES
+
+
+def grouped_experts(config: McaModelConfig) -> bool:
+    return bool(config.num_moe_experts) and config.moe_grouped_gemm
+
+
+def to_impl_name(name: str, config: McaModelConfig) -> str:
+    """Canonical local-spec name -> the name under ``config.transformer_impl`` (and grouped GEMM)."""
+    if config.transformer_impl == "transformer_engine":
+        for local, te in _te_renames(config):
+            if name.endswith(local):
+                name = name[: -len(local)] + te
+    if grouped_experts(config):
+        name = _EXPERT_SEQ.sub(lambda m: f".mlp.experts.{m.group(2)}.{m.group(3)}{m.group(1)}", name)
+    return name
+
+
+def from_impl_name(name: str, config: McaModelConfig) -> str:
+    """Inverse of ``to_impl_name``."""
+    if config.transformer_impl == "transformer_engine":
+        for local, te in _te_renames(config):
+            if name.endswith(te):
+                name = name[: -len(te)] + local
+    if grouped_experts(config):
+        name = _EXPERT_TE.sub(lambda m: f".mlp.experts.local_experts.{m.group(3)}.{m.group(1)}.{m.group(2)}", name)
+    return name
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one model chunk sits: its first global layer and its first global expert."""
+
+    layer_offset: int
+    expert_offset: int
+    pre_process: bool
+    post_process: bool
+
+    def to_global(self, name: str) -> str:
+        name = _shift(_LAYER, name, self.layer_offset, "decoder.layers.{}.")
+        return _shift_expert(name, self.expert_offset)
+
+    def to_local(self, name: str) -> str:
+        name = _shift(_LAYER, name, -self.layer_offset, "decoder.layers.{}.")
+        return _shift_expert(name, -self.expert_offset)
+
+
+def placement(config: McaModelConfig, pp_rank: int, vpp_stage: int, ep_rank: int) -> Placement:
+    """Uniform split: chunk (vpp_stage, pp_rank) holds layers [(v * pp + p) * n, ... + n)."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    per_chunk = config.num_layers_per_chunk
+    experts_per_rank = (config.num_moe_experts or 0) // config.expert_model_parallel_size
+    return Placement(layer_offset=(vpp_stage * pp + pp_rank) * per_chunk,
+                     expert_offset=ep_rank * experts_per_rank,
+                     pre_process=pp_rank == 0 and vpp_stage == 0,
+                     post_process=pp_rank == pp - 1 and vpp_stage == vpp - 1)
+
+
+def layer_owner(config: McaModelConfig, layer: int) -> tuple[int, int]:
+    """(pp_rank, vpp_stage) of global layer ``layer``."""
+    chunk = layer // config.num_layers_per_chunk
+    pp = config.pipeline_model_parallel_size
+    return chunk % pp, chunk // pp
+
+
+def _shift(regex: re.Pattern, name: str, offset: int, fmt: str) -> str:
+    m = regex.match(name)
+    if not m or not offset:
+        return name
+    return fmt.format(int(m.group(1)) + offset) + name[m.end():]
+
+
+def _shift_expert(name: str, offset: int) -> str:
+    if not offset:
+        return name
+    name = _EXPERT_SEQ.sub(lambda m: f".mlp.experts.local_experts.{int(m.group(1)) + offset}.{m.group(2)}.{m.group(3)}",
+                           name)
+    return _EXPERT_TE.sub(lambda m: f".mlp.experts.{m.group(1)}.{m.group(2)}{int(m.group(3)) + offset}", name)

@@ -1,0 +1,1 @@
+"""One declarative template per HF model family; importing a module registers its template."""

@@ -1,0 +1,79 @@
+"""McaModelConfig: built from HF configs through templates, validated, saved and reloaded."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from backends.mca.models.config import McaModelConfig  # noqa: E402
+from backends.mca.models.template import get_template  # noqa: E402
+from roll.errors import ConfigError, ModelError  # noqa: E402
+from roll.tiny import tiny_config  # noqa: E402
+
+
+def _hf(kind: str, vocab_size: int = 512, **overrides) -> dict:
+    import json
+
+    return json.loads(tiny_config(kind, vocab_size, **overrides).to_json_string())
+
+
+def test_key_table_maps_architecture_fields():
+    config = McaModelConfig.from_hf(_hf("qwen3_moe", num_hidden_layers=4))
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.num_query_groups) == (4, 64, 4, 2)
+    assert (config.kv_channels, config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (16, 4, 2, 32)
+    assert config.qk_layernorm and not config.add_qkv_bias and config.vocab_size == 512
+    assert config.tie_embeddings_and_output_weights
+
+
+def test_llama3_rope_scaling_keeps_the_real_factor():
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    config = McaModelConfig.from_hf(_hf("llama", max_position_embeddings=131072, rope_parameters=rope))
+    assert config.rope_scaling and config.rope_scaling_factor == 32.0 and config.rotary_base == 500000.0
+    assert not McaModelConfig.from_hf(_hf("llama")).rope_scaling  # plain RoPE stays plain
+
+
+def test_unsupported_rope_type_is_an_error():
+    with pytest.raises(ModelError, match="yarn"):
+        McaModelConfig.from_hf(_hf("qwen2", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}))
+
+
+def test_family_without_template_lists_supported_ones():
+    hf = _hf("qwen2")
+    hf["model_type"] = "gemma3"
+    with pytest.raises(ModelError, match=r"'gemma3'.*llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+        McaModelConfig.from_hf(hf)
+
+
+def test_tp_not_dividing_heads_names_the_numbers():
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size\(4\) does not divide num_query_groups\(2\)"):
+        McaModelConfig.from_hf(_hf("qwen2"), tensor_model_parallel_size=4)
+
+
+def test_layers_not_divisible_by_pp_vpp_names_the_numbers():
+    with pytest.raises(ConfigError, match=r"num_layers\(2\).*\(2\) \* .*\(2\) = 4"):
+        McaModelConfig.from_hf(_hf("qwen2"), pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+
+
+def test_sp_forced_with_tp_and_ep_and_vocab_padded_to_tp():
+    config = McaModelConfig.from_hf(_hf("qwen3_moe", vocab_size=511), tensor_model_parallel_size=2,
+                                    expert_model_parallel_size=2)
+    assert config.sequence_parallel and config.padded_vocab_size == 512 and config.vocab_size == 511
+
+
+def test_mca_config_json_round_trip_and_layout_match(tmp_path):
+    config = McaModelConfig.from_hf(_hf("qwen2_moe"), expert_model_parallel_size=2)
+    config.save_pretrained(str(tmp_path))
+    loaded = McaModelConfig.from_pretrained(str(tmp_path))
+    assert loaded.to_dict() == config.to_dict()
+    assert loaded.distribute_config_match(config)
+    assert not loaded.distribute_config_match(loaded.with_layout(expert_model_parallel_size=1,
+                                                                 expert_tensor_parallel_size=None))
+
+
+def test_hf_config_restored_on_export():
+    hf = _hf("qwen2", num_hidden_layers=4)
+    config = McaModelConfig.from_hf(hf, tensor_model_parallel_size=2)
+    restored = get_template("qwen2").hf_config_dict(config)
+    assert restored == hf
