@@ -1,0 +1,180 @@
+"""Collators shared by both backends: they only pad, stack and shift (masks come from the processors).
+
+The backend's PaddingPolicy decides the padded length (longest in batch or ``max_length``, rounded
+up to ``pad_to_multiple_of``), whether labels are shifted for Megatron, and whether rows are packed.
+With ``shift_labels`` the padded length is chosen so that the length *after* the shift obeys the
+policy (one extra position is padded and then dropped by the shift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from roll import IGNORE_INDEX
+from roll.data.policy import SEQUENCE_KEYS, PaddingPolicy
+
+PAIR_PREFIXES = ("chosen_", "rejected_")
+
+
+def _base_key(key: str) -> str:
+    for prefix in PAIR_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def shift_labels(batch: dict[str, Any], keys: tuple[str, ...] = SEQUENCE_KEYS) -> dict[str, Any]:
+    """Megatron's label shift, applied once over every declared sequence key (and its chosen_/rejected_ forms).
+
+    ``labels <- labels[..., 1:]``; every other sequence key drops its last position, so position t
+    is trained to predict token t+1. Works on tensors ``[B, L]`` and on plain 1-D lists.
+
+    Example::
+
+        shift_labels({"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "chosen_attention_mask": [1, 1, 1]})
+        -> {"input_ids": [5, 6], "labels": [6, 7], "chosen_attention_mask": [1, 1]}
+    """
+    out = dict(batch)
+    for key, value in batch.items():
+        base = _base_key(key)
+        if base not in keys:
+            continue
+        if isinstance(value, torch.Tensor):
+            out[key] = value[..., 1:] if base == "labels" else value[..., :-1]
+        else:
+            out[key] = value[1:] if base == "labels" else value[:-1]
+    return out
+
+
+def target_length(longest: int, policy: PaddingPolicy) -> int:
+    """Padded length before the (optional) shift, so that the length after it follows the policy."""
+    extra = 1 if policy.shift_labels else 0
+    wanted = policy.max_length if policy.pad_to == "max_length" else max(longest - extra, 1)
+    if longest - extra > wanted:
+        raise ValueError(f"a row has {longest} tokens, longer than the policy's max_length {policy.max_length}; "
+                         "the processors truncate to cutoff_len, so max_length must be cutoff_len")
+    multiple = policy.pad_to_multiple_of
+    return -(-wanted // multiple) * multiple + extra
+
+
+def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Segment boundaries over the flattened ``[B * L]`` token stream: a segment starts where position is 0.
+
+    Each row starts a segment; a padding tail (positions restarting at 0) is a segment of its own.
+    """
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0, as_tuple=False).flatten()
+    row_starts = torch.arange(0, flat.numel(), position_ids.shape[-1])
+    starts = torch.unique(torch.cat([starts, row_starts]))
+    return torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+
+
+@dataclass
+class SequenceCollator:
+    """Pads pt/sft rows to the policy's length (right padding) and returns torch tensors.
+
+    Example (``pad_token_id=0``, default policy)::
+
+        [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [-100, 6, 7]},
+         {"input_ids": [8, 9], "attention_mask": [1, 1], "labels": [-100, 9]}]
+        -> {"input_ids": [[5, 6, 7], [8, 9, 0]],
+            "attention_mask": [[1, 1, 1], [1, 1, 0]],
+            "labels": [[-100, 6, 7], [-100, 9, -100]]}
+
+    With ``policy.packing`` rows carry ``position_ids`` restarting at 0 per packed sample; the
+    batch has ``input_ids``, ``labels``, ``position_ids`` (padding tail restarts at 0, so it is its
+    own segment) and ``cu_seqlens`` (int32 boundaries over the flattened batch), no attention_mask::
+
+        [{"input_ids": [5, 6, 7], "labels": [-100, 6, -100], "position_ids": [0, 1, 0]}]  (policy
+        pad_to_multiple_of=4, packing=True)
+        -> {"input_ids": [[5, 6, 7, 0]], "labels": [[-100, 6, -100, -100]],
+            "position_ids": [[0, 1, 0, 0]], "cu_seqlens": [0, 2, 3, 4]}
+    """
+
+    pad_token_id: int
+    policy: PaddingPolicy = field(default_factory=PaddingPolicy)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("cannot collate an empty batch")
+        length = target_length(max(len(f["input_ids"]) for f in features), self.policy)
+        batch = {
+            "input_ids": _pad([f["input_ids"] for f in features], length, self.pad_token_id),
+            "labels": _pad([f["labels"] for f in features], length, IGNORE_INDEX),
+        }
+        if self.policy.packing:
+            positions = [f.get("position_ids") or list(range(len(f["input_ids"]))) for f in features]
+            batch["position_ids"] = torch.stack([_positions(p, length) for p in positions])
+        else:
+            masks = [f.get("attention_mask") or [1] * len(f["input_ids"]) for f in features]
+            batch["attention_mask"] = _pad(masks, length, 0)
+        if self.policy.shift_labels:
+            batch = shift_labels(batch)
+        if self.policy.packing:
+            batch["cu_seqlens"] = cu_seqlens_from_positions(batch["position_ids"])
+        return batch
+
+
+@dataclass
+class PairwiseCollator:
+    """Stacks chosen then rejected rows into one padded batch of 2B rows (chosen first).
+
+    Example (``pad_token_id=0``, default policy)::
+
+        [{"chosen_input_ids": [5, 6, 7], "chosen_attention_mask": [1, 1, 1], "chosen_labels": [-100, 6, 7],
+          "rejected_input_ids": [5, 8], "rejected_attention_mask": [1, 1], "rejected_labels": [-100, 8]}]
+        -> {"input_ids": [[5, 6, 7], [5, 8, 0]],
+            "attention_mask": [[1, 1, 1], [1, 1, 0]],
+            "labels": [[-100, 6, 7], [-100, 8, -100]]}
+    """
+
+    pad_token_id: int
+    policy: PaddingPolicy = field(default_factory=PaddingPolicy)
+
+    def __post_init__(self) -> None:
+        if self.policy.packing:
+            raise ValueError("packing is not supported for pairwise (dpo) batches; set packing: false")
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = [{key: f[f"{side}_{key}"] for key in ("input_ids", "attention_mask", "labels")}
+                for side in ("chosen", "rejected") for f in features]
+        return SequenceCollator(self.pad_token_id, self.policy)(rows)
+
+
+@dataclass
+class LabelShiftCollator:
+    """Wraps any collator and applies :func:`shift_labels` to its output (for collators that do not obey
+    ``policy.shift_labels`` themselves). The roll collators shift on their own; do not wrap them."""
+
+    inner: Callable[[list[dict]], dict]
+    keys: tuple[str, ...] = SEQUENCE_KEYS
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        return shift_labels(self.inner(features), self.keys)
+
+
+def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out
+
+
+def _positions(positions: list[int], length: int) -> torch.Tensor:
+    tail = list(range(length - len(positions)))  # padding: its own segment, restarting at 0
+    return torch.as_tensor(list(positions) + tail, dtype=torch.long)
+
+
+COLLATORS = {"SequenceCollator": SequenceCollator, "PairwiseCollator": PairwiseCollator}
+
+
+def build_collator(name: str, tokenizer, policy: PaddingPolicy, data_args=None):
+    """The collator class ``name`` (from the router's stage table) for this tokenizer and policy."""
+    if name not in COLLATORS:
+        raise ValueError(f"unknown collator {name!r}; known: {', '.join(COLLATORS)}")
+    if policy.pad_to == "max_length" and data_args is not None and policy.max_length != data_args.cutoff_len:
+        raise ValueError(f"policy max_length {policy.max_length} != cutoff_len {data_args.cutoff_len}")
+    return COLLATORS[name](pad_token_id=tokenizer.pad_token_id, policy=policy)

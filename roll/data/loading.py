@@ -1,0 +1,136 @@
+"""Raw dataset loading: local files, directories of them, saved datasets, or hub names.
+
+Each file is loaded as its own ``datasets.Dataset`` so that an error can name the file and the
+row index inside it. Loading goes through ``datasets.load_dataset``, whose arrow cache under the
+HF datasets cache (``HF_DATASETS_CACHE``) is what makes the later ``map`` steps cacheable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from roll.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+"""File extension -> datasets builder."""
+
+
+@dataclass
+class Source:
+    """One loaded file (or saved dataset / hub dataset) and the name errors should show."""
+
+    name: str
+    dataset: "datasets.Dataset"  # noqa: F821
+
+
+def split_sources(spec: str | None) -> list[str]:
+    """'a.json, b.jsonl' -> ['a.json', 'b.jsonl']."""
+    parts = [p.strip() for p in (spec or "").split(",") if p.strip()]
+    if not parts:
+        raise DataError("no dataset given: set `dataset:` to one or more comma-separated files or directories.")
+    return parts
+
+
+def expand(spec: str) -> list[str]:
+    """Files (or a saved dataset dir, or a hub name) behind one source string, in a stable order."""
+    if os.path.isfile(spec):
+        _builder_for(spec)
+        return [spec]
+    if os.path.isdir(spec):
+        if _is_saved_dataset(spec):
+            return [spec]
+        files = sorted(os.path.join(spec, f) for f in os.listdir(spec)
+                       if os.path.splitext(f)[1].lower() in BUILDERS and not f.startswith("."))
+        if not files:
+            raise DataError(f"dataset directory {spec} has no {'/'.join(BUILDERS)} files and is not a saved dataset.")
+        return files
+    if _looks_like_hub_name(spec) and not _offline():
+        return [spec]
+    raise DataError(f"dataset source {spec!r} not found: not a file or directory"
+                    + (" (hub names need network; HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)." if _offline() else "."))
+
+
+def load_sources(spec: str | None, cache_dir: str | None = None) -> list[Source]:
+    """Load every file behind a comma-separated ``dataset:`` value."""
+    sources = []
+    for part in split_sources(spec):
+        for path in expand(part):
+            sources.append(Source(name=path, dataset=_load_one(path, cache_dir)))
+    return sources
+
+
+def _load_one(path: str, cache_dir: str | None):
+    import datasets
+
+    if os.path.isdir(path):
+        loaded = datasets.load_from_disk(path)
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise DataError(f"saved dataset {path} has splits {list(loaded)}; roll needs a 'train' split.")
+            loaded = loaded["train"]
+        return loaded
+    if not os.path.exists(path):
+        return datasets.load_dataset(path, split="train", cache_dir=cache_dir)
+    builder = _builder_for(path)
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
+    except Exception as exc:  # the arrow error rarely names the row: find it ourselves
+        raise DataError(f"cannot read {path}: {diagnose(path, builder) or exc}") from exc
+
+
+def _builder_for(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in BUILDERS:
+        raise DataError(f"{path}: unsupported file type {ext!r}; use one of {', '.join(BUILDERS)}.")
+    return BUILDERS[ext]
+
+
+def diagnose(path: str, builder: str) -> str | None:
+    """Locate the first undecodable line/row of a json/jsonl/text file, for the error message."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        return f"not valid UTF-8 at byte {exc.start} (line {line}); re-save the file as UTF-8."
+    except OSError as exc:
+        return str(exc)
+    if builder != "json":
+        return None
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}."
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        return None if bad is None else f"row {bad} is a {type(rows[bad]).__name__}, expected a JSON object."
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return f"invalid JSON on line {lineno} (row {lineno - 1}): {exc.msg}."
+        if not isinstance(row, dict):
+            return f"line {lineno} (row {lineno - 1}) is a {type(row).__name__}, expected a JSON object."
+    return None
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
+
+
+def _looks_like_hub_name(spec: str) -> bool:
+    return spec.count("/") <= 1 and not spec.startswith((".", "/")) and os.path.splitext(spec)[1] == ""
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))

@@ -1,0 +1,158 @@
+"""build_datasets: sources -> formats -> tokenized rows -> stats -> split -> shuffle -> (pack).
+
+Order of operations (the one shared sample order, DESIGN.md section 3): each source is loaded and
+capped to ``max_samples`` (a seeded shuffle first when ``shuffle``), tokenized with a batched,
+cached ``datasets.map``, the sources are concatenated, rows without a trainable token are
+dropped and counted, ``val_size`` rows are held out (seeded), the training split is shuffled
+once with ``seed`` and, with ``packing``, packed (and the packed rows shuffled with the same seed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from roll.data import formats as fmts
+from roll.data.loading import Source, load_sources
+from roll.data.packing import pack_dataset
+from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
+from roll.data.stats import PreprocessStats
+from roll.errors import ConfigError, DataError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+PROCESSORS = {"pretrain": PretrainProcessor, "supervised": SupervisedProcessor, "pairwise": PairwiseProcessor}
+
+
+@dataclass
+class DatasetBundle:
+    train: "datasets.Dataset"  # noqa: F821
+    eval: "datasets.Dataset | None"  # noqa: F821
+    stats: PreprocessStats
+
+
+def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
+                   seed: int) -> DatasetBundle:
+    """Tokenized train (and eval) datasets for ``stage`` plus the preprocessing stats."""
+    if processor not in PROCESSORS:
+        raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
+    if data_args.packing and processor == "pairwise":
+        raise ConfigError("packing is not supported for stage dpo; set packing: false.")
+    start = time.perf_counter()
+    stats = PreprocessStats()
+    sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset)]
+    stats.num_samples_in = sum(len(s.dataset) for s in sources)
+    tokenized = _concat([_tokenize(s, data_args, tokenizer, stage, processor, formats) for s in sources])
+    train = _drop_skipped(tokenized, stats)
+    eval_ds = None
+    if data_args.eval_dataset:
+        eval_sources = [_cap(s, data_args, seed) for s in load_sources(data_args.eval_dataset)]
+        eval_ds = _drop_skipped(_concat([_tokenize(s, data_args, tokenizer, stage, processor, formats)
+                                         for s in eval_sources]), PreprocessStats())
+    elif data_args.val_size:
+        train, eval_ds = _hold_out(train, data_args.val_size, seed)
+    if data_args.shuffle:
+        train = train.shuffle(seed=seed)
+    _count(train, stats, pairwise=processor == "pairwise")
+    train = train.remove_columns([c for c in META_COLUMNS if c in train.column_names])
+    if eval_ds is not None:
+        stats.num_eval_samples = len(eval_ds)
+        eval_ds = eval_ds.remove_columns([c for c in META_COLUMNS if c in eval_ds.column_names])
+    if data_args.packing:
+        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len, data_args.preprocessing_num_workers)
+        train = train.shuffle(seed=seed) if data_args.shuffle else train
+        if eval_ds is not None:
+            eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len)
+    stats.num_rows = len(train)
+    stats.preprocess_seconds = round(time.perf_counter() - start, 3)
+    for line in stats.summary_lines():
+        log_rank0(logger, "data: %s", line)
+    return DatasetBundle(train=train, eval=eval_ds, stats=stats)
+
+
+def _cap(source: Source, data_args, seed: int) -> Source:
+    n = data_args.max_samples
+    if n is None or n >= len(source.dataset):
+        return source
+    ds = source.dataset.shuffle(seed=seed) if data_args.shuffle else source.dataset
+    return Source(source.name, ds.select(range(n)))
+
+
+def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], stage: str) -> str:
+    """The row format of one source: detected from its columns unless ``formatting:`` names one."""
+    columns = list(source.dataset.column_names)
+    fmt = fmts.detect(columns) if formatting == "auto" else formatting
+    if fmt is None:
+        raise DataError(f"{source.name}: cannot tell the row format from the columns {columns}; stage {stage} "
+                        f"expects {' or '.join(allowed)} rows (see docs/data.md), or set `formatting:`.")
+    if fmt not in allowed:
+        raise DataError(f"{source.name}: {fmt} rows (columns {columns}) cannot be used for stage {stage}, "
+                        f"which expects {' or '.join(allowed)} rows.")
+    missing = fmts.missing_columns(fmt, columns)
+    if missing:
+        raise DataError(f"{source.name}: {fmt} rows need the column(s) {', '.join(missing)}; "
+                        f"the file has {columns}.")
+    return fmt
+
+
+def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
+    fmt = resolve_format(source, data_args.formatting, allowed, stage)
+    common = dict(tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt, source=source.name)
+    if processor == "supervised":
+        fn = SupervisedProcessor(**common, train_turns="last" if data_args.train_on_last_turn_only else "all")
+    elif processor == "pretrain":
+        fn = PretrainProcessor(**common, packing=data_args.packing)
+    else:
+        fn = PairwiseProcessor(**common)
+    ds = source.dataset
+    if len(ds) == 0:
+        raise DataError(f"{source.name} has no rows.")
+    return ds.map(fn, batched=True, with_indices=True, batch_size=data_args.preprocessing_batch_size,
+                  num_proc=data_args.preprocessing_num_workers, remove_columns=ds.column_names,
+                  load_from_cache_file=not data_args.overwrite_cache,
+                  desc=f"Tokenizing {source.name} ({stage})")
+
+
+def _concat(parts: list):
+    import datasets
+
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _drop_skipped(ds, stats: PreprocessStats):
+    reasons = Counter(r for r in ds["_drop"] if r)
+    stats.add_drops(reasons)
+    if reasons:
+        log_rank0(logger, "data: skipped %d row(s): %s (see docs/data.md, 'Skipped rows')", sum(reasons.values()),
+                  ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())), level=logging.WARNING)
+        ds = ds.filter(lambda drop: [d == "" for d in drop], batched=True, input_columns="_drop",
+                       desc="Dropping skipped rows")
+    if len(ds) == 0:
+        raise DataError(f"no samples left after preprocessing: all {sum(reasons.values())} row(s) were skipped "
+                        f"({', '.join(f'{k}={v}' for k, v in sorted(reasons.items()))}).")
+    return ds
+
+
+def _hold_out(ds, val_size: float, seed: int):
+    size = int(val_size) if val_size >= 1 else val_size
+    if (size if isinstance(size, int) else int(size * len(ds))) < 1 or (isinstance(size, int) and size >= len(ds)):
+        raise ConfigError(f"val_size={val_size} leaves no training or no eval rows out of {len(ds)}.")
+    split = ds.train_test_split(test_size=size, seed=seed, shuffle=True)
+    return split["train"], split["test"]
+
+
+def _count(ds, stats: PreprocessStats, pairwise: bool) -> None:
+    """Token counts of the training split, computed on arrow columns (no python loop over tokens)."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")[:]
+    prefixes = ("chosen_", "rejected_") if pairwise else ("",)
+    for prefix in prefixes:
+        stats.num_tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
+        labels = pc.list_flatten(table[f"{prefix}labels"])
+        stats.num_trainable_tokens += pc.sum(pc.not_equal(labels, -100)).as_py() or 0
+    stats.num_samples = pc.sum(table["_docs"]).as_py() or 0
+    stats.num_truncated = pc.sum(table["_truncated"].cast("int64")).as_py() or 0

@@ -1,0 +1,227 @@
+"""Stage processors: raw rows -> tokenized rows with labels, run as batched ``datasets.map``.
+
+Output schema (the contract with both backends, see docs/data.md):
+- pretrain / supervised: ``input_ids``, ``attention_mask``, ``labels`` (aligned with input_ids; prompt
+  tokens and the first position are IGNORE_INDEX, DESIGN.md section 2).
+- pairwise: ``chosen_*`` and ``rejected_*`` versions of the three, same prompt on both sides.
+Every processor also emits bookkeeping columns, removed after the stats are taken:
+``_drop`` (a DROP_REASONS key, '' when kept), ``_truncated`` (bool) and ``_docs`` (samples ending in the row).
+
+Truncation to cutoff_len (``split_budget``): the prompt is trimmed before the answer. The prompt
+keeps at least min(prompt, budget // 2) tokens, cut from the left (oldest context first, the
+assistant header right before the answer survives); the answer is cut from the right. In
+multi-turn conversations turns are kept in order until the budget runs out; the turn that
+overflows is trimmed this way and later turns are dropped. A pair computes the split once from
+the longer answer, so both sides keep the same prompt.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from roll import IGNORE_INDEX
+from roll.data import formats
+from roll.data.formats import RowError, Skip
+from roll.data.templates import Renderer
+from roll.errors import DataError
+
+META_COLUMNS = ("_drop", "_truncated", "_docs")
+
+
+def split_budget(prompt_len: int, answer_len: int, budget: int) -> tuple[int, int]:
+    """(prompt tokens kept, answer tokens kept) for a turn that may not fit in ``budget``."""
+    if prompt_len + answer_len <= budget:
+        return prompt_len, answer_len
+    prompt_keep = max(min(prompt_len, budget // 2), budget - answer_len)
+    return prompt_keep, budget - prompt_keep
+
+
+def truncate_turns(turns: list[tuple[list[int], list[int], bool]], cutoff_len: int):
+    """[(prompt_ids, reply_ids, trainable)] -> (input_ids, labels, truncated)."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    truncated = False
+    for prompt, reply, trainable in turns:
+        budget = cutoff_len - len(input_ids)
+        p_keep, r_keep = split_budget(len(prompt), len(reply), budget)
+        if (p_keep, r_keep) != (len(prompt), len(reply)):
+            truncated = True
+        if r_keep <= 0:
+            break
+        input_ids += prompt[len(prompt) - p_keep:] + reply[:r_keep]
+        labels += [IGNORE_INDEX] * p_keep + (reply[:r_keep] if trainable else [IGNORE_INDEX] * r_keep)
+        if truncated:
+            break
+    if labels:
+        labels[0] = IGNORE_INDEX  # nothing predicts the first token (DESIGN.md section 2)
+    return input_ids, labels, truncated
+
+
+def _rows(batch: dict[str, list]) -> list[dict]:
+    keys = list(batch)
+    return [dict(zip(keys, values)) for values in zip(*batch.values())]
+
+
+def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+@dataclass
+class _Processor:
+    tokenizer: object
+    cutoff_len: int
+    fmt: str
+    source: str
+    """File name shown in errors."""
+
+    def fail(self, index: int, exc: Exception) -> DataError:
+        return DataError(f"{self.source}, row {index} (0-based): {exc} [format: {self.fmt}]")
+
+    @staticmethod
+    def empty(out: dict[str, list], reason: str, seq_keys: tuple[str, ...]) -> None:
+        for key in seq_keys:
+            out[key].append([])
+        out["_drop"].append(reason)
+        out["_truncated"].append(False)
+        out["_docs"].append(0)
+
+
+SEQ = ("input_ids", "attention_mask", "labels")
+PAIR_SEQ = tuple(f"{side}_{key}" for side in ("chosen", "rejected") for key in SEQ)
+
+
+@dataclass
+class SupervisedProcessor(_Processor):
+    """alpaca / sharegpt rows -> input_ids, attention_mask, labels (assistant replies + end-of-turn trained)."""
+
+    train_turns: str = "all"
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        renderer = Renderer.for_tokenizer(self.tokenizer)
+        out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
+        parsed: list[list[tuple[str, str, bool]] | str] = []
+        for row, index in zip(_rows(batch), indices):
+            try:
+                parsed.append(renderer.turns(formats.conversation(row, self.fmt), self.train_turns))
+            except Skip as skip:
+                parsed.append(skip.reason)
+            except RowError as exc:
+                raise self.fail(index, exc) from None
+            except Exception as exc:  # jinja errors from a template that rejects this turn order
+                if type(exc).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError"):
+                    raise
+                parsed.append("unrenderable")
+        texts = [text for turns in parsed if not isinstance(turns, str) for turn in turns for text in turn[:2]]
+        token_iter = iter(_tokenize(self.tokenizer, texts))
+        for turns in parsed:
+            if isinstance(turns, str):
+                self.empty(out, turns, SEQ)
+                continue
+            tokenized = [(next(token_iter), next(token_iter), trainable) for _, _, trainable in turns]
+            input_ids, labels, truncated = truncate_turns(tokenized, self.cutoff_len)
+            if all(label == IGNORE_INDEX for label in labels):
+                self.empty(out, "no_trainable_tokens", SEQ)
+                continue
+            out["input_ids"].append(input_ids)
+            out["attention_mask"].append([1] * len(input_ids))
+            out["labels"].append(labels)
+            out["_drop"].append("")
+            out["_truncated"].append(truncated)
+            out["_docs"].append(1)
+        return out
+
+
+@dataclass
+class PairwiseProcessor(_Processor):
+    """Preference rows -> chosen_* / rejected_* (prompt + answer each, answer + end-of-turn trained)."""
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        renderer = Renderer.for_tokenizer(self.tokenizer)
+        out: dict[str, list] = {k: [] for k in PAIR_SEQ + META_COLUMNS}
+        parsed: list[tuple[str, str, str] | str] = []
+        for row, index in zip(_rows(batch), indices):
+            try:
+                parsed.append(self._render(renderer, row))
+            except Skip as skip:
+                parsed.append(skip.reason)
+            except RowError as exc:
+                raise self.fail(index, exc) from None
+        texts = [text for item in parsed if not isinstance(item, str) for text in item]
+        token_iter = iter(_tokenize(self.tokenizer, texts))
+        for item in parsed:
+            if isinstance(item, str):
+                self.empty(out, item, PAIR_SEQ)
+                continue
+            prompt, chosen, rejected = next(token_iter), next(token_iter), next(token_iter)
+            p_keep, a_keep = split_budget(len(prompt), max(len(chosen), len(rejected)), self.cutoff_len)
+            prompt = prompt[len(prompt) - p_keep:]
+            if a_keep <= 0:
+                self.empty(out, "no_trainable_tokens", PAIR_SEQ)
+                continue
+            for side, answer in (("chosen", chosen[:a_keep]), ("rejected", rejected[:a_keep])):
+                out[f"{side}_input_ids"].append(prompt + answer)
+                out[f"{side}_attention_mask"].append([1] * (len(prompt) + len(answer)))
+                out[f"{side}_labels"].append([IGNORE_INDEX] * len(prompt) + answer)
+            out["_drop"].append("")
+            out["_truncated"].append(a_keep < max(len(chosen), len(rejected)))
+            out["_docs"].append(1)
+        return out
+
+    @staticmethod
+    def _render(renderer: Renderer, row: dict) -> tuple[str, str, str]:
+        prompt, chosen, rejected = formats.pair(row)
+        chosen_turns = renderer.turns(prompt + [{"role": "assistant", "content": chosen}])
+        rejected_turns = renderer.turns(prompt + [{"role": "assistant", "content": rejected}])
+        prompt_text = "".join(p + r for p, r, _ in chosen_turns[:-1]) + chosen_turns[-1][0]
+        if prompt_text != "".join(p + r for p, r, _ in rejected_turns[:-1]) + rejected_turns[-1][0]:
+            raise RowError("the chat template renders the prompt differently for chosen and rejected")
+        return prompt_text, chosen_turns[-1][1], rejected_turns[-1][1]
+
+
+@dataclass
+class PretrainProcessor(_Processor):
+    """text rows -> text + EOS; concatenated and chunked to cutoff_len, or (packing) split per document."""
+
+    packing: bool = False
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
+        texts = []
+        for row, index in zip(_rows(batch), indices):
+            try:
+                texts.append(formats.text(row))
+            except Skip as skip:
+                self.empty(out, skip.reason, SEQ)
+            except RowError as exc:
+                raise self.fail(index, exc) from None
+        eos = [self.tokenizer.eos_token_id]
+        docs = [ids + eos for ids in _tokenize(self.tokenizer, texts)]
+        chunks = self._per_document(docs) if self.packing else self._concatenated(docs)
+        for ids, n_docs, truncated in chunks:
+            out["input_ids"].append(ids)
+            out["attention_mask"].append([1] * len(ids))
+            out["labels"].append([IGNORE_INDEX] + ids[1:])
+            out["_drop"].append("")
+            out["_truncated"].append(truncated)
+            out["_docs"].append(n_docs)
+        return out
+
+    def _per_document(self, docs: list[list[int]]):
+        for doc in docs:
+            for start in range(0, len(doc), self.cutoff_len):
+                yield doc[start:start + self.cutoff_len], int(start == 0), len(doc) > self.cutoff_len
+
+    def _concatenated(self, docs: list[list[int]]):
+        """Concatenate the batch's documents and cut into cutoff_len rows; the short remainder is kept.
+
+        Yields (ids, documents ending in this row, whether the cut splits a document).
+        """
+        flat = [tok for doc in docs for tok in doc]
+        ends = list(itertools.accumulate(len(doc) for doc in docs))
+        end_set = set(ends)
+        for start in range(0, len(flat), self.cutoff_len):
+            stop = min(start + self.cutoff_len, len(flat))
+            n_docs = bisect.bisect_right(ends, stop) - bisect.bisect_right(ends, start)
+            yield flat[start:stop], n_docs, stop not in end_set

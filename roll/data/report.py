@@ -1,0 +1,57 @@
+"""The --dry-run report: the preprocessing summary plus one decoded example with its trained span marked."""
+
+from __future__ import annotations
+
+from roll import IGNORE_INDEX
+
+OPEN, CLOSE = "[TRAIN>", "<TRAIN]"
+"""Markers around trained tokens in the decoded example."""
+
+SUMMARY_KEYS = ("num_samples", "num_dropped", "num_truncated", "num_tokens", "num_trainable_tokens",
+                "packing_efficiency", "preprocess_seconds")
+
+
+def marked_text(tokenizer, input_ids: list[int], labels: list[int]) -> str:
+    """Decode ``input_ids`` and wrap every run of trained tokens (label != IGNORE_INDEX) in markers."""
+    parts, run, trained = [], [], False
+    for token, label in zip(input_ids, labels):
+        is_trained = label != IGNORE_INDEX
+        if is_trained != trained and run:
+            parts.append(_wrap(tokenizer.decode(run), trained))
+            run = []
+        run.append(token)
+        trained = is_trained
+    if run:
+        parts.append(_wrap(tokenizer.decode(run), trained))
+    return "".join(parts)
+
+
+def _wrap(text: str, trained: bool) -> str:
+    return f"{OPEN}{text}{CLOSE}" if trained else text
+
+
+def _example(job) -> list[str]:
+    row = job.train_dataset[0]
+    if "chosen_input_ids" in row:
+        return [f"--- {side} (first training pair) ---\n"
+                + marked_text(job.tokenizer, row[f"{side}_input_ids"], row[f"{side}_labels"])
+                for side in ("chosen", "rejected")]
+    ids, labels = row["input_ids"], row["labels"]
+    header = "--- first training row ---"
+    if "seq_lens" in row:
+        header = f"--- first sample of the first packed row ({len(row['seq_lens'])} samples in it) ---"
+        ids, labels = ids[: row["seq_lens"][0]], labels[: row["seq_lens"][0]]
+    return [header + "\n" + marked_text(job.tokenizer, ids, labels)]
+
+
+def dry_run_report(job, stats) -> tuple[dict, str]:
+    """(summary dict for --json, human-readable text) for a built TrainJob and its PreprocessStats."""
+    summary = {key: getattr(stats, key) for key in SUMMARY_KEYS}
+    summary.update(stage=job.stage, num_samples_in=stats.num_samples_in, num_rows=stats.num_rows,
+                   dropped=dict(stats.dropped), num_eval_samples=stats.num_eval_samples)
+    batch = job.collator([job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))])
+    summary["batch_shapes"] = {key: list(value.shape) for key, value in batch.items()}
+    lines = [f"stage {job.stage}: data summary", *("  " + line for line in stats.summary_lines()),
+             "  collated batch of 2 rows: " + ", ".join(f"{k} {v}" for k, v in summary["batch_shapes"].items()),
+             f"trained tokens are marked {OPEN}...{CLOSE}", *_example(job)]
+    return summary, "\n".join(lines) + "\n"

@@ -1,0 +1,97 @@
+"""Chat templates and the rendering that places loss masks.
+
+The default is the tokenizer's own chat template (``apply_chat_template``); ``template:`` can name a
+built-in below. Masks are found on the rendered text, not by searching tokens afterwards: for each
+assistant turn i, ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of the full
+rendering, and the reply's content follows it. The trainable span is the reply plus the end-of-turn
+token right after it (the special token the template closes the turn with), so the model learns
+to stop. Everything else (system, user turns, role headers) is prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from roll.data.formats import RowError
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN = (
+    "{%- if not messages or messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}" + CHATML
+)
+LLAMA3 = (
+    "{{ bos_token or '' }}"
+    "{%- for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+DEFAULT = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+    "{%- elif message['role'] == 'user' %}{{ 'Human: ' + message['content'] + '\\n' }}"
+    "{%- elif message['role'] == 'tool' %}{{ 'Observation: ' + message['content'] + '\\n' }}"
+    "{%- else %}{{ 'Assistant: ' + message['content'] + (eos_token or '') + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ 'Assistant: ' }}{%- endif %}"
+)
+
+BUILTIN_TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3, "default": DEFAULT}
+"""Names accepted by ``template:``."""
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """Renders conversations with a tokenizer's chat template into (text, trainable) segments."""
+
+    tokenizer: object
+    end_of_turn: tuple[str, ...]
+    """Candidate end-of-turn strings (special tokens), longest first."""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> "Renderer":
+        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        specials |= {tok.content for tok in decoder.values() if getattr(tok, "special", False)}
+        return cls(tokenizer, tuple(sorted((s for s in specials if s), key=len, reverse=True)))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def turns(self, messages: list[dict], train_turns: str = "all") -> list[tuple[str, str, bool]]:
+        """Split the rendered conversation into [(prompt_text, reply_text, trainable)], one per reply.
+
+        prompt_text is everything between the previous reply and this one (role headers included);
+        reply_text is the reply plus its end-of-turn token. The untrained tail after the last reply
+        (e.g. ChatML's final newline) is dropped. train_turns: 'all' trains every assistant reply,
+        'last' only the final one (earlier replies stay in the sequence, untrained).
+        """
+        full = self.render(messages)
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        turns: list[tuple[str, str, bool]] = []
+        cursor = 0
+        for i in replies:
+            start, end = self._reply_span(full, messages, i, cursor)
+            turns.append((full[cursor:start], full[start:end], train_turns == "all" or i == replies[-1]))
+            cursor = end
+        return turns
+
+    def _reply_span(self, full: str, messages: list[dict], i: int, cursor: int) -> tuple[int, int]:
+        prefix = self.render(messages[:i], add_generation_prompt=True)
+        if not full.startswith(prefix) or len(prefix) < cursor:
+            raise RowError(f"the chat template does not render turn {i} incrementally (the rendering of the first "
+                           f"{i} turns is not a prefix of the whole conversation), so the loss mask cannot be "
+                           f"placed; set `template:` to one of {', '.join(BUILTIN_TEMPLATES)}")
+        content = messages[i]["content"].strip()
+        start = full.find(content, len(prefix))
+        if start < 0:
+            raise RowError(f"the chat template does not render assistant turn {i} verbatim; "
+                           f"set `template:` to one of {', '.join(BUILTIN_TEMPLATES)}")
+        end = start + len(content)
+        end_of_turn = next((tok for tok in self.end_of_turn if full.startswith(tok, end)), "")
+        return start, end + len(end_of_turn)
