@@ -196,7 +196,7 @@ def parallel_overrides(training_args: Any) -> dict[str, Any]:
     out = {name: getattr(training_args, name) for name in _PARALLEL_FIELDS if hasattr(training_args, name)}
     impl = getattr(training_args, "transformer_impl", None)
     if impl is not None:
-        from backends.mca.models.layers import resolve_impl
+        from backends.mca.spec import resolve_transformer_impl as resolve_impl
         out["transformer_impl"] = resolve_impl(impl)
     if getattr(training_args, "bf16", False):
         out.update(bf16=True, params_dtype=torch.bfloat16)

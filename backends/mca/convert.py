@@ -1,0 +1,120 @@
+"""Library functions behind ``roll-convert``: HF -> Megatron, Megatron -> HF, and the logits parity check.
+
+All three are collective: under ``torchrun`` every rank calls them with the same arguments. The
+parity check is the production path (AutoModel.from_pretrained on the HF directory), so a passing
+check means the converter, sharding and streaming loader agree with Hugging Face's model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from backends.mca.models.auto import AutoConfig, AutoModel, save_mca
+from backends.mca.models.config import McaModelConfig
+from backends.mca.models.export import copy_tokenizer_files, save_hf
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel sizes a conversion runs at (the world size comes from the launcher)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+
+    def overrides(self) -> dict:
+        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                    virtual_pipeline_model_parallel_size=self.vpp, expert_model_parallel_size=self.ep,
+                    expert_tensor_parallel_size=self.etp)
+
+
+def hf_to_mca(hf_dir: str, out_dir: str, layout: Layout = Layout()) -> McaModelConfig:
+    """Convert an HF checkpoint to a Megatron (torch_dist) checkpoint with ``mca_config.json``."""
+    chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
+    config = AutoConfig.from_pretrained(hf_dir, **layout.overrides())
+    save_mca(chunks, config, out_dir)
+    if dist.get_rank() == 0:
+        copy_tokenizer_files(hf_dir, out_dir)
+    log_rank0(logger, "wrote Megatron checkpoint to %s", out_dir)
+    return config
+
+
+def mca_to_hf(mca_dir: str, out_dir: str, layout: Layout = Layout(), max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Export a Megatron checkpoint (any saved layout, loaded at ``layout``) as a standard HF checkpoint."""
+    chunks = AutoModel.from_pretrained(mca_dir, **layout.overrides())
+    config = AutoConfig.from_pretrained(mca_dir, **layout.overrides())
+    save_hf(chunks, config, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_dir=mca_dir)
+
+
+def sample_input_ids(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 1234) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
+
+
+@torch.no_grad()
+def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
+                    input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocab logits ``[b, s, vocab]`` on the last pipeline stage (None on other stages).
+
+    A plain forward through the (virtual) pipeline: each stage receives the previous stage's
+    hidden states, runs its chunk and passes them on, in chunk order (v, p) -> (v, p + 1) -> ...
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    local_seq = seq // config.tensor_model_parallel_size if config.sequence_parallel else seq
+    logits = None
+    for stage, chunk in enumerate(chunks):
+        chunk.eval()
+        for p in range(pp):
+            if p != pp_rank:
+                continue
+            first, last = stage == 0 and p == 0, stage == len(chunks) - 1 and p == pp - 1
+            if not first:
+                hidden = torch.empty(local_seq, batch, config.hidden_size, dtype=config.params_dtype)
+                dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(hidden)
+            out = chunk(input_ids, position_ids, attention_mask=None)
+            if last:
+                logits = gather_from_tensor_model_parallel_region(out)[..., : config.vocab_size]
+            else:
+                dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    return logits
+
+
+def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids).logits
+
+
+def check_parity(hf_dir: str, layout: Layout = Layout(), seq_len: int = 16) -> float:
+    """Max |HF logits - Megatron logits| (fp32) over a fixed random batch, the same on every rank."""
+    config = AutoConfig.from_pretrained(hf_dir, **layout.overrides())
+    chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
+    input_ids = sample_input_ids(config.vocab_size, seq_len=seq_len)
+    logits = megatron_logits(chunks, config, input_ids)
+    diff = torch.zeros(())
+    if logits is not None:
+        diff = (logits.float() - hf_logits(hf_dir, input_ids)).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,91 @@
+"""``roll-convert``: HF <-> Megatron checkpoint conversion and the logits parity check.
+
+    roll-convert hf2mca --input HF_DIR --output OUT [--tp N --pp N --vpp N --ep N --etp N]
+    roll-convert mca2hf --input MCA_DIR --output HF_DIR [--tp N --pp N --vpp N --ep N]
+    roll-convert check  --input HF_DIR [--tp N --pp N --vpp N --ep N] [--tolerance 1e-4]
+
+Multi-rank layouts run under ``torchrun --nproc_per_node=N -m backends.mca.convert_cli ...``
+(or the ``roll-convert`` script under torchrun); tp * pp (* dp) must equal N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from roll.errors import RollError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="roll-convert", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    specs = {"hf2mca": "HF checkpoint -> Megatron checkpoint (torch_dist + mca_config.json)",
+             "mca2hf": "Megatron checkpoint -> standard HF safetensors checkpoint",
+             "check": "build the HF and the Megatron model from HF_DIR and compare their logits"}
+    for name, help_text in specs.items():
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--input", required=True, help="source model directory")
+        if name != "check":
+            cmd.add_argument("--output", required=True, help="directory to write")
+        cmd.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+        cmd.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+        cmd.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
+        cmd.add_argument("--ep", type=int, default=1, help="expert parallel size")
+        cmd.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp)")
+        if name == "check":
+            cmd.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |HF - Megatron| logit")
+            cmd.add_argument("--seq-len", type=int, default=16, help="tokens per sample of the random batch")
+        if name == "mca2hf":
+            cmd.add_argument("--max-shard-gb", type=float, default=2.0, help="max size of one safetensors file")
+    return parser
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse and run one command; returns the process exit code (1: check failed)."""
+    args = _parser().parse_args(argv)
+    from backends.mca import convert
+
+    layout = convert.Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if args.command == "hf2mca":
+        convert.hf_to_mca(args.input, args.output, layout)
+        return 0
+    if args.command == "mca2hf":
+        convert.mca_to_hf(args.input, args.output, layout, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+        return 0
+    diff = convert.check_parity(args.input, layout, seq_len=args.seq_len)
+    ok = diff <= args.tolerance
+    if rank0:
+        print(f"max |HF - Megatron| logit difference: {diff:.3e} (tolerance {args.tolerance:.1e}, tp {args.tp} "
+              f"pp {args.pp} vpp {args.vpp or 1} ep {args.ep}): {'OK' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    from roll.logging import setup_logging
+
+    setup_logging()
+    try:
+        code = run(argv)
+    except RollError as err:
+        print(f"roll-convert: error: {err}", file=sys.stderr, flush=True)
+        code = 2
+    finally:
+        _shutdown()
+    sys.exit(code)
+
+
+def _shutdown() -> None:
+    """Tear down Megatron/torch.distributed if a command brought them up."""
+    if "backends.mca.initialize" in sys.modules:
+        from backends.mca.initialize import destroy_megatron
+
+        try:
+            destroy_megatron()
+        except Exception:  # noqa: BLE001 - best effort at exit; the command's result is already decided
+            pass
+
+
+if __name__ == "__main__":
+    main()

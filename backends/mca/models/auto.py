@@ -1,0 +1,106 @@
+"""AutoConfig / AutoModel: Megatron model chunks from an HF or a roll Megatron checkpoint directory.
+
+``AutoModel.from_pretrained(path, training_args)`` decides how to load:
+
+- ``mca_config.json`` present and its layout equals the requested one -> load the Megatron
+  checkpoint directly;
+- present but the layout differs -> reshard it (Megatron dist checkpointing loads any layout),
+  or, when it has no weights, convert from the HF ``config.json`` + safetensors next to it;
+- only an HF ``config.json`` -> convert the HF weights on the fly (streaming, per rank).
+
+It returns the list of model chunks, one per virtual pipeline stage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from backends.mca.models.config import MCA_CONFIG_NAME, McaModelConfig, parallel_overrides
+from backends.mca.models.gpt import build_model_chunks
+from backends.mca.models.loader import load_hf_weights
+from roll.errors import ModelError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+HF_CONFIG_NAME = "config.json"
+_DIST_CKPT_MARKERS = (".metadata", "metadata.json")
+
+
+def has_mca_config(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME))
+
+
+def has_hf_config(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, HF_CONFIG_NAME))
+
+
+def has_megatron_weights(path: str) -> bool:
+    """A torch_dist checkpoint (written by ``backends.mca.checkpoint``) lives in ``path``."""
+    return any(os.path.exists(os.path.join(path, marker)) for marker in _DIST_CKPT_MARKERS)
+
+
+def read_hf_config(path: str) -> dict:
+    with open(os.path.join(path, HF_CONFIG_NAME), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+class AutoConfig:
+    @staticmethod
+    def from_pretrained(path: str, training_args: Any = None, **overrides: Any) -> McaModelConfig:
+        """The model config for ``path`` with the layout/precision of ``training_args`` applied."""
+        _check_dir(path)
+        kwargs = {**parallel_overrides(training_args), **overrides}
+        if has_mca_config(path):
+            return McaModelConfig.from_pretrained(path, **kwargs)
+        return McaModelConfig.from_hf(read_hf_config(path), **kwargs)
+
+
+class AutoModel:
+    @staticmethod
+    def from_config(config: McaModelConfig, seed: int = 42) -> list[torch.nn.Module]:
+        """Freshly initialised chunks (initialises Megatron for the config's layout if needed)."""
+        return build_model_chunks(config, seed)
+
+    @staticmethod
+    def from_pretrained(path: str, training_args: Any = None, **overrides: Any) -> list[torch.nn.Module]:
+        _check_dir(path)
+        config = AutoConfig.from_pretrained(path, training_args, **overrides)
+        chunks = build_model_chunks(config)
+        if has_mca_config(path) and has_megatron_weights(path):
+            saved = McaModelConfig.from_pretrained(path)
+            how = "directly" if saved.distribute_config_match(config) else "resharding from its saved layout"
+            log_rank0(logger, "loading Megatron checkpoint %s %s", path, how)
+            from backends.mca.checkpoint import load_checkpoint
+
+            load_checkpoint(chunks, path)
+        elif has_hf_config(path):
+            log_rank0(logger, "converting HF checkpoint %s to Megatron on the fly", path)
+            load_hf_weights(chunks, config, path)
+        else:
+            raise ModelError(f"{path!r} has {MCA_CONFIG_NAME} but no Megatron weights and no HF {HF_CONFIG_NAME} "
+                             "to convert from.")
+        return chunks
+
+
+def save_mca(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str) -> None:
+    """Write a Megatron checkpoint (torch_dist, loadable at any layout) plus ``mca_config.json``."""
+    import torch.distributed as dist
+
+    from backends.mca.checkpoint import save_checkpoint
+
+    save_checkpoint(chunks, out_dir)
+    if dist.get_rank() == 0:
+        config.save_pretrained(out_dir)
+    dist.barrier()
+
+
+def _check_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ModelError(f"model path {path!r} is not a directory (roll loads local checkpoints only).")
+    if not has_mca_config(path) and not has_hf_config(path):
+        raise ModelError(f"{path!r} has neither {MCA_CONFIG_NAME} nor {HF_CONFIG_NAME}: not a model directory.")

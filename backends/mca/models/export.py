@@ -1,0 +1,163 @@
+"""Megatron chunks -> a standard HF checkpoint (``model-0000x-of-0000y.safetensors`` + index + config.json).
+
+The model is gathered one unit at a time (embedding, each decoder layer, final norm + output layer):
+the tensor-parallel (or expert-TP) group all-gathers its shards, one holder per tensor sends it to
+global rank 0, which converts the unit to HF names and appends it to the current shard file.
+Rank 0 therefore holds one layer plus one output shard at a time, not the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from backends.mca.models import layout, sharding
+from backends.mca.models.gpt import chunk_placements
+from backends.mca.models.loader import INDEX_NAME
+from backends.mca.models.template import get_template
+from roll.logging import log_rank0
+
+if TYPE_CHECKING:
+    from backends.mca.models.config import McaModelConfig
+
+logger = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "generation_config.json", "added_tokens.json", "tokenizer.model")
+_PRE = "embedding."
+_POST = ("decoder.final_layernorm.", "output_layer.")
+
+
+def save_hf(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str, *,
+            max_shard_bytes: int = 2 * 1024**3, tokenizer_dir: str | None = None) -> None:
+    """Write the full model in HF format to ``out_dir`` (collective: every rank must call it)."""
+    template = get_template(config.hf_model_type)
+    local = _local_canonical(chunks, config)
+    writer = _ShardWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
+    units = ["pre", *range(config.num_layers), "post"]
+    for unit in units:
+        mine = {name: t for name, t in local.items() if _unit_of(name) == unit}
+        gathered = _gather_unit(mine, config)
+        if writer is not None:
+            full = {name: sharding.unpad_vocab(name, t, config) for name, t in gathered.items()}
+            if config.tie_embeddings_and_output_weights:
+                full.pop("output_layer.weight", None)  # HF ties lm_head to embed_tokens itself
+            writer.add(template.mca_to_hf(full, config))
+    if writer is not None:
+        writer.finish()
+        _write_config(template.hf_config_dict(config), out_dir)
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, out_dir)
+        log_rank0(logger, "wrote HF checkpoint to %s (%d shard files)", out_dir, len(writer.files))
+    dist.barrier()
+
+
+def _local_canonical(chunks: list[torch.nn.Module], config: McaModelConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for chunk, place in zip(chunks, chunk_placements(config)):
+        for name, tensor in chunk.state_dict().items():
+            if not name.endswith("_extra_state"):
+                out[place.to_global(layout.from_impl_name(name, config))] = tensor.detach()
+    return out
+
+
+def _unit_of(name: str) -> str | int:
+    if name.startswith(_PRE):
+        return "pre"
+    if name.startswith(_POST):
+        return "post"
+    return int(name.split(".")[2])  # decoder.layers.<n>.
+
+
+def _gather_unit(mine: dict[str, torch.Tensor], config: McaModelConfig) -> dict[str, torch.Tensor]:
+    """All-gather TP shards inside the owning group, then collect one copy of each tensor on rank 0."""
+    from megatron.core import parallel_state as ps
+
+    send: dict[str, torch.Tensor] = {}
+    for name in sorted(mine):
+        expert = sharding.is_expert(name)
+        group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+        kind = sharding.tp_kind(name, config)
+        tensor = mine[name]
+        if kind != "replicated" and dist.get_world_size(group) > 1:
+            shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(shards, tensor.contiguous(), group=group)
+            tensor = sharding.merge(shards, kind)
+        if _is_holder(expert):
+            send[name] = tensor.cpu()
+    received: list[dict] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(send, received, dst=0)
+    if received is None:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in received:
+        for name, tensor in part.items():
+            merged.setdefault(name, tensor)
+    return merged
+
+
+def _is_holder(expert: bool) -> bool:
+    """Exactly one rank sends each tensor: TP/ETP rank 0 of the first data-parallel replica."""
+    from megatron.core import parallel_state as ps
+
+    if expert:
+        return ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+class _ShardWriter:
+    """Appends tensors to ``max_shard_bytes``-sized files, then names them model-0000x-of-0000y."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.max_bytes = out_dir, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            if self.pending and self.pending_bytes + size > self.max_bytes:
+                self._flush()
+            self.pending[name] = tensor.contiguous()
+            self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = f"part-{len(self.files):05d}.safetensors.tmp"
+        save_file(self.pending, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
+        self.files.append((tmp, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.pending:
+            self._flush()
+        total = len(self.files)
+        weight_map, total_size = {}, 0
+        for i, (tmp, names) in enumerate(self.files, start=1):
+            final = f"model-{i:05d}-of-{total:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, tmp), os.path.join(self.out_dir, final))
+            weight_map.update({name: final for name in names})
+            total_size += os.path.getsize(os.path.join(self.out_dir, final))
+        with open(os.path.join(self.out_dir, INDEX_NAME), "w", encoding="utf-8") as fh:
+            json.dump({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, fh,
+                      indent=2)
+
+
+def _write_config(hf_config: dict, out_dir: str) -> None:
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(hf_config, fh, indent=2, sort_keys=True)
+
+
+def copy_tokenizer_files(src: str, dst: str) -> None:
+    """Tokenizer/generation files travel with the weights so the output is a usable model dir."""
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))

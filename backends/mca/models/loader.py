@@ -1,0 +1,141 @@
+"""Stream HF safetensors into this rank's Megatron chunks.
+
+Each rank works out which canonical Megatron tensors its chunks hold (PP/VPP layers, EP experts),
+which HF tensors those need, and which safetensors files hold them; it then reads only those
+tensors, file by file, converting a Megatron tensor as soon as all its HF inputs have arrived and
+dropping the inputs right after. Peak memory is this rank's own weights plus the inputs of the few
+mappings still incomplete, never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from backends.mca.models import layout, sharding
+from backends.mca.models.gpt import chunk_placements, rank_coordinates
+from backends.mca.models.template import Template, get_template
+from roll.errors import ModelError
+
+if TYPE_CHECKING:
+    from backends.mca.models.config import McaModelConfig
+
+logger = logging.getLogger(__name__)
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass
+class LoadReport:
+    """What one rank read: lets tests prove a rank touched only the files and tensors it needs."""
+
+    files_read: list[str] = field(default_factory=list)
+    tensors_read: int = 0
+    tensors_in_checkpoint: int = 0
+    params_loaded: int = 0
+
+
+@dataclass
+class _Target:
+    hf_names: tuple[str, ...]
+    convert: object  # the mapping kind
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
+def hf_weight_map(hf_dir: str) -> dict[str, str]:
+    """HF parameter name -> safetensors file (sharded index, or the single-file checkpoint)."""
+    index = os.path.join(hf_dir, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as fh:
+            return dict(json.load(fh)["weight_map"])
+    single = os.path.join(hf_dir, SINGLE_NAME)
+    if not os.path.isfile(single):
+        raise ModelError(f"{hf_dir!r} has neither {INDEX_NAME} nor {SINGLE_NAME}: no safetensors weights to load "
+                         "(.bin checkpoints are not supported; re-save the model with safe_serialization=True).")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as fh:
+        return {name: SINGLE_NAME for name in fh.keys()}
+
+
+def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_dir: str) -> LoadReport:
+    """Fill ``chunks`` (this rank's) from the HF checkpoint in ``hf_dir``; strict both ways."""
+    template = get_template(config.hf_model_type)
+    weight_map = hf_weight_map(hf_dir)
+    for name in weight_map:
+        template.match_hf(name)  # every HF parameter must be mapped; raises listing the known patterns
+    targets = _targets(chunks, config, template)
+    missing = sorted({n for t in targets.values() for n in t.hf_names} - set(weight_map))
+    if missing:
+        raise ModelError(f"{hf_dir!r} lacks HF parameters this model needs: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    report = LoadReport(tensors_in_checkpoint=len(weight_map))
+    _stream(targets, config, hf_dir, weight_map, report)
+    return report
+
+
+def _targets(chunks: list[torch.nn.Module], config: McaModelConfig, template: Template) -> dict[str, _Target]:
+    """Canonical global Megatron name -> the HF inputs and this rank's parameters it fills."""
+    targets: dict[str, _Target] = {}
+    for chunk, place in zip(chunks, chunk_placements(config)):
+        for local_name, param in chunk.state_dict(keep_vars=True).items():
+            if local_name.endswith("_extra_state"):
+                continue
+            canonical = place.to_global(layout.from_impl_name(local_name, config))
+            source = canonical
+            if canonical == "output_layer.weight" and config.tie_embeddings_and_output_weights:
+                source = "embedding.word_embeddings.weight"  # last PP stage's copy of the tied embedding
+            match = template.match_mca(source)
+            target = targets.setdefault(canonical, _Target(match.hf_names, match.mapping))
+            target.params.append(param)
+    return targets
+
+
+def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, weight_map: dict[str, str],
+            report: LoadReport) -> None:
+    from safetensors import safe_open
+
+    coords = rank_coordinates()
+    tp, etp = (coords["tp_size"], coords["tp_rank"]), (coords["etp_size"], coords["etp_rank"])
+    waiting: dict[str, set[str]] = defaultdict(set)  # HF name -> canonical names still needing it
+    for canonical, target in targets.items():
+        for hf_name in target.hf_names:
+            waiting[hf_name].add(canonical)
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for hf_name in waiting:
+        by_file[weight_map[hf_name]].append(hf_name)
+    buffer: dict[str, torch.Tensor] = {}
+    for file in sorted(by_file):
+        report.files_read.append(file)
+        with safe_open(os.path.join(hf_dir, file), "pt") as fh:
+            for hf_name in sorted(by_file[file]):
+                buffer[hf_name] = fh.get_tensor(hf_name)
+                report.tensors_read += 1
+                for canonical in sorted(waiting[hf_name]):
+                    target = targets[canonical]
+                    if all(n in buffer for n in target.hf_names):
+                        _fill(canonical, target, [buffer[n] for n in target.hf_names], config, tp, etp)
+                        report.params_loaded += len(target.params)
+                        for n in target.hf_names:
+                            waiting[n].discard(canonical)
+                for n in [n for n in buffer if not waiting[n]]:
+                    del buffer[n]  # no pending mapping needs it any more
+    assert not buffer, f"HF tensors read but never consumed: {sorted(buffer)}"
+
+
+def _fill(canonical: str, target: _Target, tensors: list[torch.Tensor], config: McaModelConfig,
+          tp: tuple[int, int], etp: tuple[int, int]) -> None:
+    full = target.convert.to_mca(tensors, config)
+    shard = sharding.shard_for_rank(canonical, full, config, tp, etp)
+    for param in target.params:
+        if param.shape != shard.shape:
+            raise ModelError(f"{canonical}: the converted HF weight has shape {tuple(shard.shape)} on this rank, the "
+                             f"Megatron parameter {tuple(param.shape)}. Does config.json match the weights?")
+        with torch.no_grad():
+            param.copy_(shard)
