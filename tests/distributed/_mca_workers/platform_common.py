@@ -41,8 +41,8 @@ def tiny_config(num_layers: int = 2, **overrides):
     return TransformerConfig(**kwargs)
 
 
-def build_gpt(config, seed: int = 0):
-    """GPTModel for this pipeline stage with roll's layer spec (local impl on CPU)."""
+def build_gpt(config, seed: int = 0, vp_stage: int | None = None):
+    """GPTModel for this (virtual) pipeline stage with roll's layer spec (local impl on CPU)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -50,9 +50,19 @@ def build_gpt(config, seed: int = 0):
 
     torch.manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(config, resolve_transformer_impl("auto")),
-                    vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
-                    post_process=ps.is_pipeline_last_stage(), position_embedding_type="rope",
-                    rotary_base=1000000, share_embeddings_and_output_weights=False)
+                    vocab_size=VOCAB, max_sequence_length=SEQ,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    position_embedding_type="rope", rotary_base=1000000, share_embeddings_and_output_weights=False,
+                    vp_stage=vp_stage)
+
+
+def build_chunks(config, seed: int = 0) -> list:
+    """One GPTModel chunk per virtual pipeline stage (a single chunk without VPP)."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    if vpp is None:
+        return [build_gpt(config, seed)]
+    return [build_gpt(config, seed + i, vp_stage=i) for i in range(vpp)]
 
 
 def batch(bs: int = 2, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,94 @@
+"""Model checkpoints in Megatron's distributed format (``torch_dist``), loadable at any layout.
+
+Every rank writes only its shards, tagged with their place in the global tensors, so a checkpoint
+saved at TP1 loads at TP2 or PP2 (and back) without a conversion step. The files go straight into
+``ckpt_dir`` (``metadata.json``, ``common.pt``, ``__*.distcp``); callers may keep their own small
+files there (e.g. ``mca_config.json``).
+
+Only model weights live here; optimizer/scheduler/RNG state belongs to the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from roll.errors import ModelError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+
+def is_dist_checkpoint(ckpt_dir: str) -> bool:
+    """True if ``ckpt_dir`` holds a Megatron distributed checkpoint (has its ``metadata.json``)."""
+    from megatron.core import dist_checkpointing
+
+    return os.path.isdir(ckpt_dir) and dist_checkpointing.check_is_distributed_checkpoint(ckpt_dir)
+
+
+def sharded_model_state_dict(model_chunks: Sequence[nn.Module]) -> dict:
+    """The chunks' sharded state dicts under ``model`` (one chunk) or ``model0..N`` (virtual pipeline).
+
+    The nesting key is only a container: tensors are matched by their global sharded keys (global
+    layer numbers), so a VPP checkpoint loads without VPP and the other way round.
+    """
+    if len(model_chunks) == 1:
+        return {"model": model_chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
+    """Write the model chunks' weights to ``ckpt_dir``; a collective call on every rank.
+
+    The writer starts helper processes, so the calling script needs an ``if __name__ == "__main__"``
+    guard, and ``psutil`` must be installed (without it the writer dies and the save hangs).
+    """
+    from megatron.core import dist_checkpointing
+
+    _require_model_chunks(model_chunks)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist.barrier()
+    start = time.perf_counter()
+    dist_checkpointing.save(sharded_model_state_dict(model_chunks), ckpt_dir)
+    log_rank0(logger, "saved model checkpoint (torch_dist) to %s in %.1fs", ckpt_dir, time.perf_counter() - start)
+
+
+def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
+    """Load weights saved by ``save_checkpoint`` (at any TP/PP/VPP/EP layout) into ``model_chunks``.
+
+    Raises ``ModelError`` when ``ckpt_dir`` is not a distributed checkpoint or lacks tensors the
+    model needs (another architecture, or a model built with different options).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    _require_model_chunks(model_chunks)
+    if not is_dist_checkpoint(ckpt_dir):
+        raise ModelError(f"{ckpt_dir} is not a Megatron distributed checkpoint (no metadata.json from "
+                         "dist_checkpointing); point to the directory save_checkpoint wrote.")
+    start = time.perf_counter()
+    sharded = sharded_model_state_dict(model_chunks)
+    state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+    if not_in_checkpoint:
+        raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
+                         f"{sorted(not_in_checkpoint)[:5]}. Was it saved from another architecture or config?")
+    for name, chunk in zip(sharded, model_chunks):
+        result = chunk.load_state_dict(state[name], strict=False)
+        # `_extra_state` entries (FP8 metadata; None for local modules) are not always checkpointed.
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise ModelError(f"checkpoint {ckpt_dir} does not fit model chunk {name}: missing {missing[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}.")
+    log_rank0(logger, "loaded model checkpoint %s in %.1fs", ckpt_dir, time.perf_counter() - start)
+
+
+def _require_model_chunks(model_chunks: Sequence[nn.Module]) -> None:
+    if isinstance(model_chunks, nn.Module) or not model_chunks:
+        raise TypeError("pass the list of model chunks (one per virtual pipeline stage), not a single module")
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; call initialize_megatron first")
