@@ -122,12 +122,21 @@ class StandardBackend(Backend):
         return RollTrainer(model=models.policy, data_collator=job.collator, **common)
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
+        from backends.standard.trainers import JsonlLogCallback
+
         self._succeeded = False
+        resume = _resume_value(self.config.training.resume_from_checkpoint, self._hf_args.output_dir)
         self._trainer = self._make_trainer(job, models)
-        output = self._trainer.train(resume_from_checkpoint=_resume_value(self.config.training.resume_from_checkpoint))
+        self._trainer.add_callback(JsonlLogCallback(self._hf_args.output_dir, fresh=resume is None))
+        output = self._trainer.train(resume_from_checkpoint=resume)
         self._succeeded = True
-        return TrainResult(log_history=list(self._trainer.state.log_history), output_dir=self._hf_args.output_dir,
-                           metrics=dict(output.metrics))
+        history = list(self._trainer.state.log_history)
+        losses = [entry["loss"] for entry in history if "loss" in entry]
+        if losses:
+            log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); logs in %s",
+                      losses[0], losses[-1], self._trainer.state.global_step,
+                      os.path.join(self._hf_args.output_dir, "train_log.jsonl"))
+        return TrainResult(log_history=history, output_dir=self._hf_args.output_dir, metrics=dict(output.metrics))
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         if job.eval_dataset is None:
@@ -161,17 +170,22 @@ class StandardBackend(Backend):
             _compat.install_clean_exit()
 
 
-def _resume_value(value) -> bool | str | None:
+def _resume_value(value, output_dir: str) -> str | None:
     """resume_from_checkpoint: 'true' -> the latest checkpoint in output_dir, a path -> that checkpoint."""
-    if value is None or value is False:
-        return None
-    if value is True or str(value).strip().lower() in ("true", "yes", "1"):
-        return True
-    if str(value).strip().lower() in ("false", "no", "0", "none", ""):
-        return None
-    if not os.path.isdir(str(value)):
-        from roll.errors import ConfigError
+    from transformers.trainer_utils import get_last_checkpoint
 
-        raise ConfigError(f"resume_from_checkpoint={value!r} is not a checkpoint directory; use true (latest in "
+    from roll.errors import ConfigError
+
+    text = "" if value is None else str(value).strip()
+    if text.lower() in ("", "false", "no", "0", "none"):
+        return None
+    if text.lower() in ("true", "yes", "1"):
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise ConfigError(f"resume_from_checkpoint=true but {output_dir!r} holds no checkpoint-N directory; "
+                              "train with save_steps first or give the checkpoint path.")
+        return last
+    if not os.path.isdir(text):
+        raise ConfigError(f"resume_from_checkpoint={text!r} is not a checkpoint directory; use true (latest in "
                           "output_dir) or a path such as OUTPUT_DIR/checkpoint-3.")
-    return str(value)
+    return text

@@ -17,13 +17,15 @@ What they add to HF/TRL, and why:
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils.data import SequentialSampler
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 IGNORE_INDEX = -100
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -67,6 +69,29 @@ def _real_tokens(inputs: dict[str, Any]) -> int:
         return int(mask.sum().item())
     ids = inputs.get("input_ids")
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+
+LOG_FILE = "train_log.jsonl"
+"""Every log line of a run (loss, lr, grad_norm, tokens/s, DPO rewards...), one JSON object per line."""
+
+
+class JsonlLogCallback(TrainerCallback):
+    """Rank 0 appends each log to OUTPUT_DIR/train_log.jsonl, for tools and tests (a resumed run appends)."""
+
+    def __init__(self, output_dir: str, *, fresh: bool) -> None:
+        self.path = os.path.join(output_dir, LOG_FILE)
+        self.fresh = fresh
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.fresh and state.is_world_process_zero:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            open(self.path, "w", encoding="utf-8").close()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
 class RollTrainer(RollTrainerMixin, Trainer):

@@ -1,0 +1,264 @@
+"""Standard backend, in one process on tiny models: stages train, the loss is the per-token mean of
+the global batch, samples are consumed in the pipeline's order, LoRA/freeze train only what they
+should, exports reload, and a resumed run reproduces the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from backends.standard.backend import StandardBackend
+from roll.config.parser import resolve
+from roll.contract import TrainJob
+
+IGNORE = -100
+
+
+# ---- tiny data, built by hand so these tests do not depend on roll.data --------------------------
+
+def _tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _sft_rows(tok, n=32):
+    rows = []
+    for i in range(n):
+        a, b = i % 10, (i * 7 + 3) % 10
+        prompt = tok(f"What is {a} plus {b}?")["input_ids"]
+        # answers of different lengths, so a mean of micro-batch means differs from the per-token mean
+        answer = tok(" " + " ".join([f"{a} plus {b} equals {a + b}."] * (1 + i % 3)))["input_ids"] + [tok.eos_token_id]
+        ids = prompt + answer
+        rows.append({"idx": i, "input_ids": ids, "attention_mask": [1] * len(ids),
+                     "labels": [IGNORE] * len(prompt) + answer})
+    return rows
+
+
+def _pt_rows(tok, n=32):
+    rows = []
+    for i in range(n):
+        ids = tok(f"The sum of {i % 10} and {(i * 3) % 10} is {i % 10 + (i * 3) % 10}.")["input_ids"]
+        rows.append({"idx": i, "input_ids": ids, "attention_mask": [1] * len(ids), "labels": [IGNORE] + ids[1:]})
+    return rows
+
+
+def _dpo_rows(tok, n=32):
+    rows = []
+    for r in _sft_rows(tok, n):
+        n_prompt = sum(1 for label in r["labels"] if label == IGNORE)
+        rejected = r["input_ids"][:n_prompt] + tok(" nine hundred")["input_ids"] + [tok.eos_token_id]
+        rows.append({"idx": r["idx"],
+                     "chosen_input_ids": r["input_ids"], "chosen_attention_mask": r["attention_mask"],
+                     "chosen_labels": r["labels"], "rejected_input_ids": rejected,
+                     "rejected_attention_mask": [1] * len(rejected),
+                     "rejected_labels": [IGNORE] * n_prompt + rejected[n_prompt:]})
+    return rows
+
+
+def _pad(rows, value):
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows])
+
+
+class _Collator:
+    """Right-pads like roll's SequenceCollator/PairwiseCollator (chosen rows before rejected) and
+    records which sample indices it was given, in order."""
+
+    def __init__(self, pad_id, pairwise=False):
+        self.pad_id, self.pairwise, self.seen = pad_id, pairwise, []
+
+    def __call__(self, features):
+        self.seen.extend(f["idx"] for f in features)
+        if self.pairwise:
+            features = [{k: f[f"{side}_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+                        for side in ("chosen", "rejected") for f in features]
+        return {"input_ids": _pad([f["input_ids"] for f in features], self.pad_id),
+                "attention_mask": _pad([f["attention_mask"] for f in features], 0),
+                "labels": _pad([f["labels"] for f in features], IGNORE)}
+
+
+def train_in_process(model_dir, out_dir, stage="sft", n=32, save=False, **recipe):
+    """Drive the backend the way roll/router.py does; returns (backend, result, models, collator)."""
+    from datasets import Dataset
+
+    tok = _tokenizer(model_dir)
+    rows = {"pt": _pt_rows, "sft": _sft_rows, "dpo": _dpo_rows}[stage](tok, n)
+    base = dict(model_name_or_path=model_dir, stage=stage, output_dir=str(out_dir), per_device_train_batch_size=4,
+                learning_rate=3e-3, max_steps=6, logging_steps=1, save_strategy="no", report_to="none",
+                lr_scheduler_type="constant", seed=0, disable_tqdm=True)
+    config = resolve({**base, **recipe}, {}, None)
+    backend = StandardBackend(config)
+    collator = _Collator(tok.pad_token_id, pairwise=stage == "dpo")
+    job = TrainJob(stage=stage, tokenizer=tok, train_dataset=Dataset.from_list(rows), collator=collator)
+    backend.setup_distributed()
+    try:
+        models = backend.apply_finetuning(backend.load_models(stage, tok))
+        result = backend.train(job, models)
+        if save:
+            result.hf_model_dir = backend.save(models, tok, str(out_dir))
+    finally:
+        backend.teardown()
+    return backend, result, models, collator
+
+
+def _losses(result):
+    return [entry["loss"] for entry in result.log_history if "loss" in entry]
+
+
+# ---- stages -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage,lr", [("pt", 3e-3), ("sft", 3e-3), ("dpo", 1e-3)])
+def test_stage_trains_and_loss_falls(tiny_model_dir, tmp_path, stage, lr):
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    _, result, models, _ = train_in_process(tiny_model_dir, tmp_path, stage=stage, learning_rate=lr)
+    losses = _losses(result)
+    assert len(losses) == 6
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+    changed = [k for k, v in models.policy.state_dict().items() if not torch.equal(v, start[k])]
+    assert changed, "no parameter changed"
+    logged = json.loads(open(tmp_path / "train_log.jsonl").readline())
+    assert {"loss", "grad_norm", "learning_rate", "tokens_per_second"} <= set(logged)
+    if stage == "dpo":
+        assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(logged)
+        assert result.log_history[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 1
+
+
+@pytest.mark.parametrize("loss", ["ipo", "hinge"])
+def test_dpo_loss_types(tiny_model_dir, tmp_path, loss):
+    _, result, _, _ = train_in_process(tiny_model_dir, tmp_path, stage="dpo", learning_rate=1e-3, max_steps=2,
+                                       pref_loss=loss, pref_beta=0.2)
+    # policy == reference at step 1: ipo loss = (0 - 1/(2 beta))^2, hinge loss = relu(1 - 0) = 1
+    assert result.log_history[0]["loss"] == pytest.approx((1 / (2 * 0.2)) ** 2 if loss == "ipo" else 1.0, rel=1e-4)
+
+
+def test_dpo_reference_free(tiny_model_dir, tmp_path):
+    _, result, models, _ = train_in_process(tiny_model_dir, tmp_path, stage="dpo", max_steps=2, ref_free=True)
+    assert models.ref is None
+    # the reference log-probs are 0, not the policy's, so the first loss is not log(2)
+    assert result.log_history[0]["loss"] != pytest.approx(0.6931, abs=1e-3)
+
+
+# ---- loss definition and sample order -----------------------------------------------------------
+
+def test_loss_is_per_token_mean_over_global_batch(tiny_model_dir, tmp_path):
+    """GAS=1 x MBS=8 == GAS=8 x MBS=1 == a hand-computed per-token mean over the 8 samples."""
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for mbs, gas in ((8, 1), (1, 8)):
+        _, result, _, _ = train_in_process(tiny_model_dir, tmp_path / f"m{mbs}", max_steps=1,
+                                           per_device_train_batch_size=mbs, gradient_accumulation_steps=gas)
+        runs[(mbs, gas)] = result.log_history[0]
+    a, b = runs[(8, 1)], runs[(1, 8)]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+    tok = _tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    total, count, micro_means = 0.0, 0, []
+    with torch.no_grad():
+        for row in _sft_rows(tok)[:8]:
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1]
+            labels = torch.tensor(row["labels"][1:])
+            token_losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+            n = int((labels != IGNORE).sum())
+            total, count = total + token_losses.item(), count + n
+            micro_means.append(token_losses.item() / n)
+    assert a["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert abs(sum(micro_means) / 8 - total / count) > 1e-3  # the data would expose a mean of means
+
+
+def test_trainer_consumes_the_pipeline_order(tiny_model_dir, tmp_path):
+    """Global step k takes samples [k*B, (k+1)*B): no second shuffle by the Trainer."""
+    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path, max_steps=3, per_device_train_batch_size=2,
+                                         gradient_accumulation_steps=2, learning_rate=0.0)
+    # the data loader prefetches one batch beyond the last step; what was trained on is the prefix
+    assert collator.seen[:12] == list(range(12)) and collator.seen[12:] in ([], [12, 13])
+
+
+# ---- fine-tuning types and exports --------------------------------------------------------------
+
+def test_lora_trains_only_adapters_and_exports_reload(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    _, result, models, _ = train_in_process(tiny_model_dir, tmp_path, finetuning_type="lora", lora_rank=4,
+                                            export_merged=True, save=True)
+    policy = models.policy.eval()
+    for name, param in policy.named_parameters():
+        if "lora_" in name:
+            assert param.requires_grad and param.dtype == torch.float32
+        else:
+            assert not param.requires_grad, name
+            base_name = name.replace("base_model.model.", "").replace(".base_layer", "")
+            assert torch.equal(param.detach(), start[base_name]), f"base weight {name} changed"
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        trained = policy(input_ids=ids).logits
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                             result.hf_model_dir).eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(result.hf_model_dir, "merged")).eval()
+        merged_logits = merged(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()(input_ids=ids).logits
+    assert torch.allclose(trained, reloaded, atol=1e-5)
+    assert torch.allclose(merged_logits, trained, atol=1e-4)
+    assert not torch.allclose(trained, base_logits, atol=1e-3)  # the adapter did learn something
+    assert os.path.isfile(os.path.join(result.hf_model_dir, "adapter_model.safetensors"))
+
+
+def test_lora_target_all_is_every_linear_but_the_head(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from backends.standard.models import resolve_lora_targets
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert resolve_lora_targets(model, "all") == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert resolve_lora_targets(model, ["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
+
+
+def test_freeze_trains_only_the_last_layers(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    _, _, models, _ = train_in_process(tiny_model_dir, tmp_path, finetuning_type="freeze", freeze_trainable_layers=1)
+    changed = {k for k, v in models.policy.state_dict().items() if not torch.equal(v, start[k])}
+    assert changed and all(".layers.1." in k for k in changed), sorted(changed)
+
+
+def test_full_model_export_loads_with_tokenizer_and_template(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, result, models, _ = train_in_process(tiny_model_dir, tmp_path, max_steps=2, save=True)
+    out = result.hf_model_dir
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[5, 17, 42, 99]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, models.policy.eval()(input_ids=ids).logits, atol=1e-5)
+    assert AutoTokenizer.from_pretrained(out).chat_template
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="linear")
+    _, full, _, _ = train_in_process(tiny_model_dir, tmp_path / "full", **common)
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert checkpoint.is_dir()
+    _, resumed, _, _ = train_in_process(tiny_model_dir, tmp_path / "resumed", resume_from_checkpoint=str(checkpoint),
+                                        **common)
+    # log_history carries the checkpoint's steps 1-3; the run's own log file has only what it trained
+    logged = [json.loads(line) for line in open(tmp_path / "resumed" / "train_log.jsonl")]
+    steps = [(e["step"], e["loss"]) for e in logged if "loss" in e]
+    assert [step for step, _ in steps] == [4, 5, 6]
+    assert [loss for _, loss in steps] == pytest.approx(_losses(full)[3:], rel=1e-6)
+    assert _losses(resumed) == pytest.approx(_losses(full), rel=1e-6)
