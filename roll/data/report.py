@@ -26,7 +26,10 @@ def marked_text(tokenizer, input_ids: list[int], labels: list[int]) -> str:
     return "".join(parts)
 
 
-def _wrap(text: str, trained: bool) -> str:
+def _wrap(text: str, trained: bool, keep: int = 400) -> str:
+    """Mark a trained run; runs longer than 2 * keep characters show only their ends."""
+    if len(text) > 2 * keep:
+        text = f"{text[:keep]} [... {len(text) - 2 * keep} characters ...] {text[-keep:]}"
     return f"{OPEN}{text}{CLOSE}" if trained else text
 
 

@@ -1,0 +1,151 @@
+"""Collators and the label shift, checked on literal tensors (the docstring examples included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roll import IGNORE_INDEX
+from roll.data.collators import (LabelShiftCollator, PairwiseCollator, SequenceCollator, cu_seqlens_from_positions,
+                                 shift_labels, target_length)
+from roll.data.policy import PaddingPolicy
+
+X = IGNORE_INDEX
+
+
+def _lists(batch: dict) -> dict:
+    return {k: v.tolist() for k, v in batch.items()}
+
+
+SFT_ROWS = [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [X, 6, 7]},
+            {"input_ids": [8, 9], "attention_mask": [1, 1], "labels": [X, 9]}]
+
+
+def test_sequence_collator_docstring_example():
+    assert _lists(SequenceCollator(pad_token_id=0)(SFT_ROWS)) == {
+        "input_ids": [[5, 6, 7], [8, 9, 0]],
+        "attention_mask": [[1, 1, 1], [1, 1, 0]],
+        "labels": [[X, 6, 7], [X, 9, X]],
+    }
+
+
+def test_sequence_collator_returns_long_tensors():
+    batch = SequenceCollator(pad_token_id=0)(SFT_ROWS)
+    assert all(v.dtype == torch.long for v in batch.values())
+
+
+def test_packed_docstring_example():
+    policy = PaddingPolicy(pad_to_multiple_of=4, packing=True)
+    batch = SequenceCollator(pad_token_id=0, policy=policy)(
+        [{"input_ids": [5, 6, 7], "labels": [X, 6, X], "position_ids": [0, 1, 0]}])
+    assert _lists(batch) == {"input_ids": [[5, 6, 7, 0]], "labels": [[X, 6, X, X]],
+                             "position_ids": [[0, 1, 0, 0]], "cu_seqlens": [0, 2, 3, 4]}
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert "attention_mask" not in batch
+
+
+def test_pairwise_collator_docstring_example():
+    row = {"chosen_input_ids": [5, 6, 7], "chosen_attention_mask": [1, 1, 1], "chosen_labels": [X, 6, 7],
+           "rejected_input_ids": [5, 8], "rejected_attention_mask": [1, 1], "rejected_labels": [X, 8]}
+    assert _lists(PairwiseCollator(pad_token_id=0)([row])) == {
+        "input_ids": [[5, 6, 7], [5, 8, 0]],
+        "attention_mask": [[1, 1, 1], [1, 1, 0]],
+        "labels": [[X, 6, 7], [X, 8, X]],
+    }
+
+
+def test_pairwise_collator_stacks_all_chosen_before_all_rejected():
+    rows = [{f"{side}_{key}": [i * 10 + (side == "rejected")] * 2 for side in ("chosen", "rejected")
+             for key in ("input_ids", "attention_mask", "labels")} for i in range(1, 4)]
+    ids = PairwiseCollator(pad_token_id=0)(rows)["input_ids"][:, 0].tolist()
+    assert ids == [10, 20, 30, 11, 21, 31]
+
+
+def test_pairwise_collator_refuses_packing():
+    with pytest.raises(ValueError, match="packing"):
+        PairwiseCollator(pad_token_id=0, policy=PaddingPolicy(packing=True))
+
+
+def test_shift_labels_docstring_example_including_pairwise_keys():
+    assert shift_labels({"input_ids": [5, 6, 7], "labels": [X, 6, 7], "chosen_attention_mask": [1, 1, 1]}) == {
+        "input_ids": [5, 6], "labels": [6, 7], "chosen_attention_mask": [1, 1]}
+
+
+def test_shift_labels_on_every_pairwise_key_and_leaves_others():
+    batch = {f"{side}{key}": torch.tensor([[1, 2, 3]]) for side in ("", "chosen_", "rejected_")
+             for key in ("input_ids", "attention_mask", "labels", "position_ids")}
+    batch["cu_seqlens"] = torch.tensor([0, 3], dtype=torch.int32)
+    out = shift_labels(batch)
+    for key, value in out.items():
+        if key == "cu_seqlens":
+            assert value.tolist() == [0, 3]
+        elif key.endswith("labels"):
+            assert value.tolist() == [[2, 3]], key
+        else:
+            assert value.tolist() == [[1, 2]], key
+
+
+def test_pad_to_max_length_with_shift_gives_max_length_after_shift():
+    policy = PaddingPolicy(pad_to="max_length", max_length=6, shift_labels=True)
+    batch = SequenceCollator(pad_token_id=0, policy=policy)(SFT_ROWS)
+    assert _lists(batch) == {
+        "input_ids": [[5, 6, 7, 0, 0, 0], [8, 9, 0, 0, 0, 0]],
+        "attention_mask": [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]],
+        "labels": [[6, 7, X, X, X, X], [9, X, X, X, X, X]],
+    }
+
+
+def test_pad_to_multiple_of():
+    batch = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(pad_to_multiple_of=4))(SFT_ROWS)
+    assert batch["input_ids"].shape == (2, 4)
+    shifted = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(pad_to_multiple_of=4, shift_labels=True))(SFT_ROWS)
+    assert shifted["input_ids"].shape == (2, 4)  # padded to 5, then the shift drops one
+    assert shifted["labels"][0].tolist() == [6, 7, X, X]
+
+
+@pytest.mark.parametrize("longest,policy,expected", [
+    (5, PaddingPolicy(), 5),
+    (5, PaddingPolicy(pad_to_multiple_of=4), 8),
+    (5, PaddingPolicy(pad_to_multiple_of=4, shift_labels=True), 5),
+    (6, PaddingPolicy(pad_to_multiple_of=4, shift_labels=True), 9),
+    (3, PaddingPolicy(pad_to="max_length", max_length=8), 8),
+    (3, PaddingPolicy(pad_to="max_length", max_length=6, pad_to_multiple_of=4), 8),
+])
+def test_target_length(longest, policy, expected):
+    assert target_length(longest, policy) == expected
+
+
+def test_row_longer_than_max_length_is_an_error():
+    with pytest.raises(ValueError, match="max_length"):
+        target_length(9, PaddingPolicy(pad_to="max_length", max_length=8))
+
+
+def test_packed_shift_no_label_crosses_a_boundary():
+    """Two packed samples [5, 6, 7] and [8, 9]: after the shift, the last position of sample one must
+    not be trained to predict sample two's first token (its first label is IGNORE_INDEX)."""
+    row = {"input_ids": [5, 6, 7, 8, 9], "labels": [X, 6, 7, X, 9], "position_ids": [0, 1, 2, 0, 1]}
+    policy = PaddingPolicy(packing=True, shift_labels=True, pad_to_multiple_of=2)
+    batch = SequenceCollator(pad_token_id=0, policy=policy)([row])
+    # padded to 5 so that 4 (a multiple of 2) positions remain after the shift
+    assert _lists(batch) == {"input_ids": [[5, 6, 7, 8]], "labels": [[6, 7, X, 9]],
+                             "position_ids": [[0, 1, 2, 0]], "cu_seqlens": [0, 3, 4]}
+
+
+def test_cu_seqlens_over_several_rows():
+    positions = torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 0]])
+    assert cu_seqlens_from_positions(positions).tolist() == [0, 2, 5, 9, 10]
+
+
+def test_packing_policy_synthesises_positions_for_unpacked_rows():
+    batch = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(packing=True))(SFT_ROWS)
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
+    assert batch["cu_seqlens"].tolist() == [0, 3, 5, 6]
+
+
+def test_label_shift_wrapper_over_a_foreign_collator():
+    def inner(features):
+        return {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[X, 2, 3]]),
+                "rejected_labels": torch.tensor([[X, 4, 5]])}
+
+    out = LabelShiftCollator(inner)([{}])
+    assert _lists(out) == {"input_ids": [[1, 2]], "labels": [[2, 3]], "rejected_labels": [[4, 5]]}
