@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in ~175 ``torch.cuda.current_device()`` call sites, ~60 hard-coded
 ``device="cuda"`` tensors (optimizer, clip_grads, schedules, p2p), a CUDA-only RNG tracker, CUDA
 streams in the MoE alltoall dispatcher, and (0.16.x) a ``NameError`` in the MoE router when
-Transformer Engine is absent. Each patch below says what it fixes and when it can go. They touch no
+Transformer Engine is absent; without TE/Apex its torch norms also refuse sequence parallelism. Each patch below says what it fixes and when it can go. They touch no
 megatron file, are gated on the megatron-core version, and run only when no accelerator is
 present (``apply_cpu_compat`` is a no-op on CUDA/NPU), so the same code runs unpatched on GPUs.
 
@@ -14,6 +14,7 @@ sequences need TE attention; ``backends.mca.attention.LocalCoreAttention`` cover
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -242,6 +243,28 @@ def _patch_moe_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _patch_torch_norm_sequence_parallel() -> None:
+    """Without TE/Apex the local spec (and the final norm) uses ``WrappedTorchNorm``, which asserts
+    ``not config.sequence_parallel``; yet SP is required for TP>1 with EP>1. Under SP a norm sees a
+    sequence shard, so its weight grads are partial: tag them ``sequence_parallel`` like TE/Apex
+    norms do, and ``finalize_model_grads`` sums them over the TP group."""
+    import megatron.core.transformer.torch_norm as torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        plain = copy.copy(config)  # only to pass the assert; the norm itself has no SP logic
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
 _UPSTREAM_CPU = "megatron-core supports CPU-only torch builds (not the case up to 0.19.2)"
 
 _PATCHES: tuple[_Patch, ...] = (
@@ -253,4 +276,6 @@ _PATCHES: tuple[_Patch, ...] = (
            fixed_in=Version("0.19")),
     _Patch("cuda_streams", _patch_cuda_streams, _UPSTREAM_CPU),
     _Patch("moe_split_sizes", _patch_moe_split_sizes, _UPSTREAM_CPU),
+    _Patch("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel,
+           "WrappedTorchNorm supports sequence parallelism upstream (not as of 0.19.2)"),
 )

@@ -70,19 +70,35 @@ def multi() -> None:
         dist.all_gather_object(gathered, mine, group=group)
         results[name] = {"info": info.__dict__, "draws": gathered}
         if name == "tp2":
-            results[name]["loss"] = _tp2_forward_backward()
+            results[name]["train"] = _tp2_forward_backward()
         destroy_megatron()
         assert dist.is_initialized(), "destroy_megatron destroyed a process group it did not create"
     emit(**results)
 
 
-def _tp2_forward_backward() -> float:
-    model = build_gpt(tiny_config())
+def _tp2_forward_backward() -> dict:
+    """A TP2 GPT from roll's spec trains one step; with sequence parallelism (local norms patched)
+    it gives the same loss, and its norm grads summed over TP equal the non-SP grads."""
+    from megatron.core import parallel_state as ps
+
     tokens, position_ids = batch()
-    loss = model(tokens, position_ids, None, labels=torch.roll(tokens, -1, 1)).mean()
-    loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    return loss.item()
+    labels = torch.roll(tokens, -1, 1)
+    grads, losses, tagged = {}, {}, []
+    for sp in (False, True):
+        model = build_gpt(tiny_config(sequence_parallel=sp), seed=3)
+        loss = model(tokens, position_ids, None, labels=labels).mean()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        losses[sp] = loss.item()
+        grads[sp] = {}
+        for name, p in model.named_parameters():
+            g = p.grad.clone()
+            if getattr(p, "sequence_parallel", False):  # what finalize_model_grads does under SP
+                tagged.append(name)
+                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+            grads[sp][name] = g
+    grad_diff = max((grads[True][n] - grads[False][n]).abs().max().item() for n in grads[False])
+    return {"loss": losses[False], "sp_loss": losses[True], "sp_grad_diff": grad_diff, "sp_tagged": tagged}
 
 
 if __name__ == "__main__":
