@@ -49,6 +49,10 @@ def test_initialize_megatron_tp2_dp2_seeding():
     assert train["sp_grad_diff"] <= 1e-6
     assert "decoder.final_layernorm.weight" in train["sp_tagged"]
     assert "decoder.layers.0.input_layernorm.weight" in train["sp_tagged"]
+    # MoE on CPU (router without TE, alltoall on gloo): EP2 and TP2xEP2 (SP) agree for both
+    # dispatchers. Same weights everywhere (CPU init, same seed); tolerance 1e-6 (observed 0).
+    moe = [res[r][name]["moe_loss"][d] for r in (0, 1) for name in ("ep2", "tp2_ep2") for d in ("allgather", "alltoall")]
+    assert max(moe) - min(moe) <= 1e-6, moe
 
 
 def test_local_attention_packed_and_context_parallel(tmp_path):

@@ -63,7 +63,9 @@ def multi() -> None:
     group = dist.group.WORLD
     results = {}
     for name, layout in (("tp2", ParallelLayout(world_size=2, tp=2)), ("dp2", ParallelLayout(world_size=2)),
-                         ("tp2_again", ParallelLayout(world_size=2, tp=2))):
+                         ("tp2_again", ParallelLayout(world_size=2, tp=2)),
+                         ("ep2", ParallelLayout(world_size=2, ep=2)),
+                         ("tp2_ep2", ParallelLayout(world_size=2, tp=2, ep=2, etp=1))):
         info = initialize_megatron(layout, seed=11)
         mine = draws()
         gathered = [None, None]
@@ -71,6 +73,8 @@ def multi() -> None:
         results[name] = {"info": info.__dict__, "draws": gathered}
         if name == "tp2":
             results[name]["train"] = _tp2_forward_backward()
+        if name.endswith("ep2"):
+            results[name]["moe_loss"] = _moe_losses(sequence_parallel=layout.tp > 1)
         destroy_megatron()
         assert dist.is_initialized(), "destroy_megatron destroyed a process group it did not create"
     emit(**results)
@@ -99,6 +103,21 @@ def _tp2_forward_backward() -> dict:
             grads[sp][name] = g
     grad_diff = max((grads[True][n] - grads[False][n]).abs().max().item() for n in grads[False])
     return {"loss": losses[False], "sp_loss": losses[True], "sp_grad_diff": grad_diff, "sp_tagged": tagged}
+
+
+def _moe_losses(sequence_parallel: bool) -> dict[str, float]:
+    """Loss of a 4-expert top-2 MoE GPT (same weights every time) with each token dispatcher; the
+    CPU patches for the router without TE, CUDA streams and alltoall split sizes are exercised."""
+    tokens, position_ids = batch()
+    losses = {}
+    for dispatcher in ("allgather", "alltoall"):
+        config = tiny_config(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0,
+                             moe_token_dispatcher_type=dispatcher, sequence_parallel=sequence_parallel)
+        model = build_gpt(config, seed=2)
+        loss = model(tokens, position_ids, None, labels=torch.roll(tokens, -1, 1)).mean()
+        loss.backward()
+        losses[dispatcher] = loss.item()
+    return losses
 
 
 if __name__ == "__main__":
