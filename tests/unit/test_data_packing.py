@@ -1,0 +1,79 @@
+"""Sequence packing invariants: no sample split, bins within capacity, positions restart, no label leaks."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from roll import IGNORE_INDEX
+from roll.config.data import DataArguments
+from roll.data import build_datasets
+from roll.data.packing import best_fit_decreasing
+from roll.errors import DataError
+
+
+def test_best_fit_decreasing_docstring_example():
+    assert best_fit_decreasing([3, 5, 2, 4], 7) == [[1, 2], [3, 0]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_sample_in_exactly_one_bin_within_capacity(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 100) for _ in range(500)]
+    bins = best_fit_decreasing(lengths, 128)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
+    # best-fit decreasing uses at most 11/9 OPT + 1 bins; OPT >= total / capacity
+    assert len(bins) <= 11 / 9 * (sum(lengths) / 128) + 2
+
+
+def test_sample_longer_than_a_bin_is_an_error():
+    with pytest.raises(DataError, match="sample 1 has 9 tokens"):
+        best_fit_decreasing([3, 9], 8)
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    from roll.tiny import build_bpe_tokenizer
+
+    return build_bpe_tokenizer()
+
+
+def _segments(row):
+    start = 0
+    for n in row["seq_lens"]:
+        yield {k: row[k][start:start + n] for k in ("input_ids", "labels", "position_ids")}
+        start += n
+
+
+def test_packed_dataset_invariants(bpe, tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    rng = random.Random(0)
+    words = "the cat sees a dog one two three four five".split()
+    rows = [{"instruction": " ".join(rng.choices(words, k=rng.randint(2, 30))), "input": "",
+             "output": " ".join(rng.choices(words, k=rng.randint(1, 40)))} for _ in range(60)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(rows))
+
+    def build(packing):
+        args = DataArguments(dataset=str(path), cutoff_len=128, packing=packing)
+        return build_datasets(args, bpe, stage="sft", processor="supervised", formats=("alpaca",), seed=0)
+
+    plain, packed = build(False), build(True)
+    samples = sorted(zip(plain.train["input_ids"], plain.train["labels"]))
+    segments = [seg for row in packed.train for seg in _segments(row)]
+    assert all(len(row["input_ids"]) <= 128 for row in packed.train)
+    assert all(sum(row["seq_lens"]) == len(row["input_ids"]) == len(row["position_ids"]) for row in packed.train)
+    # no sample split or lost: the segments are exactly the unpacked samples
+    assert sorted((s["input_ids"], s["labels"]) for s in segments) == samples
+    for seg in segments:
+        assert seg["position_ids"] == list(range(len(seg["input_ids"])))  # restart at 0
+        assert seg["labels"][0] == IGNORE_INDEX  # nothing predicts a segment's first token from the previous one
+    stats = packed.stats
+    assert stats.num_samples == 60 and stats.num_rows == len(packed.train) < 60
+    assert stats.packing_efficiency == pytest.approx(stats.num_tokens / (len(packed.train) * 128))
+    assert stats.num_tokens == plain.stats.num_tokens and plain.stats.packing_efficiency is None
