@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from backends.mca.models.auto import AutoConfig, AutoModel, save_mca
 from backends.mca.models.config import McaModelConfig
-from backends.mca.models.export import copy_tokenizer_files, save_hf
+from backends.mca.models.export import save_hf
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -42,9 +42,7 @@ def hf_to_mca(hf_dir: str, out_dir: str, layout: Layout = Layout()) -> McaModelC
     """Convert an HF checkpoint to a Megatron (torch_dist) checkpoint with ``mca_config.json``."""
     chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
     config = AutoConfig.from_pretrained(hf_dir, **layout.overrides())
-    save_mca(chunks, config, out_dir)
-    if dist.get_rank() == 0:
-        copy_tokenizer_files(hf_dir, out_dir)
+    save_mca(chunks, config, out_dir, tokenizer_dir=hf_dir)
     log_rank0(logger, "wrote Megatron checkpoint to %s", out_dir)
     return config
 

@@ -28,7 +28,6 @@ from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
 HF_CONFIG_NAME = "config.json"
-_DIST_CKPT_MARKERS = (".metadata", "metadata.json")
 
 
 def has_mca_config(path: str) -> bool:
@@ -41,7 +40,9 @@ def has_hf_config(path: str) -> bool:
 
 def has_megatron_weights(path: str) -> bool:
     """A torch_dist checkpoint (written by ``backends.mca.checkpoint``) lives in ``path``."""
-    return any(os.path.exists(os.path.join(path, marker)) for marker in _DIST_CKPT_MARKERS)
+    from backends.mca.checkpoint import is_dist_checkpoint
+
+    return is_dist_checkpoint(path)
 
 
 def read_hf_config(path: str) -> dict:
@@ -87,8 +88,10 @@ class AutoModel:
         return chunks
 
 
-def save_mca(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str) -> None:
-    """Write a Megatron checkpoint (torch_dist, loadable at any layout) plus ``mca_config.json``."""
+def save_mca(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str,
+             tokenizer_dir: str | None = None) -> None:
+    """Write a Megatron checkpoint (torch_dist, loadable at any layout) plus ``mca_config.json``
+    (and the tokenizer files of ``tokenizer_dir``, so the directory stays a usable model)."""
     import torch.distributed as dist
 
     from backends.mca.checkpoint import save_checkpoint
@@ -96,6 +99,10 @@ def save_mca(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str
     save_checkpoint(chunks, out_dir)
     if dist.get_rank() == 0:
         config.save_pretrained(out_dir)
+        if tokenizer_dir:
+            from backends.mca.models.export import copy_tokenizer_files
+
+            copy_tokenizer_files(tokenizer_dir, out_dir)
     dist.barrier()
 
 
