@@ -105,7 +105,11 @@ class LocalCoreAttention(DotProductAttention):
             raise ValueError(f"packed sequences must use qkv_format 'thd', got {packed_seq_params.qkv_format!r}.")
         if packed:  # [t, h, d] -> [t, 1, h, d]: one code path for both layouts
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        allowed = self._allowed(query.shape[0], packed_seq_params, attention_mask).to(query.device)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"LocalCoreAttention handles causal attention only with packed sequences or context "
+                             f"parallelism; got attn_mask_type {mask_type.name}.")
+        allowed = self._allowed(query.shape[0], packed_seq_params, attention_mask, query.device)
         if self.cp_group is not None:
             key = _AllGatherSeq.apply(key, self.cp_group)
             value = _AllGatherSeq.apply(value, self.cp_group)
@@ -114,8 +118,8 @@ class LocalCoreAttention(DotProductAttention):
         return out.reshape(s, -1) if packed else out.reshape(s, b, -1)
 
     def _allowed(self, local_len: int, packed_seq_params: Optional[PackedSeqParams],
-                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Boolean [.., sq, sk] mask, True where a query may attend to a key."""
+                 attention_mask: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Boolean [.., sq, sk] mask on ``device``, True where a query may attend to a key."""
         cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         rank = 0 if self.cp_group is None else dist.get_rank(self.cp_group)
         if packed_seq_params is not None:
@@ -131,9 +135,11 @@ class LocalCoreAttention(DotProductAttention):
                              f"{q_index.numel()}; the packed batch and its cu_seqlens disagree.")
         segment = lambda idx: torch.searchsorted(cu, idx, right=True)  # noqa: E731 - sequence id of a token
         allowed = (segment(q_index)[:, None] == segment(k_index)[None, :]) & (q_index[:, None] >= k_index[None, :])
+        allowed = allowed.to(device)
         if attention_mask is not None:
             # Megatron's mask is True = masked; its key axis is in global order, ours in gathered order.
-            allowed = allowed & ~attention_mask[..., k_index].bool() if cp > 1 else allowed & ~attention_mask.bool()
+            key_order = k_index.to(attention_mask.device)
+            allowed = allowed & ~(attention_mask[..., key_order] if cp > 1 else attention_mask).bool()
         return allowed
 
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -41,12 +41,15 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
       (Megatron's scheme), so TP ranks draw different dropout masks, reproducibly across restarts.
     """
     if "layout" in _state:
-        if _state["layout"] != layout:
+        if _layout_key(_state["layout"]) != _layout_key(layout):  # type: ignore[arg-type]
             raise ConfigError(f"Megatron is already initialised with {_state['layout'].describe()}; "
                               f"cannot re-initialise with {layout.describe()} in the same process.")
         return _state["info"]  # type: ignore[return-value]
 
     platform = current_platform()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if platform.is_accelerator:  # before the process group, so nccl/hccl bind this rank's device
+        getattr(torch, platform.device_type).set_device(local_rank)
     owns_group = _init_process_group(platform.dist_backend, timeout_minutes)
     world = dist.get_world_size()
     if world != layout.world_size:
@@ -55,10 +58,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
         raise ConfigError(f"the parallel layout expects world_size {layout.world_size} ({layout.describe()}), but "
                           f"torch.distributed has {world} processes. Launch with nproc_per_node * nnodes = "
                           f"{layout.world_size} or change the parallel sizes.")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if platform.is_accelerator:
-        getattr(torch, platform.device_type).set_device(local_rank)
-    else:
+    if not platform.is_accelerator:
         from backends.mca.platform import apply_cpu_compat
 
         apply_cpu_compat()
@@ -127,6 +127,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _layout_key(layout: ParallelLayout) -> tuple[int, ...]:
+    """The layout with defaults resolved (etp None == tp, vpp None == 1), for equality."""
+    return (layout.world_size, layout.tp, layout.pp, layout.vpp_size, layout.cp, layout.ep, layout.expert_tp)
 
 
 def _check_groups_match(layout: ParallelLayout) -> None:

@@ -35,6 +35,8 @@ def single() -> None:
     patches = applied_patches()
     modes = len(torch.overrides._get_current_function_mode_stack())
     assert initialize_megatron(layout, seed=5) is info, "second initialize_megatron call was not a no-op"
+    same = ParallelLayout(world_size=1, etp=1, vpp=1)  # defaults spelled out: the same layout
+    assert initialize_megatron(same, seed=5) is info, "an equivalent layout was treated as a different one"
     apply_cpu_compat()
     assert applied_patches() == patches and len(torch.overrides._get_current_function_mode_stack()) == modes, \
         "apply_cpu_compat is not idempotent"
