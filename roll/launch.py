@@ -55,6 +55,10 @@ def relaunch(config: RunConfig, argv: list[str]) -> int:
     cmd = launch_command(config, argv)
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
     env.setdefault("OMP_NUM_THREADS", "1")  # the deepspeed launcher does not set it; 2-4x slower without
+    from roll.platform import current_platform
+
+    if not current_platform().is_accelerator:
+        env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would detect it too, with a warning per rank
     logger.info("launching %d processes: %s", config.training.nproc_per_node, " ".join(cmd))
     child = subprocess.Popen(cmd, env=env)
 

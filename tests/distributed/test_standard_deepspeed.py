@@ -1,0 +1,81 @@
+"""The standard backend on 2 processes through `roll-train` itself (deepspeed launcher, gloo on CPU):
+ZeRO-2 and ZeRO-3 give the same first-step loss as a 1-process run with the same global batch.
+
+The 1-process reference runs in the test process through the router (no DeepSpeed), which is the
+plain HF Trainer path; the 2-process runs are real `roll-train ... nproc_per_node=2 deepspeed=...`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import REPO, output_of, roll_train
+
+
+SFT_DATA = os.path.join(REPO, "recipes", "demo", "data", "arithmetic_sft.json")
+DPO_DATA = os.path.join(REPO, "recipes", "demo", "data", "arithmetic_dpo.json")
+GLOBAL_BATCH = 8
+
+
+def _recipe(model_dir, out_dir, stage, **extra) -> dict:
+    recipe = dict(model_name_or_path=model_dir, stage=stage, dataset=SFT_DATA if stage == "sft" else DPO_DATA,
+                  cutoff_len=64, output_dir=str(out_dir), max_steps=2, logging_steps=1, learning_rate=1e-3,
+                  lr_scheduler_type="constant", save_strategy="no", report_to="none", seed=0, disable_tqdm=True)
+    recipe.update(extra)
+    return recipe
+
+
+def _logged(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "train_log.jsonl"), encoding="utf-8") as fh:
+        return [entry for entry in map(json.loads, fh) if "loss" in entry]
+
+
+def _one_process(model_dir, out_dir, stage) -> list[dict]:
+    """The reference: 1 process, micro-batch = global batch, through the router in this process."""
+    from roll import router
+    from roll.config.parser import resolve
+
+    router.run(resolve(_recipe(model_dir, out_dir, stage, per_device_train_batch_size=GLOBAL_BATCH), {}, None))
+    return _logged(out_dir)
+
+
+def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum) -> list[dict]:
+    recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=micro_batch,
+                     gradient_accumulation_steps=grad_accum, nproc_per_node=2,
+                     deepspeed=os.path.join(REPO, "recipes", "deepspeed", ds_file))
+    args = [f"{key}={value}" for key, value in recipe.items()]
+    proc = roll_train(*args, timeout=420)
+    assert proc.returncode == 0, output_of(proc)
+    assert "launching 2 processes" in proc.stderr and "deepspeed.launcher.runner" in proc.stderr
+    return _logged(out_dir)
+
+
+@pytest.fixture(scope="module")
+def sft_reference(tiny_model_dir, tmp_path_factory):
+    return _one_process(tiny_model_dir, tmp_path_factory.mktemp("sft_1proc"), "sft")
+
+
+@pytest.mark.parametrize("ds_file,micro_batch,grad_accum", [("ds_z2.json", 4, 1), ("ds_z3.json", 2, 2)])
+def test_sft_zero_two_processes_matches_one(tiny_model_dir, tmp_path, sft_reference, ds_file, micro_batch, grad_accum):
+    from transformers import AutoModelForCausalLM
+
+    logged = _two_processes(tiny_model_dir, tmp_path, "sft", ds_file, micro_batch, grad_accum)
+    assert [e["step"] for e in logged] == [1, 2]
+    assert logged[0]["loss"] == pytest.approx(sft_reference[0]["loss"], rel=1e-4)
+    assert logged[0]["grad_norm"] == pytest.approx(sft_reference[0]["grad_norm"], rel=1e-4)
+    assert logged[1]["loss"] == pytest.approx(sft_reference[1]["loss"], rel=1e-4)
+    assert logged[0]["tokens_per_second"] > 0
+    AutoModelForCausalLM.from_pretrained(str(tmp_path))  # ZeRO-3 gathered the weights into an HF model
+
+
+def test_dpo_zero3_two_processes_matches_one(tiny_model_dir, tmp_path):
+    reference = _one_process(tiny_model_dir, tmp_path / "one", "dpo")
+    logged = _two_processes(tiny_model_dir, tmp_path / "two", "dpo", "ds_z3.json", 4, 1)
+    assert logged[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-4)  # log(2): policy == reference
+    assert logged[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4)
+    assert logged[1]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-4)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
+        assert logged[1][key] == pytest.approx(reference[1][key], rel=1e-3, abs=1e-5), key
