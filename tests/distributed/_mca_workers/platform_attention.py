@@ -75,10 +75,12 @@ def cp2(out: str) -> dict:
     model = build_gpt(tiny_config(), seed=99)
     model.load_state_dict(torch.load(os.path.join(out, "weights.pt")))
 
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     tokens, positions = batch()
-    labels = torch.roll(tokens, -1, 1)
-    mine = cp_token_index(torch.tensor([0, SEQ]), 2, rank)
-    per_token = model(tokens[:, mine], positions[:, mine], None, labels=labels[:, mine])
+    # Megatron's own CP split (not ours), so the attention's token layout is checked independently.
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "positions": positions, "labels": torch.roll(tokens, -1, 1)})
+    per_token = model(local["tokens"], local["positions"], None, labels=local["labels"])
     per_token.mean().backward()
     full = _gather_tokens(per_token.detach(), torch.tensor([0, SEQ]), group)
     grads = {}
