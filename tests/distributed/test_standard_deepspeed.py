@@ -79,3 +79,25 @@ def test_dpo_zero3_two_processes_matches_one(tiny_model_dir, tmp_path):
     assert logged[1]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-4)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"):
         assert logged[1][key] == pytest.approx(reference[1][key], rel=1e-3, abs=1e-5), key
+
+
+def test_lora_zero3_exports_adapter_and_merged_model(tiny_model_dir, tmp_path):
+    """ZeRO-3 gathers the adapter for saving; the rank-0-only merge must not hang in ZeRO-3 collectives (W4)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    recipe = _recipe(tiny_model_dir, tmp_path, "sft", per_device_train_batch_size=4, nproc_per_node=2,
+                     finetuning_type="lora", lora_rank=4, learning_rate=1e-2, export_merged=True,
+                     deepspeed=os.path.join(REPO, "recipes", "deepspeed", "ds_z3.json"))
+    proc = roll_train(*[f"{key}={value}" for key, value in recipe.items()], timeout=420)
+    assert proc.returncode == 0, output_of(proc)
+    assert len(_logged(tmp_path)) == 2
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        base_logits = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, str(tmp_path)).eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()(input_ids=ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-4)
+    assert not torch.allclose(adapted, base_logits, atol=1e-4)  # the gathered adapter is the trained one
