@@ -3,9 +3,11 @@
 megatron-core assumes CUDA in ~175 ``torch.cuda.current_device()`` call sites, ~60 hard-coded
 ``device="cuda"`` tensors (optimizer, clip_grads, schedules, p2p), a CUDA-only RNG tracker, CUDA
 streams in the MoE alltoall dispatcher, and (0.16.x) a ``NameError`` in the MoE router when
-Transformer Engine is absent; without TE/Apex its torch norms also refuse sequence parallelism. Each patch below says what it fixes and when it can go. They touch no
-megatron file, are gated on the megatron-core version, and run only when no accelerator is
-present (``apply_cpu_compat`` is a no-op on CUDA/NPU), so the same code runs unpatched on GPUs.
+Transformer Engine is absent; without TE/Apex its torch norms also refuse sequence parallelism.
+Each patch below says what it fixes and when it can go. They touch no megatron file, are gated on
+the megatron-core version, and run only when no accelerator is present (``apply_cpu_compat`` is a
+no-op on CUDA/NPU), so the same code runs unpatched on GPUs. They are process-wide and permanent:
+never apply them inside a test runner's own process (tests run Megatron in subprocesses).
 
 Not patched here, because they are features rather than bugs: context parallelism and packed (THD)
 sequences need TE attention; ``backends.mca.attention.LocalCoreAttention`` covers them on CPU.

@@ -51,7 +51,8 @@ def test_initialize_megatron_tp2_dp2_seeding():
     assert "decoder.layers.0.input_layernorm.weight" in train["sp_tagged"]
     # MoE on CPU (router without TE, alltoall on gloo): EP2 and TP2xEP2 (SP) agree for both
     # dispatchers. Same weights everywhere (CPU init, same seed); tolerance 1e-6 (observed 0).
-    moe = [res[r][name]["moe_loss"][d] for r in (0, 1) for name in ("ep2", "tp2_ep2") for d in ("allgather", "alltoall")]
+    moe = [res[r][name]["moe_loss"][dispatcher] for r in (0, 1) for name in ("ep2", "tp2_ep2")
+           for dispatcher in ("allgather", "alltoall")]
     assert max(moe) - min(moe) <= 1e-6, moe
 
 

@@ -49,7 +49,8 @@ def reference(out: str) -> None:
     seqs, ptokens, plabels, ppos, params = packed_batch(PACKED_LENS)
     with torch.no_grad():
         packed_loss = model(ptokens, ppos, None, labels=plabels, packed_seq_params=params)
-    torch.save({"per_token": per_token.detach(), "grads": grads, "packed_loss": packed_loss}, os.path.join(out, "ref.pt"))
+    torch.save({"per_token": per_token.detach(), "grads": grads, "packed_loss": packed_loss},
+               os.path.join(out, "ref.pt"))
     emit(packed_vs_separate=packed_vs_separate(model))
 
 
@@ -61,7 +62,8 @@ def packed_vs_separate(model) -> float:
     model.eval()
     with torch.no_grad():
         packed = gather_from_tensor_model_parallel_region(model(tokens, positions, None, packed_seq_params=params))
-        alone = [gather_from_tensor_model_parallel_region(model(s[None], torch.arange(len(s))[None], None)) for s in seqs]
+        alone = [gather_from_tensor_model_parallel_region(model(s[None], torch.arange(len(s))[None], None))
+                 for s in seqs]
     model.train()
     return (packed - torch.cat(alone, dim=1)).abs().max().item()
 
