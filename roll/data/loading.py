@@ -78,9 +78,42 @@ def _load_one(path: str, cache_dir: str | None):
         return datasets.load_dataset(path, split="train", cache_dir=cache_dir)
     builder = _builder_for(path)
     try:
-        return datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
+        dataset = datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
     except Exception as exc:  # the arrow error rarely names the row: find it ourselves
         raise DataError(f"cannot read {path}: {diagnose(path, builder) or exc}") from exc
+    if builder == "json":
+        check_mixed_types(dataset, path)
+    return dataset
+
+
+def check_mixed_types(dataset, path: str) -> None:
+    """Reject a column whose rows hold different JSON types (e.g. one 'output' is a number).
+
+    ``datasets`` stores such a column as ``Json`` and decodes every value with json.loads, which
+    silently turns the *string* "3" into the number 3 elsewhere in the column, so the row at fault
+    must be found in the raw file. Columns whose rows share one type (e.g. lists of turns with
+    varying keys) are fine.
+    """
+    mixed = [name for name, feature in dataset.features.items() if type(feature).__name__ == "Json"]
+    if not mixed:
+        return
+    rows = _raw_rows(path)
+    for column in mixed:
+        kinds = [type(row.get(column)).__name__ for row in rows if row.get(column) is not None]
+        majority = max(set(kinds), key=kinds.count) if kinds else None
+        for index, row in enumerate(rows):
+            value = row.get(column)
+            if value is not None and type(value).__name__ != majority:
+                raise DataError(f"{path}, row {index} (0-based): column {column!r} holds a {type(value).__name__} "
+                                f"({json.dumps(value)[:60]}), but the other rows hold a {majority}; fix or remove it.")
+
+
+def _raw_rows(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def _builder_for(path: str) -> str:

@@ -135,8 +135,24 @@ def test_format_errors_name_the_file(bpe, tmp_path):
 
 def test_wrong_type_in_a_row_names_file_and_row(bpe, tmp_path):
     rows = ROWS[:3] + [{"instruction": "Hi", "input": "", "output": 42}]
-    with pytest.raises(DataError, match=r"bad\.json, row 3 \(0-based\): 'output' must be a string"):
+    with pytest.raises(DataError, match=r"bad\.json, row 3 \(0-based\): column 'output' holds a int"):
         build(bpe, dataset=write_json(tmp_path / "bad.json", rows))
+    # a column of one wrong type throughout reaches the processor, which names the first row
+    rows = [{"instruction": "Hi", "input": "", "output": [1]}] * 2
+    with pytest.raises(DataError, match=r"bad2\.json, row 0 \(0-based\): 'output' must be a string, got list"):
+        build(bpe, dataset=write_json(tmp_path / "bad2.json", rows))
+
+
+@pytest.mark.parametrize("bad_value", [{"x": 1}, 7])
+@pytest.mark.parametrize("lines", [False, True])
+def test_mixed_types_in_a_column_name_the_row(bpe, tmp_path, bad_value, lines):
+    """datasets would decode such a column as JSON (the string "3" becomes 3): the faulty row is named instead."""
+    rows = [dict(r) for r in ROWS]
+    rows[0]["output"] = "3"
+    rows[9]["output"] = bad_value
+    path = write_json(tmp_path / ("m.jsonl" if lines else "m.json"), rows, lines=lines)
+    with pytest.raises(DataError, match=rf"m\.jsonl?, row 9 \(0-based\): column 'output' holds a"):
+        build(bpe, dataset=path)
 
 
 def test_undecodable_files(bpe, tmp_path):

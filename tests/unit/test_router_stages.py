@@ -84,4 +84,4 @@ def test_dry_run_reports_the_broken_row(tiny_model_dir, tmp_path):
                       timeout=240, HF_DATASETS_CACHE=str(tmp_path / "cache"))
     assert proc.returncode == 2, output_of(proc)
     assert "Traceback" not in proc.stderr
-    assert f"{bad}, row 6 (0-based): 'output' must be a string" in proc.stderr
+    assert f"{bad}, row 6 (0-based): column 'output' holds a list" in proc.stderr
