@@ -39,8 +39,9 @@ def _read_weights(model_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def randomized(src: str, dst: str, seed: int = 0, files: int = 1) -> str:
-    """Copy of an HF model dir with every tensor redrawn (norms ~ 1 + noise), optionally split in files."""
+def randomized(src: str, dst: str, seed: int = 0, files: int = 1, vocab: int | None = None) -> str:
+    """Copy of an HF model dir with every tensor redrawn (norms ~ 1 + noise), optionally split in
+    files, optionally with the vocab cut to ``vocab`` rows (to need padding under TP)."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
@@ -48,10 +49,16 @@ def randomized(src: str, dst: str, seed: int = 0, files: int = 1) -> str:
     for name, t in sorted(_read_weights(src).items()):
         noise = torch.randn(t.shape, generator=gen)
         weights[name] = 1 + 0.1 * noise if "norm" in name else (0.5 if "embed" in name else 0.15) * noise
+        if vocab and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            weights[name] = weights[name][:vocab].contiguous()
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
         if not name.endswith(".safetensors") and not name.endswith(".index.json"):
             shutil.copy2(os.path.join(src, name), dst)
+    if vocab:
+        config = json.loads(open(os.path.join(dst, "config.json"), encoding="utf-8").read())
+        with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as fh:
+            json.dump({**config, "vocab_size": vocab}, fh)
     if files == 1:
         save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
         return dst
@@ -81,28 +88,32 @@ def _split_by_layer(names: list[str], files: int) -> list[list[str]]:
 
 
 def run_cases(cases: list[dict], tmp_path, timeout: float = 240) -> dict[str, dict[int, dict]]:
+    """Run the cases in one torchrun; ``{case name: {rank: result}}``."""
     spec = tmp_path / f"cases_{cases[0]['name']}.json"
     spec.write_text(json.dumps(cases))
-    proc = torchrun(WORKER, str(spec), timeout=timeout)
+    out = tmp_path / f"results_{cases[0]['name']}"
+    out.mkdir()
+    proc = torchrun(WORKER, str(spec), str(out), timeout=timeout)
     assert proc.returncode == 0, output_of(proc)
     results: dict[str, dict[int, dict]] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            row = json.loads(line[7:])
-            results.setdefault(row["name"], {})[row["rank"]] = row
-    assert set(results) == {c["name"] for c in cases}, output_of(proc)
+    for path in out.glob("*.json"):
+        row = json.loads(path.read_text())
+        results.setdefault(row["name"], {})[row["rank"]] = row
+    assert {name: sorted(rows) for name, rows in results.items()} == {c["name"]: [0, 1] for c in cases}, \
+        output_of(proc)
     return results
 
 
 def test_dense_logits_parity_tp1_tp2_pp2_vpp(tiny_model_factory, tmp_path):
     qwen2 = randomized(tiny_model_factory("qwen2"), str(tmp_path / "qwen2"))  # tied, qkv bias
     qwen3 = randomized(tiny_model_factory("qwen3", num_layers=4, tie_word_embeddings=False), str(tmp_path / "qwen3"))
-    llama = randomized(tiny_model_factory("llama", tie_word_embeddings=False), str(tmp_path / "llama"))
+    # vocab 509 is odd: TP2 pads the embedding/output layer to 510 rows, and parity must still hold
+    llama = randomized(tiny_model_factory("llama", tie_word_embeddings=False), str(tmp_path / "llama"), vocab=509)
     cases = [dict(name="qwen2_tp1", kind="check", dir=qwen2),
              dict(name="qwen2_tp2", kind="check", dir=qwen2, tp=2),
              dict(name="qwen2_pp2", kind="check", dir=qwen2, pp=2),
              dict(name="qwen3_pp2_vpp2", kind="check", dir=qwen3, pp=2, vpp=2),
-             dict(name="llama_tp2", kind="check", dir=llama, tp=2)]
+             dict(name="llama_tp2_padded_vocab", kind="check", dir=llama, tp=2)]
     res = run_cases(cases, tmp_path)
     diffs = {name: rows[0]["diff"] for name, rows in res.items()}
     assert all(rows[0]["diff"] == rows[1]["diff"] for rows in res.values())  # all-reduced: one verdict
@@ -113,10 +124,15 @@ def test_dense_logits_parity_tp1_tp2_pp2_vpp(tiny_model_factory, tmp_path):
 def test_moe_logits_parity_ep2(tiny_model_factory, tmp_path):
     qwen2_moe = randomized(tiny_model_factory("qwen2_moe"), str(tmp_path / "qwen2_moe"))  # shared expert + gate
     qwen3_moe = randomized(tiny_model_factory("qwen3_moe", tie_word_embeddings=False), str(tmp_path / "qwen3_moe"))
+    mca, out_hf = str(tmp_path / "mca_ep2"), str(tmp_path / "hf_ep2")
     cases = [dict(name="qwen2_moe_ep1", kind="check", dir=qwen2_moe),
              dict(name="qwen2_moe_ep2", kind="check", dir=qwen2_moe, ep=2),
-             dict(name="qwen3_moe_ep2", kind="check", dir=qwen3_moe, ep=2)]
+             dict(name="qwen3_moe_ep2", kind="check", dir=qwen3_moe, ep=2),
+             dict(name="to_mca_ep2", kind="hf2mca", dir=qwen2_moe, out=mca, ep=2),
+             dict(name="to_hf_ep2", kind="mca2hf", dir=mca, out=out_hf, ep=2, max_shard_bytes=60_000)]
     res = run_cases(cases, tmp_path)
+    _assert_exported_like(qwen2_moe, out_hf)  # experts gathered from both EP ranks, bit-exact
+    res = {k: v for k, v in res.items() if "diff" in v[0]}
     diffs = {name: rows[0]["diff"] for name, rows in res.items()}
     assert diffs["qwen2_moe_ep1"] <= TP1_TOL, diffs
     assert all(d <= PARALLEL_TOL for d in diffs.values()), diffs
@@ -125,22 +141,31 @@ def test_moe_logits_parity_ep2(tiny_model_factory, tmp_path):
 def test_checkpoint_reshards_and_exports_bit_exact(tiny_model_factory, tmp_path):
     """HF -> Megatron at TP1; load at TP2 and PP2 (equal logits); TP2 re-save -> TP1; TP2 -> HF export."""
     hf = randomized(tiny_model_factory("qwen2", tie_word_embeddings=False), str(tmp_path / "hf"))
-    mca_tp1, mca_tp2, out_hf = (str(tmp_path / n) for n in ("mca_tp1", "mca_tp2", "hf_out"))
-    logits = {n: str(tmp_path / f"{n}.pt") for n in ("hf_tp1", "tp1", "tp2", "pp2", "back_tp1")}
+    mca_tp1, mca_tp2, out_hf, out_pp2, cfg_only = (str(tmp_path / n) for n in
+                                                   ("mca_tp1", "mca_tp2", "hf_out", "hf_out_pp2", "cfg_only"))
+    logits = {n: str(tmp_path / f"{n}.pt") for n in ("hf_tp1", "tp1", "tp2", "pp2", "back_tp1", "cfg_only_tp2")}
+    shutil.copytree(hf, cfg_only)  # + mca_config.json but no Megatron weights: AutoModel converts from HF
+    from backends.mca.models.config import McaModelConfig
+
+    with open(os.path.join(hf, "config.json"), encoding="utf-8") as fh:
+        McaModelConfig.from_hf(json.load(fh)).save_pretrained(cfg_only)
     cases = [dict(name="hf_tp1", kind="logits", dir=hf, save_to=logits["hf_tp1"]),
              dict(name="to_mca", kind="hf2mca", dir=hf, out=mca_tp1),
              dict(name="tp1", kind="logits", dir=mca_tp1, save_to=logits["tp1"]),
              dict(name="tp2", kind="logits", dir=mca_tp1, tp=2, save_to=logits["tp2"], resave_to=mca_tp2),
              dict(name="pp2", kind="logits", dir=mca_tp1, pp=2, save_to=logits["pp2"]),
              dict(name="back_tp1", kind="logits", dir=mca_tp2, save_to=logits["back_tp1"]),
-             dict(name="to_hf", kind="mca2hf", dir=mca_tp2, tp=2, out=out_hf, max_shard_bytes=60_000)]
+             dict(name="to_hf", kind="mca2hf", dir=mca_tp2, tp=2, out=out_hf, max_shard_bytes=60_000),
+             dict(name="to_hf_pp2", kind="mca2hf", dir=mca_tp1, pp=2, out=out_pp2, max_shard_bytes=60_000),
+             dict(name="cfg_only_tp2", kind="logits", dir=cfg_only, tp=2, save_to=logits["cfg_only_tp2"])]
     run_cases(cases, tmp_path)
     ref = torch.load(logits["hf_tp1"])
     assert ref.abs().max() > 1.0  # a meaningful tolerance needs O(1) logits
     assert torch.equal(torch.load(logits["tp1"]), ref)  # Megatron checkpoint == on-the-fly conversion
-    for name in ("tp2", "pp2", "back_tp1"):
+    for name in ("tp2", "pp2", "back_tp1", "cfg_only_tp2"):
         assert (torch.load(logits[name]) - ref).abs().max() <= PARALLEL_TOL, name
     _assert_exported_like(hf, out_hf)
+    _assert_exported_like(hf, out_pp2)
 
 
 def _assert_exported_like(original: str, exported: str) -> None:

@@ -77,3 +77,18 @@ def test_hf_config_restored_on_export():
     config = McaModelConfig.from_hf(hf, tensor_model_parallel_size=2)
     restored = get_template("qwen2").hf_config_dict(config)
     assert restored == hf
+
+
+def test_mla_variant_is_an_mla_config_and_round_trips():
+    from megatron.core.transformer import MLATransformerConfig
+
+    from backends.mca.models.config import MLAMcaModelConfig
+
+    config = MLAMcaModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                               qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, vocab_size=100,
+                               hf_model_type="deepseek_v3")
+    assert isinstance(config, MLATransformerConfig) and config.multi_latent_attention
+    loaded = McaModelConfig.from_dict(config.to_dict())
+    assert type(loaded) is MLAMcaModelConfig and loaded.to_dict() == config.to_dict()
+    with pytest.raises(ConfigError, match=r"num_layers\(2\)"):
+        MLAMcaModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=4)

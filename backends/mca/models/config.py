@@ -183,10 +183,14 @@ class McaModelConfig(TransformerConfig):
 
 @dataclass
 class MLAMcaModelConfig(McaModelConfig, MLATransformerConfig):
-    """McaModelConfig for DeepSeek-style multi-latent attention (q/kv low-rank projections)."""
+    """McaModelConfig for DeepSeek-style multi-latent attention (q/kv low-rank projections).
 
-    def __post_init__(self) -> None:
-        McaModelConfig.__post_init__(self)
+    McaModelConfig.__post_init__ validates, then ``super()`` reaches MLATransformerConfig's checks.
+    Fields both parents define take McaModelConfig's defaults, so MLA's own are restated here.
+    """
+
+    multi_latent_attention: bool = True
+    normalization: str = "RMSNorm"
 
 
 def parallel_overrides(training_args: Any) -> dict[str, Any]:

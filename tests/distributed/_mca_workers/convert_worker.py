@@ -1,9 +1,10 @@
 """Conversion checks under one ``torchrun``: several layouts per run, because each launch costs ~10 s.
 
-    torchrun --nproc_per_node=2 convert_worker.py CASES_JSON
+    torchrun --nproc_per_node=2 convert_worker.py CASES_JSON RESULTS_DIR
 
 CASES_JSON is a list of cases run in order; between cases Megatron's parallel state is torn down
-(the process group, created here, stays). Every case prints one ``RESULT {json}`` line per rank.
+(the process group, created here, stays). Every case writes ``RESULTS_DIR/<name>.rank<r>.json``
+(files, not stdout: two ranks' prints can interleave on one line).
 Case kinds:
 - ``check``: ``convert.check_parity`` (the ``roll-convert check`` path) on an HF dir at a layout;
 - ``hf2mca`` / ``mca2hf``: the converter functions at a layout;
@@ -87,7 +88,9 @@ def main() -> None:
     dist.init_process_group("gloo")  # ours, so destroy_megatron between cases keeps it
     for case in cases:
         result = run_case(case)
-        print("RESULT " + json.dumps({"rank": dist.get_rank(), "name": case["name"], **result}), flush=True)
+        path = os.path.join(sys.argv[2], f"{case['name']}.rank{dist.get_rank()}.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"rank": dist.get_rank(), "name": case["name"], **result}, fh)
         destroy_megatron()
     dist.destroy_process_group()
 
