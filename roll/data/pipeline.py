@@ -9,10 +9,12 @@ once with ``seed`` and, with ``packing``, packed (and the packed rows shuffled w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -44,6 +46,27 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
         raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
     if data_args.packing and processor == "pairwise":
         raise ConfigError("packing is not supported for stage dpo; set packing: false.")
+    with local_rank0_first():
+        return _build(data_args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed)
+
+
+@contextlib.contextmanager
+def local_rank0_first():
+    """In a distributed run, let each node's local rank 0 tokenize first; the other ranks then load its cache."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if distributed and not first:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if distributed and first:
+            dist.barrier()
+
+
+def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...], seed: int) -> DatasetBundle:
     start = time.perf_counter()
     stats = PreprocessStats()
     sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset)]
