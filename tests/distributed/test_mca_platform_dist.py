@@ -54,6 +54,14 @@ def test_initialize_megatron_tp2_dp2_seeding():
     moe = [res[r][name]["moe_loss"][dispatcher] for r in (0, 1) for name in ("ep2", "tp2_ep2")
            for dispatcher in ("allgather", "alltoall")]
     assert max(moe) - min(moe) <= 1e-6, moe
+    # DDP + distributed optimizer + 1F1B at PP2 train on CPU (the optimizer/schedule 'cuda' sites):
+    # the loss on fixed data goes down, and both stages agree on the grad norm.
+    stage0, stage1 = res[0]["pp2"]["train"], res[1]["pp2"]["train"]
+    losses = stage1["losses"]
+    assert stage0["losses"] == [] and len(losses) == 4
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert stage0["grad_norms"] == pytest.approx(stage1["grad_norms"], rel=1e-6)
+    assert all(norm > 0 for norm in stage0["grad_norms"])
 
 
 def test_local_attention_packed_and_context_parallel(tmp_path):

@@ -67,7 +67,8 @@ def multi() -> None:
     for name, layout in (("tp2", ParallelLayout(world_size=2, tp=2)), ("dp2", ParallelLayout(world_size=2)),
                          ("tp2_again", ParallelLayout(world_size=2, tp=2)),
                          ("ep2", ParallelLayout(world_size=2, ep=2)),
-                         ("tp2_ep2", ParallelLayout(world_size=2, tp=2, ep=2, etp=1))):
+                         ("tp2_ep2", ParallelLayout(world_size=2, tp=2, ep=2, etp=1)),
+                         ("pp2", ParallelLayout(world_size=2, pp=2))):
         info = initialize_megatron(layout, seed=11)
         mine = draws()
         gathered = [None, None]
@@ -77,6 +78,8 @@ def multi() -> None:
             results[name]["train"] = _tp2_forward_backward()
         if name.endswith("ep2"):
             results[name]["moe_loss"] = _moe_losses(sequence_parallel=layout.tp > 1)
+        if name == "pp2":
+            results[name]["train"] = _pp2_train_steps()
         destroy_megatron()
         assert dist.is_initialized(), "destroy_megatron destroyed a process group it did not create"
     emit(**results)
@@ -120,6 +123,43 @@ def _moe_losses(sequence_parallel: bool) -> dict[str, float]:
         loss.backward()
         losses[dispatcher] = loss.item()
     return losses
+
+
+def _pp2_train_steps(steps: int = 4) -> dict:
+    """Megatron DDP + distributed optimizer + the 1F1B schedule at PP2: the code paths with
+    hard-coded 'cuda' tensors. Same two micro-batches every step, so the loss must go down."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from platform_common import SEQ, build_chunks
+
+    config = tiny_config()
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    chunks = [DistributedDataParallel(config, ddp_config, chunk) for chunk in build_chunks(config, seed=1)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0,
+                                                       use_distributed_optimizer=True), chunks)
+
+    def forward_step(data, model):
+        tokens, position_ids = next(data)
+        output = model(tokens, position_ids, None, labels=torch.roll(tokens, -1, 1))
+        return output, lambda out: (out.mean(), {"loss": out.mean().detach()})
+
+    losses, grad_norms = [], []
+    for _ in range(steps):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([batch(seed=0), batch(seed=1)]), model=chunks,
+            num_microbatches=2, seq_length=SEQ, micro_batch_size=2, forward_only=False)
+        _, grad_norm, _ = optimizer.step()
+        grad_norms.append(grad_norm)
+        if outputs:  # last stage only
+            losses.append(sum(out["loss"].item() for out in outputs))
+    return {"losses": losses, "grad_norms": grad_norms}
 
 
 if __name__ == "__main__":
