@@ -93,10 +93,16 @@ def reset_process_state() -> None:
     os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     try:
         import deepspeed.comm.comm as ds_comm
-
-        ds_comm.cdb = None
+        from deepspeed.utils import groups as ds_groups
     except ImportError:
         pass
+    else:
+        ds_comm.cdb = None
+        # DeepSpeed caches its world/data-parallel groups; after the process group is destroyed
+        # they are dead handles and a second engine in this process fails "Group ... is not registered".
+        release = getattr(ds_groups, "_release_process_group_references", None)  # deepspeed >= 0.19
+        if release is not None:
+            release(None)
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
