@@ -17,6 +17,7 @@ import torch.distributed as dist
 from backends.mca.models.auto import AutoConfig, AutoModel, save_mca
 from backends.mca.models.config import McaModelConfig
 from backends.mca.models.export import save_hf
+from backends.mca.models.gpt import model_device
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    device = model_device()
+    input_ids = input_ids.to(device)
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
     local_seq = seq // config.tensor_model_parallel_size if config.sequence_parallel else seq
     logits = None
     for stage, chunk in enumerate(chunks):
@@ -82,12 +85,12 @@ def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
                 continue
             first, last = stage == 0 and p == 0, stage == len(chunks) - 1 and p == pp - 1
             if not first:
-                hidden = torch.empty(local_seq, batch, config.hidden_size, dtype=config.params_dtype)
+                hidden = torch.empty(local_seq, batch, config.hidden_size, dtype=config.params_dtype, device=device)
                 dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
                 chunk.set_input_tensor(hidden)
             out = chunk(input_ids, position_ids, attention_mask=None)
             if last:
-                logits = gather_from_tensor_model_parallel_region(out)[..., : config.vocab_size]
+                logits = gather_from_tensor_model_parallel_region(out)[..., : config.vocab_size].cpu()
             else:
                 dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
     return logits
@@ -107,9 +110,9 @@ def check_parity(hf_dir: str, layout: Layout = Layout(), seq_len: int = 16) -> f
     chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
     input_ids = sample_input_ids(config.vocab_size, seq_len=seq_len)
     logits = megatron_logits(chunks, config, input_ids)
-    diff = torch.zeros(())
+    diff = torch.zeros((), device=model_device())  # nccl reduces device tensors only
     if logits is not None:
-        diff = (logits.float() - hf_logits(hf_dir, input_ids)).abs().max()
+        diff.fill_((logits.float() - hf_logits(hf_dir, input_ids)).abs().max().item())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
 

@@ -92,3 +92,19 @@ def test_mla_variant_is_an_mla_config_and_round_trips():
     assert type(loaded) is MLAMcaModelConfig and loaded.to_dict() == config.to_dict()
     with pytest.raises(ConfigError, match=r"num_layers\(2\)"):
         MLAMcaModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=4)
+
+
+def test_auto_config_takes_layout_and_precision_from_training_args(tiny_model_dir, tmp_path):
+    import torch
+
+    from backends.mca.models.auto import AutoConfig
+    from roll.config.training import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                             bf16=True)
+    config = AutoConfig.from_pretrained(tiny_model_dir, args)
+    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (2, 2)
+    assert config.params_dtype == torch.bfloat16 and config.transformer_impl == "local"  # no GPU here
+    assert config.hf_model_type == "qwen2" and config.add_qkv_bias
+    with pytest.raises(ModelError, match="neither mca_config.json nor config.json"):
+        AutoConfig.from_pretrained(str(tmp_path))

@@ -56,6 +56,10 @@ class AutoConfig:
         """The model config for ``path`` with the layout/precision of ``training_args`` applied."""
         _check_dir(path)
         kwargs = {**parallel_overrides(training_args), **overrides}
+        if "transformer_impl" not in kwargs:  # TE when usable on a GPU, else the local spec
+            from backends.mca.spec import resolve_transformer_impl
+
+            kwargs["transformer_impl"] = resolve_transformer_impl("auto")
         if has_mca_config(path):
             return McaModelConfig.from_pretrained(path, **kwargs)
         return McaModelConfig.from_hf(read_hf_config(path), **kwargs)

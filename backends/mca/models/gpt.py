@@ -37,6 +37,15 @@ def ensure_initialized(config: McaModelConfig, seed: int = 42) -> None:
     initialize_megatron(layout, seed=seed)
 
 
+def model_device() -> torch.device:
+    """Where this rank's chunks live: its accelerator, or the CPU."""
+    import os
+
+    from roll.platform import current_platform
+
+    return current_platform().device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def rank_coordinates() -> dict[str, int]:
     """This rank's place in each Megatron group that decides which weights it holds."""
     from megatron.core import parallel_state as ps
@@ -72,7 +81,7 @@ def build_model_chunks(config: McaModelConfig, seed: int = 42) -> list[torch.nn.
             rotary_base=int(config.rotary_base), rope_scaling=config.rope_scaling,
             rope_scaling_factor=config.rope_scaling_factor, vp_stage=stage if vpp else None)
         _check_offset(model, place, stage)
-        chunks.append(model)
+        chunks.append(model.to(model_device()))  # built on the CPU (use_cpu_initialization), then moved
     return chunks
 
 
