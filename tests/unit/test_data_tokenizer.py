@@ -1,0 +1,50 @@
+"""load_tokenizer: the model's tokenizer, a built-in template on request, a pad token when missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from roll.config.data import DataArguments
+from roll.config.model import ModelArguments
+from roll.data import load_tokenizer
+from roll.data.templates import BUILTIN_TEMPLATES, DEFAULT
+from roll.errors import ConfigError, ModelError
+
+
+@pytest.fixture(scope="module")
+def bare_tokenizer_dir(tmp_path_factory):
+    """The test BPE tokenizer saved without a pad token and without a chat template."""
+    from roll.tiny import build_bpe_tokenizer
+
+    tok = build_bpe_tokenizer()
+    tok.pad_token = None
+    tok.chat_template = None
+    out = str(tmp_path_factory.mktemp("bare_tok"))
+    tok.save_pretrained(out)
+    return out
+
+
+def test_tokenizer_from_model_dir_keeps_its_template(tiny_model_dir):
+    tok = load_tokenizer(ModelArguments(model_name_or_path=tiny_model_dir), DataArguments())
+    assert "<|im_start|>" in tok.chat_template and tok.pad_token == "<|endoftext|>"
+
+
+def test_template_override(tiny_model_dir):
+    tok = load_tokenizer(ModelArguments(model_name_or_path=tiny_model_dir), DataArguments(template="llama3"))
+    assert tok.chat_template == BUILTIN_TEMPLATES["llama3"]
+    with pytest.raises(ConfigError, match="unknown template 'alpaca'"):
+        load_tokenizer(ModelArguments(model_name_or_path=tiny_model_dir), DataArguments(template="alpaca"))
+
+
+def test_missing_pad_token_and_template_get_defaults(bare_tokenizer_dir):
+    tok = load_tokenizer(ModelArguments(tokenizer_name_or_path=bare_tokenizer_dir,
+                                        model_name_or_path="unused"), DataArguments())
+    assert tok.pad_token == tok.eos_token == "<|im_end|>"
+    assert tok.chat_template == DEFAULT
+
+
+def test_bad_paths_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="model_name_or_path"):
+        load_tokenizer(ModelArguments(), DataArguments())
+    with pytest.raises(ModelError, match="cannot load a tokenizer"):
+        load_tokenizer(ModelArguments(model_name_or_path=str(tmp_path)), DataArguments())
