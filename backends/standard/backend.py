@@ -47,15 +47,15 @@ class StandardBackend(Backend):
 
         from roll.platform import current_platform
 
-        training = self.config.training
-        self._deepspeed = load_deepspeed_config(training.deepspeed)
-        if self._deepspeed is not None:
-            check_combination(self._deepspeed, training)
-            self._restore_env = _compat.single_process_env()  # W5
-            _compat.init_deepspeed_comm()  # W3: before any HF config exists
-        elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group(backend=current_platform().dist_backend)
-        if self._hf_args is None:
+        if self._hf_args is None:  # idempotent: the env and process group are set up once
+            training = self.config.training
+            self._deepspeed = load_deepspeed_config(training.deepspeed)
+            if self._deepspeed is not None:
+                check_combination(self._deepspeed, training)
+                self._restore_env = _compat.single_process_env()  # W5
+                _compat.init_deepspeed_comm()  # W3: before any HF config exists
+            elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+                dist.init_process_group(backend=current_platform().dist_backend)
             self._hf_args = self._build_hf_args()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         return DistributedInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
