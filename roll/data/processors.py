@@ -18,6 +18,7 @@ the longer answer, so both sides keep the same prompt.
 from __future__ import annotations
 
 import bisect
+import logging
 import itertools
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ from roll.data import formats
 from roll.data.formats import RowError, Skip
 from roll.data.templates import Renderer
 from roll.errors import DataError
+from roll.logging import warn_once
+
+logger = logging.getLogger(__name__)
 
 META_COLUMNS = ("_drop", "_truncated", "_docs")
 
@@ -57,6 +61,24 @@ def truncate_turns(turns: list[tuple[list[int], list[int], bool]], cutoff_len: i
     if labels:
         labels[0] = IGNORE_INDEX  # nothing predicts the first token (DESIGN.md section 2)
     return input_ids, labels, truncated
+
+
+def check_segmentation(tokenizer, turns: list[tuple[str, str, bool]], tokenized: list) -> bool:
+    """Warn (once) if tokenizing prompt and reply pieces separately differs from tokenizing the whole text.
+
+    Masks are placed by tokenizing each piece on its own. Byte-level BPE tokenizers (Qwen, Llama 3)
+    give the same tokens as the whole conversation because template pieces meet at special tokens
+    and newlines; a tokenizer that prepends a space to every call (legacy SentencePiece) does not.
+    Checked on one conversation per batch. Returns True (checked).
+    """
+    whole = _tokenize(tokenizer, ["".join(p + r for p, r, _ in turns)])[0]
+    pieces = [tok for prompt, reply, _ in tokenized for tok in prompt + reply]
+    if whole != pieces:
+        warn_once(logger, "tokenizing the prompt and reply pieces separately gives different tokens than the "
+                          "whole conversation with this tokenizer (it may add a prefix space per call); training "
+                          "sequences differ slightly from inference-time tokenization. Consider `template: "
+                          "default` or a byte-level BPE tokenizer.")
+    return True
 
 
 def _rows(batch: dict[str, list]) -> list[dict]:
@@ -115,11 +137,14 @@ class SupervisedProcessor(_Processor):
                 parsed.append("unrenderable")
         texts = [text for turns in parsed if not isinstance(turns, str) for turn in turns for text in turn[:2]]
         token_iter = iter(_tokenize(self.tokenizer, texts))
+        checked = False
         for turns in parsed:
             if isinstance(turns, str):
                 self.empty(out, turns, SEQ)
                 continue
             tokenized = [(next(token_iter), next(token_iter), trainable) for _, _, trainable in turns]
+            if not checked:
+                checked = check_segmentation(self.tokenizer, turns, tokenized)
             input_ids, labels, truncated = truncate_turns(tokenized, self.cutoff_len)
             if all(label == IGNORE_INDEX for label in labels):
                 self.empty(out, "no_trainable_tokens", SEQ)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from roll import IGNORE_INDEX
@@ -136,3 +138,20 @@ def test_pretrain_packing_splits_only_long_documents(bpe):
     first = bpe("the cat")["input_ids"] + [bpe.eos_token_id]
     assert out["input_ids"][0] == first and out["_truncated"][0] is False
     assert all(out["_truncated"][1:]) and sum(out["_docs"]) == 2
+
+
+def test_segmentation_check_warns_for_a_prefix_space_tokenizer(caplog, monkeypatch):
+    from roll import logging as roll_logging
+    from roll.data.processors import check_segmentation
+
+    class PrefixSpace:  # like legacy SentencePiece: every call starts a new word
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[0] + [ord(c) for c in text] for text in texts]}
+
+    monkeypatch.setattr(roll_logging, "_warned", set())
+    monkeypatch.setattr(logging.getLogger("roll"), "propagate", True)  # setup_logging may have turned it off
+    turns = [("Q:", "A.", True)]
+    tokenized = [(PrefixSpace()(["Q:"])["input_ids"][0], PrefixSpace()(["A."])["input_ids"][0], True)]
+    with caplog.at_level("WARNING", logger="roll"):
+        check_segmentation(PrefixSpace(), turns, tokenized)
+    assert "different tokens than the whole conversation" in caplog.text

@@ -166,3 +166,15 @@ def test_unknown_template_is_a_config_error(bpe):
 
     with pytest.raises(ConfigError, match="llama3"):
         apply_template(bpe, "vicuna")
+
+
+@pytest.mark.parametrize("tok_name", ["bpe", "qwen"])
+def test_pieces_tokenize_like_the_whole_conversation(tok_name, request):
+    """Masks come from tokenizing prompt/reply pieces separately; for these tokenizers that must equal
+    tokenizing the rendered conversation in one go (what inference sees)."""
+    tokenizer = request.getfixturevalue(tok_name)
+    messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                for t in SHAREGPT["conversations"]]
+    ids, _ = _sft(tokenizer, SHAREGPT, "sharegpt")
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False).rstrip("\n")
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
