@@ -262,3 +262,29 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     assert [step for step, _ in steps] == [4, 5, 6]
     assert [loss for _, loss in steps] == pytest.approx(_losses(full)[3:], rel=1e-6)
     assert _losses(resumed) == pytest.approx(_losses(full), rel=1e-6)
+
+
+def test_dpo_with_a_separate_reference_model(tiny_model_factory, tmp_path):
+    policy_dir, ref_dir = tiny_model_factory("qwen2"), tiny_model_factory("qwen2", seed=1)
+    _, result, models, _ = train_in_process(policy_dir, tmp_path, stage="dpo", max_steps=1, ref_model=ref_dir)
+    assert models.ref is not None and not any(p.requires_grad for p in models.ref.parameters())
+    # a reference that differs from the policy: the first loss is no longer log(2)
+    assert result.log_history[0]["loss"] != pytest.approx(0.6931, abs=1e-3)
+
+
+def test_demo_recipe_learns(tiny_model_dir, tmp_path):
+    """The `make demo` recipe, on the fast BPE tiny model: the loss goes down and a model is written."""
+    from transformers import AutoModelForCausalLM
+
+    from roll import router
+    from roll.config.parser import parse_args
+    from tests.helpers import REPO
+
+    recipe = os.path.join(REPO, "recipes", "demo", "tiny_sft.yaml")
+    _, config = parse_args([recipe, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path}",
+                            "max_steps=20", "disable_tqdm=true",
+                            f"dataset={os.path.join(REPO, 'recipes', 'demo', 'data', 'arithmetic_sft.json')}"])
+    result = router.run(config)
+    losses = _losses(result)
+    assert losses[-1] < 0.7 * losses[0], losses
+    AutoModelForCausalLM.from_pretrained(result.hf_model_dir)
