@@ -106,11 +106,14 @@ class SequenceCollator:
             "labels": _pad([f["labels"] for f in features], length, IGNORE_INDEX),
         }
         if self.policy.packing:
-            positions = [f.get("position_ids") or list(range(len(f["input_ids"]))) for f in features]
+            positions = [_get(f, "position_ids", lambda n: list(range(n))) for f in features]
             batch["position_ids"] = torch.stack([_positions(p, length) for p in positions])
         else:
-            masks = [f.get("attention_mask") or [1] * len(f["input_ids"]) for f in features]
-            batch["attention_mask"] = _pad(masks, length, 0)
+            if any(f.get("seq_lens") is not None for f in features):
+                raise ValueError("these rows are packed (they carry seq_lens) but the padding policy has packing "
+                                 "off: attention would cross samples. Build the policy with packing=True.")
+            batch["attention_mask"] = _pad([_get(f, "attention_mask", lambda n: [1] * n) for f in features],
+                                           length, 0)
         if self.policy.shift_labels:
             batch = shift_labels(batch)
         if self.policy.packing:
@@ -156,6 +159,12 @@ class LabelShiftCollator:
         return shift_labels(self.inner(features), self.keys)
 
 
+def _get(feature: dict[str, Any], key: str, default: Callable[[int], list[int]]):
+    """feature[key], or default(len(input_ids)) when the row has no such key (e.g. unpacked eval rows)."""
+    value = feature.get(key)
+    return default(len(feature["input_ids"])) if value is None else value
+
+
 def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
     out = torch.full((len(rows), length), value, dtype=torch.long)
     for i, row in enumerate(rows):
@@ -164,8 +173,9 @@ def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
 
 
 def _positions(positions: list[int], length: int) -> torch.Tensor:
-    tail = list(range(length - len(positions)))  # padding: its own segment, restarting at 0
-    return torch.as_tensor(list(positions) + tail, dtype=torch.long)
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    tail = torch.arange(length - len(positions))  # padding: its own segment, restarting at 0
+    return torch.cat([positions, tail])
 
 
 COLLATORS = {"SequenceCollator": SequenceCollator, "PairwiseCollator": PairwiseCollator}

@@ -149,3 +149,18 @@ def test_label_shift_wrapper_over_a_foreign_collator():
 
     out = LabelShiftCollator(inner)([{}])
     assert _lists(out) == {"input_ids": [[1, 2]], "labels": [[2, 3]], "rejected_labels": [[4, 5]]}
+
+
+def test_tensor_rows_collate_like_list_rows():
+    rows = [{k: torch.tensor(v) for k, v in row.items()} for row in SFT_ROWS]
+    assert _lists(SequenceCollator(pad_token_id=0)(rows)) == _lists(SequenceCollator(pad_token_id=0)(SFT_ROWS))
+    packed = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([X, 6, X]),
+               "position_ids": torch.tensor([0, 1, 0])}]
+    batch = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(packing=True))(packed)
+    assert batch["position_ids"].tolist() == [[0, 1, 0]]
+
+
+def test_packed_rows_with_packing_off_are_refused():
+    row = {"input_ids": [5, 6, 7], "labels": [X, 6, X], "position_ids": [0, 1, 0], "seq_lens": [2, 1]}
+    with pytest.raises(ValueError, match="packing off"):
+        SequenceCollator(pad_token_id=0)([row])

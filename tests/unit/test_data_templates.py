@@ -178,3 +178,16 @@ def test_pieces_tokenize_like_the_whole_conversation(tok_name, request):
     ids, _ = _sft(tokenizer, SHAREGPT, "sharegpt")
     rendered = tokenizer.apply_chat_template(messages, tokenize=False).rstrip("\n")
     assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("tok_name", ["bpe", "qwen"])
+def test_function_call_and_observation_turns(tok_name, request):
+    tokenizer = request.getfixturevalue(tok_name)
+    row = {"conversations": [{"from": "human", "value": "Weather in Paris?"},
+                             {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Paris"}}'},
+                             {"from": "observation", "value": '{"temp": 21}'},
+                             {"from": "gpt", "value": "It is 21 degrees in Paris."}]}
+    ids, labels = _sft(tokenizer, row, "sharegpt")
+    assert trained_runs(tokenizer, ids, labels) == [
+        '{"name": "weather", "arguments": {"city": "Paris"}}<|im_end|>', "It is 21 degrees in Paris.<|im_end|>"]
+    assert '{"temp": 21}' in tokenizer.decode(ids)
