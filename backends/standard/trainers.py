@@ -39,7 +39,8 @@ class RollTrainerMixin:
         return SequentialSampler(dataset)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        self._roll_tokens = getattr(self, "_roll_tokens", 0) + _real_tokens(inputs)
+        pad_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
+        self._roll_tokens = getattr(self, "_roll_tokens", 0) + _real_tokens(inputs, pad_id)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -63,12 +64,15 @@ class RollTrainerMixin:
         return super().train(*args, **kwargs)
 
 
-def _real_tokens(inputs: dict[str, Any]) -> int:
+def _real_tokens(inputs: dict[str, Any], pad_id: int | None) -> int:
+    """Non-pad tokens: the attention mask's ones, or (packed rows have none) ids that are not padding."""
     mask = inputs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return int(mask.sum().item())
     ids = inputs.get("input_ids")
-    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+    if not isinstance(ids, torch.Tensor):
+        return 0
+    return int((ids != pad_id).sum().item()) if pad_id is not None else int(ids.numel())
 
 
 LOG_FILE = "train_log.jsonl"

@@ -288,3 +288,45 @@ def test_demo_recipe_learns(tiny_model_dir, tmp_path):
     losses = _losses(result)
     assert losses[-1] < 0.7 * losses[0], losses
     AutoModelForCausalLM.from_pretrained(result.hf_model_dir)
+
+
+def test_throughput_counts_real_tokens_only():
+    from backends.standard.trainers import _real_tokens
+
+    padded = {"input_ids": torch.tensor([[5, 6, 7], [8, 0, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
+    packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0]]), "position_ids": torch.tensor([[0, 1, 0, 1, 0, 1]])}
+    assert _real_tokens(padded, pad_id=0) == 4
+    assert _real_tokens(packed, pad_id=0) == 4
+
+
+def test_packed_rows_give_the_same_loss_as_padded_ones(tiny_model_dir, tmp_path):
+    """4 samples as one packed row (position_ids restart, no attention mask) == the same 4 padded:
+    attention does not cross samples and the token count is the same."""
+    from datasets import Dataset
+
+    from roll.data.collators import SequenceCollator
+    from roll.data.policy import PaddingPolicy
+
+    tok = _tokenizer(tiny_model_dir)
+    rows = _sft_rows(tok, 4)
+    packed = {"idx": 0, "input_ids": [], "labels": [], "position_ids": []}
+    for row in rows:
+        packed["input_ids"] += row["input_ids"]
+        packed["labels"] += row["labels"]
+        packed["position_ids"] += list(range(len(row["input_ids"])))
+    losses = {}
+    for name, data, policy, mbs in (("padded", rows, PaddingPolicy(), 4),
+                                    ("packed", [packed], PaddingPolicy(packing=True), 1)):
+        config = resolve(dict(model_name_or_path=tiny_model_dir, stage="sft", output_dir=str(tmp_path / name),
+                              per_device_train_batch_size=mbs, max_steps=1, logging_steps=1, save_strategy="no",
+                              report_to="none", disable_tqdm=True, packing=policy.packing), {}, None)
+        backend = StandardBackend(config)
+        job = TrainJob(stage="sft", tokenizer=tok, train_dataset=Dataset.from_list(data),
+                       collator=SequenceCollator(tok.pad_token_id, policy))
+        backend.setup_distributed()
+        try:
+            result = backend.train(job, backend.apply_finetuning(backend.load_models("sft", tok)))
+        finally:
+            backend.teardown()
+        losses[name] = result.log_history[0]["loss"]
+    assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
