@@ -8,6 +8,8 @@ import random
 import pytest
 
 from roll import IGNORE_INDEX
+
+X = IGNORE_INDEX
 from roll.config.data import DataArguments
 from roll.data import build_datasets
 from roll.data.packing import best_fit_decreasing
@@ -77,3 +79,24 @@ def test_packed_dataset_invariants(bpe, tmp_path, monkeypatch):
     assert stats.num_samples == 60 and stats.num_rows == len(packed.train) < 60
     assert stats.packing_efficiency == pytest.approx(stats.num_tokens / (len(packed.train) * 128))
     assert stats.num_tokens == plain.stats.num_tokens and plain.stats.packing_efficiency is None
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_hf_model_attends_within_packed_samples(tiny_model_dir, attn):
+    """The packed batch as the collator emits it (position_ids + cu_seqlens, no attention_mask) gives an HF
+    model the same logits per sample as running each sample alone: attention never crosses a boundary."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from roll.data.collators import SequenceCollator
+    from roll.data.policy import PaddingPolicy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).eval()
+    a, b = [5, 6, 7, 8], [9, 10, 11]
+    row = {"input_ids": a + b, "labels": [X] + a[1:] + [X] + b[1:], "position_ids": [0, 1, 2, 3, 0, 1, 2]}
+    batch = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(packing=True, pad_to_multiple_of=8))([row])
+    with torch.no_grad():
+        packed = model(**batch, use_cache=False).logits[0]  # with a cache HF ignores packed position_ids
+        alone = [model(input_ids=torch.tensor([s])).logits[0] for s in (a, b)]
+    torch.testing.assert_close(packed[:4], alone[0])
+    torch.testing.assert_close(packed[4:7], alone[1])
