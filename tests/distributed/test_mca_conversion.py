@@ -109,7 +109,16 @@ def test_dense_logits_parity_tp1_tp2_pp2_vpp(tiny_model_factory, tmp_path):
     qwen3 = randomized(tiny_model_factory("qwen3", num_layers=4, tie_word_embeddings=False), str(tmp_path / "qwen3"))
     # vocab 509 is odd: TP2 pads the embedding/output layer to 510 rows, and parity must still hold
     llama = randomized(tiny_model_factory("llama", tie_word_embeddings=False), str(tmp_path / "llama"), vocab=509)
+    # Llama-3 RoPE scaling with factor 32 (Megatron's default would be 8); at 64 tokens dropping the
+    # scaling changes logits by ~1, so parity proves the factor arrived
+    from roll.tiny import make_tiny_model
+
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    llama3 = randomized(make_tiny_model(str(tmp_path / "llama3_src"), kind="llama", rope_parameters=rope,
+                                        max_position_embeddings=131072), str(tmp_path / "llama3"))
     cases = [dict(name="qwen2_tp1", kind="check", dir=qwen2),
+             dict(name="llama3_rope_tp2", kind="check", dir=llama3, tp=2, seq_len=64),
              dict(name="qwen2_tp2", kind="check", dir=qwen2, tp=2),
              dict(name="qwen2_pp2", kind="check", dir=qwen2, pp=2),
              dict(name="qwen3_pp2_vpp2", kind="check", dir=qwen3, pp=2, vpp=2),
@@ -121,17 +130,21 @@ def test_dense_logits_parity_tp1_tp2_pp2_vpp(tiny_model_factory, tmp_path):
     assert all(d <= PARALLEL_TOL for d in diffs.values()), diffs
 
 
-def test_moe_logits_parity_ep2(tiny_model_factory, tmp_path):
+def test_moe_logits_parity_ep2_tp2_and_export(tiny_model_factory, tmp_path):
     qwen2_moe = randomized(tiny_model_factory("qwen2_moe"), str(tmp_path / "qwen2_moe"))  # shared expert + gate
     qwen3_moe = randomized(tiny_model_factory("qwen3_moe", tie_word_embeddings=False), str(tmp_path / "qwen3_moe"))
-    mca, out_hf = str(tmp_path / "mca_ep2"), str(tmp_path / "hf_ep2")
+    mca, out_hf, out_sp = str(tmp_path / "mca_ep2"), str(tmp_path / "hf_ep2"), str(tmp_path / "hf_tp2_ep2")
     cases = [dict(name="qwen2_moe_ep1", kind="check", dir=qwen2_moe),
              dict(name="qwen2_moe_ep2", kind="check", dir=qwen2_moe, ep=2),
              dict(name="qwen3_moe_ep2", kind="check", dir=qwen3_moe, ep=2),
+             dict(name="qwen3_moe_tp2_etp2", kind="check", dir=qwen3_moe, tp=2),  # experts split by TP too
+             dict(name="qwen2_moe_tp2_ep2_sp", kind="check", dir=qwen2_moe, tp=2, ep=2, etp=1),  # SP forced on
              dict(name="to_mca_ep2", kind="hf2mca", dir=qwen2_moe, out=mca, ep=2),
-             dict(name="to_hf_ep2", kind="mca2hf", dir=mca, out=out_hf, ep=2, max_shard_bytes=60_000)]
+             dict(name="to_hf_ep2", kind="mca2hf", dir=mca, out=out_hf, ep=2, max_shard_bytes=60_000),
+             dict(name="to_hf_tp2_ep2", kind="mca2hf", dir=mca, out=out_sp, tp=2, ep=2, etp=1, max_shard_bytes=60_000)]
     res = run_cases(cases, tmp_path)
     _assert_exported_like(qwen2_moe, out_hf)  # experts gathered from both EP ranks, bit-exact
+    _assert_exported_like(qwen2_moe, out_sp)  # + dense weights gathered over TP
     res = {k: v for k, v in res.items() if "diff" in v[0]}
     diffs = {name: rows[0]["diff"] for name, rows in res.items()}
     assert diffs["qwen2_moe_ep1"] <= TP1_TOL, diffs

@@ -20,6 +20,7 @@ import torch
 
 from backends.mca.models import layout, sharding
 from backends.mca.models.gpt import chunk_placements, rank_coordinates
+from backends.mca.models.mapping import Mapping
 from backends.mca.models.template import Template, get_template
 from roll.errors import ModelError
 
@@ -44,7 +45,7 @@ class LoadReport:
 @dataclass
 class _Target:
     hf_names: tuple[str, ...]
-    convert: object  # the mapping kind
+    convert: Mapping
     params: list[torch.Tensor] = field(default_factory=list)
 
 

@@ -30,7 +30,8 @@ import torch.distributed as dist  # noqa: E402
 def _layout(case: dict):
     from backends.mca.convert import Layout
 
-    return Layout(tp=case.get("tp", 1), pp=case.get("pp", 1), vpp=case.get("vpp"), ep=case.get("ep", 1))
+    return Layout(tp=case.get("tp", 1), pp=case.get("pp", 1), vpp=case.get("vpp"), ep=case.get("ep", 1),
+                  etp=case.get("etp"))
 
 
 def _logits(case: dict) -> dict:
@@ -66,7 +67,7 @@ def run_case(case: dict) -> dict:
 
     kind = case["kind"]
     if kind == "check":
-        return {"diff": convert.check_parity(case["dir"], _layout(case))}
+        return {"diff": convert.check_parity(case["dir"], _layout(case), seq_len=case.get("seq_len", 16))}
     if kind == "hf2mca":
         convert.hf_to_mca(case["dir"], case["out"], _layout(case))
         return {}
