@@ -180,17 +180,21 @@ class PairwiseProcessor(_Processor):
                 self.empty(out, item, PAIR_SEQ)
                 continue
             prompt, chosen, rejected = next(token_iter), next(token_iter), next(token_iter)
-            p_keep, a_keep = split_budget(len(prompt), max(len(chosen), len(rejected)), self.cutoff_len)
+            longest = max(len(chosen), len(rejected))
+            p_keep, a_keep = split_budget(len(prompt), longest, self.cutoff_len)
+            truncated = p_keep < len(prompt) or a_keep < longest
             prompt = prompt[len(prompt) - p_keep:]
             if a_keep <= 0:
                 self.empty(out, "no_trainable_tokens", PAIR_SEQ)
                 continue
             for side, answer in (("chosen", chosen[:a_keep]), ("rejected", rejected[:a_keep])):
+                labels = [IGNORE_INDEX] * len(prompt) + answer
+                labels[0] = IGNORE_INDEX  # nothing predicts the first token (DESIGN.md section 2)
                 out[f"{side}_input_ids"].append(prompt + answer)
                 out[f"{side}_attention_mask"].append([1] * (len(prompt) + len(answer)))
-                out[f"{side}_labels"].append([IGNORE_INDEX] * len(prompt) + answer)
+                out[f"{side}_labels"].append(labels)
             out["_drop"].append("")
-            out["_truncated"].append(a_keep < max(len(chosen), len(rejected)))
+            out["_truncated"].append(truncated)
             out["_docs"].append(1)
         return out
 

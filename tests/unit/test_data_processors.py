@@ -155,3 +155,10 @@ def test_segmentation_check_warns_for_a_prefix_space_tokenizer(caplog, monkeypat
     with caplog.at_level("WARNING", logger="roll"):
         check_segmentation(PrefixSpace(), turns, tokenized)
     assert "different tokens than the whole conversation" in caplog.text
+
+
+def test_pair_truncated_only_in_the_prompt_is_counted(bpe):
+    row = {"prompt": " ".join(["the cat sees the dog"] * 40), "chosen": "Yes.", "rejected": "No."}
+    out = PairwiseProcessor(bpe, 64, "pairwise", "x.json")(_batch([row]), [0])
+    assert out["_truncated"] == [True]
+    assert bpe.decode([t for t in out["chosen_labels"][0] if t != X]) == "Yes.<|im_end|>"
