@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,3 +35,19 @@ class PaddingPolicy:
             raise ValueError("PaddingPolicy(pad_to='max_length') needs max_length")
         if self.pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
+
+    @classmethod
+    def for_megatron(cls, *, cutoff_len: int, tp: int = 1, cp: int = 1, ep: int = 1, sequence_parallel: bool = False,
+                     moe_token_dispatcher: str = "allgather", packing: bool = False) -> "PaddingPolicy":
+        """The Megatron backend's policy for a layout (DESIGN.md section 4).
+
+        - labels are shifted in the collator (Megatron's GPT model does not shift);
+        - sequence parallelism splits the sequence over TP ranks: length a multiple of TP;
+        - context parallelism splits it into 2 * CP chunks (load balancing): a multiple of 2 * CP;
+        - expert parallelism with the allgather dispatcher needs equal token counts on every rank of
+          the EP group: pad to cutoff_len (alltoall does not).
+        """
+        multiple = math.lcm(tp if sequence_parallel else 1, 2 * cp if cp > 1 else 1)
+        equal_lengths = ep > 1 and moe_token_dispatcher == "allgather"
+        return cls(pad_to="max_length" if equal_lengths else "longest", max_length=cutoff_len,
+                   pad_to_multiple_of=multiple, shift_labels=True, packing=packing)

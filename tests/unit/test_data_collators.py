@@ -164,3 +164,22 @@ def test_packed_rows_with_packing_off_are_refused():
     row = {"input_ids": [5, 6, 7], "labels": [X, 6, X], "position_ids": [0, 1, 0], "seq_lens": [2, 1]}
     with pytest.raises(ValueError, match="packing off"):
         SequenceCollator(pad_token_id=0)([row])
+
+
+@pytest.mark.parametrize("layout,expected", [
+    (dict(), ("longest", 1)),
+    (dict(tp=2), ("longest", 1)),                            # no SP: TP does not split the sequence
+    (dict(tp=2, sequence_parallel=True), ("longest", 2)),
+    (dict(cp=2), ("longest", 4)),
+    (dict(tp=4, sequence_parallel=True, cp=3), ("longest", 12)),
+    (dict(ep=2), ("max_length", 1)),
+    (dict(ep=2, moe_token_dispatcher="alltoall"), ("longest", 1)),
+])
+def test_megatron_policy_from_layout(layout, expected):
+    policy = PaddingPolicy.for_megatron(cutoff_len=64, **layout)
+    assert (policy.pad_to, policy.pad_to_multiple_of) == expected
+    assert policy.shift_labels and policy.max_length == 64
+    # whatever the layout, the shifted batch has a length the policy accepts
+    batch = SequenceCollator(pad_token_id=0, policy=policy)(SFT_ROWS)
+    length = batch["input_ids"].shape[1]
+    assert length % policy.pad_to_multiple_of == 0 and (policy.pad_to == "longest" or length == 64)
