@@ -8,7 +8,6 @@ check means the converter, sharding and streaming loader agree with Hugging Face
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +114,3 @@ def check_parity(hf_dir: str, layout: Layout = Layout(), seq_len: int = 16) -> f
         diff.fill_((logits.float() - hf_logits(hf_dir, input_ids)).abs().max().item())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))

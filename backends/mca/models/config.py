@@ -69,6 +69,8 @@ class McaModelConfig(TransformerConfig):
         if self.activation not in _ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not supported; choose one of {sorted(_ACTIVATIONS)}.")
         self.activation_func = _ACTIVATIONS[self.activation]
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ConfigError(f"transformer_impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}.")
         self._check_layout()
         if self.tensor_model_parallel_size > 1 and self.expert_model_parallel_size > 1 and not self.sequence_parallel:
             log_rank0(logger, "sequence_parallel forced on: Megatron needs it with TP>1 and EP>1.")
@@ -127,6 +129,8 @@ class McaModelConfig(TransformerConfig):
                 continue
             if value != default or f.name in ("hf_model_type", "vocab_size"):
                 out[f.name] = value
+        if out.get("expert_tensor_parallel_size") == self.tensor_model_parallel_size:
+            del out["expert_tensor_parallel_size"]  # Megatron's default (= TP): re-derived at any new TP
         out["config_class"] = type(self).__name__
         return out
 
