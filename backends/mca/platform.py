@@ -267,6 +267,39 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = __new__
 
 
+def _patch_gloo_uneven_first_dim() -> None:
+    """MoE with expert-tensor parallelism > 1 gathers and reduce-scatters token blocks of *uneven*
+    size over the expert-TP group (``mappings._gather_along_first_dim`` /
+    ``_reduce_scatter_along_first_dim`` with split sizes). NCCL accepts uneven lists; gloo raises
+    "invalid tensor size" and has no list reduce-scatter. Pad the gather to the largest block;
+    reduce-scatter as all-reduce + own slice. Equal-size paths are left to megatron."""
+    import megatron.core.tensor_parallel.mappings as mappings
+    import torch.distributed as dist
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        blocks = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(blocks, padded, group=group)
+        return torch.cat([block[:size] for block, size in zip(blocks, output_split_sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 _UPSTREAM_CPU = "megatron-core supports CPU-only torch builds (not the case up to 0.19.2)"
 
 _PATCHES: tuple[_Patch, ...] = (
@@ -280,4 +313,6 @@ _PATCHES: tuple[_Patch, ...] = (
     _Patch("moe_split_sizes", _patch_moe_split_sizes, _UPSTREAM_CPU),
     _Patch("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel,
            "WrappedTorchNorm supports sequence parallelism upstream (not as of 0.19.2)"),
+    _Patch("gloo_uneven_first_dim", _patch_gloo_uneven_first_dim,
+           "gloo supports uneven all_gather lists and list reduce_scatter"),
 )
