@@ -156,7 +156,6 @@ class StandardBackend(Backend):
             export_merged(self.config.model.model_name_or_path, out, tokenizer,
                           trust_remote_code=self.config.model.trust_remote_code)
         self._succeeded = True
-        log_rank0(logger, "final model: %s", out)
         return out
 
     def teardown(self) -> None:
