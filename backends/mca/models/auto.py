@@ -75,7 +75,7 @@ class AutoModel:
     def from_pretrained(path: str, training_args: Any = None, **overrides: Any) -> list[torch.nn.Module]:
         _check_dir(path)
         config = AutoConfig.from_pretrained(path, training_args, **overrides)
-        chunks = build_model_chunks(config)
+        chunks = _build_uninitialised(config)
         if has_mca_config(path) and has_megatron_weights(path):
             saved = McaModelConfig.from_pretrained(path)
             how = "directly" if saved.distribute_config_match(config) else "resharding from its saved layout"
@@ -90,6 +90,16 @@ class AutoModel:
             raise ModelError(f"{path!r} has {MCA_CONFIG_NAME} but no Megatron weights and no HF {HF_CONFIG_NAME} "
                              "to convert from.")
         return chunks
+
+
+def _build_uninitialised(config: McaModelConfig) -> list[torch.nn.Module]:
+    """Chunks without random init: every weight is overwritten next (the loaders are strict), and
+    initialising a large model on the CPU only to discard it takes minutes."""
+    previous, config.perform_initialization = config.perform_initialization, False
+    try:
+        return build_model_chunks(config)
+    finally:
+        config.perform_initialization = previous
 
 
 def save_mca(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str,
