@@ -10,9 +10,13 @@ to stop. Everything else (system, user turns, role headers) is prompt.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from roll.data.formats import RowError
+from roll.logging import warn_once
+
+logger = logging.getLogger(__name__)
 
 CHATML = (
     "{%- for message in messages %}"
@@ -94,4 +98,8 @@ class Renderer:
                            f"set `template:` to one of {', '.join(BUILTIN_TEMPLATES)}")
         end = start + len(content)
         end_of_turn = next((tok for tok in self.end_of_turn if full.startswith(tok, end)), "")
+        if not end_of_turn:
+            warn_once(logger, "the chat template closes assistant replies with no special token of this tokenizer "
+                              f"(after the reply comes {full[end:end + 20]!r}), so the model is not trained to stop; "
+                              "use a template whose end-of-turn marker is a special token of the tokenizer.")
         return start, end + len(end_of_turn)

@@ -191,3 +191,19 @@ def test_function_call_and_observation_turns(tok_name, request):
     assert trained_runs(tokenizer, ids, labels) == [
         '{"name": "weather", "arguments": {"city": "Paris"}}<|im_end|>', "It is 21 degrees in Paris.<|im_end|>"]
     assert '{"temp": 21}' in tokenizer.decode(ids)
+
+
+def test_warns_when_replies_end_without_a_special_token(caplog, monkeypatch):
+    import logging
+
+    from roll import logging as roll_logging
+    from roll.tiny import build_bpe_tokenizer
+
+    monkeypatch.setattr(roll_logging, "_warned", set())
+    monkeypatch.setattr(logging.getLogger("roll"), "propagate", True)
+    tokenizer = build_bpe_tokenizer()
+    apply_template(tokenizer, "llama3")  # <|eot_id|> is not a token of this tokenizer
+    with caplog.at_level("WARNING", logger="roll"):
+        ids, labels = _sft(tokenizer, SHAREGPT, "sharegpt")
+    assert "not trained to stop" in caplog.text
+    assert trained_runs(tokenizer, ids, labels) == REPLIES
