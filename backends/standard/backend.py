@@ -79,7 +79,8 @@ class StandardBackend(Backend):
         wants_ref = stage == "dpo" and not finetuning.ref_free and (
             finetuning.ref_model or finetuning.finetuning_type != "lora")  # lora: base = adapter disabled
         if wants_ref and finetuning.ref_model:
-            M.check_causal_lm(finetuning.ref_model, trust_remote_code=model_args.trust_remote_code, what="ref_model")
+            M.check_causal_lm(finetuning.ref_model, trust_remote_code=model_args.trust_remote_code,
+                              what="ref_model")
         if self._hf_args is None:  # load_models without setup_distributed (in-process use)
             self.setup_distributed()
         dtype = M.resolve_dtype(model_args.dtype, bf16=training.bf16, fp16=training.fp16)
@@ -90,7 +91,8 @@ class StandardBackend(Backend):
         ref = None
         if wants_ref:
             # A second load, not a deepcopy: under ZeRO-3 the policy's weights are already partitioned.
-            ref = M.freeze_reference(M.load_causal_lm(finetuning.ref_model or model_args.model_name_or_path, **load))
+            ref_path = finetuning.ref_model or model_args.model_name_or_path
+            ref = M.freeze_reference(M.load_causal_lm(ref_path, **load))
         return ModelBundle(policy=policy, ref=ref)
 
     def apply_finetuning(self, models: ModelBundle) -> ModelBundle:
@@ -117,7 +119,8 @@ class StandardBackend(Backend):
                       processing_class=job.tokenizer)
         if job.stage == "dpo":
             dpo_trainer = make_dpo_trainer_class()
-            return dpo_trainer(model=models.policy, ref_model=models.ref, data_collator=PreferenceBatch(job.collator),
+            return dpo_trainer(model=models.policy, ref_model=models.ref,
+                               data_collator=PreferenceBatch(job.collator),
                                ref_free=self.config.finetuning.ref_free, **common)
         return RollTrainer(model=models.policy, data_collator=job.collator, **common)
 
@@ -133,10 +136,12 @@ class StandardBackend(Backend):
         history = list(self._trainer.state.log_history)
         losses = [entry["loss"] for entry in history if "loss" in entry]
         if losses:
-            log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); logs in %s",
+            log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); "
+                      "logs in %s",
                       losses[0], losses[-1], self._trainer.state.global_step,
                       os.path.join(self._hf_args.output_dir, "train_log.jsonl"))
-        return TrainResult(log_history=history, output_dir=self._hf_args.output_dir, metrics=dict(output.metrics))
+        return TrainResult(log_history=history, output_dir=self._hf_args.output_dir,
+                           metrics=dict(output.metrics))
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         if job.eval_dataset is None:
@@ -181,10 +186,10 @@ def _resume_value(value, output_dir: str) -> str | None:
     if text.lower() in ("true", "yes", "1"):
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
-            raise ConfigError(f"resume_from_checkpoint=true but {output_dir!r} holds no checkpoint-N directory; "
-                              "train with save_steps first or give the checkpoint path.")
+            raise ConfigError(f"resume_from_checkpoint=true but {output_dir!r} holds no checkpoint-N "
+                              "directory; train with save_steps first or give the checkpoint path.")
         return last
     if not os.path.isdir(text):
-        raise ConfigError(f"resume_from_checkpoint={text!r} is not a checkpoint directory; use true (latest in "
-                          "output_dir) or a path such as OUTPUT_DIR/checkpoint-3.")
+        raise ConfigError(f"resume_from_checkpoint={text!r} is not a checkpoint directory; use true "
+                          "(latest in output_dir) or a path such as OUTPUT_DIR/checkpoint-3.")
     return text

@@ -50,7 +50,8 @@ def load_deepspeed_config(value: str | dict | None) -> DeepSpeedSettings | None:
         raise ConfigError(f"deepspeed config {source}: 'zero_optimization' must be an object, got {zero!r}.")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"deepspeed config {source}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}.")
+        raise ConfigError(f"deepspeed config {source}: zero_optimization.stage must be 0, 1, 2 or 3, "
+                          f"got {stage!r}.")
     return DeepSpeedSettings(source=source, config=config, zero_stage=int(stage),
                              offload_optimizer=_offloads(zero, "offload_optimizer"),
                              offload_param=_offloads(zero, "offload_param"))
@@ -59,7 +60,8 @@ def load_deepspeed_config(value: str | dict | None) -> DeepSpeedSettings | None:
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"deepspeed config file {path!r} does not exist. Use one of recipes/deepspeed/"
-                          "ds_z0.json, ds_z2.json, ds_z3.json, ds_z3_offload.json or drop the 'deepspeed' key.")
+                          "ds_z0.json, ds_z2.json, ds_z3.json, ds_z3_offload.json "
+                          "or drop the 'deepspeed' key.")
     try:
         with open(path, encoding="utf-8") as fh:
             config = json.load(fh)
@@ -82,12 +84,14 @@ def check_combination(ds: DeepSpeedSettings, training) -> None:
     """
     where = f"deepspeed config {ds.source}"
     if ds.offload_param and not ds.is_zero3:
-        raise ConfigError(f"{where}: offload_param needs zero_optimization.stage 3 (got stage {ds.zero_stage}); "
+        raise ConfigError(f"{where}: offload_param needs zero_optimization.stage 3 "
+                          f"(got stage {ds.zero_stage}); "
                           "use recipes/deepspeed/ds_z3_offload.json or remove offload_param.")
     if ds.offload_optimizer and ds.zero_stage == 0:
         raise ConfigError(f"{where}: offload_optimizer needs ZeRO stage 1, 2 or 3 (got stage 0).")
     if _enabled(ds.config, "bf16") is True and _enabled(ds.config, "fp16") is True:
-        raise ConfigError(f"{where}: bf16.enabled and fp16.enabled are both true; choose one (or use \"auto\").")
+        raise ConfigError(f"{where}: bf16.enabled and fp16.enabled are both true; "
+                          "choose one (or use \"auto\").")
     for ds_key, recipe_key in _BATCH_KEYS.items():
         value = ds.config.get(ds_key, "auto")
         if value != "auto" and float(value) != float(getattr(training, recipe_key)):
@@ -102,8 +106,9 @@ def _check_zero3(ds: DeepSpeedSettings, training, where: str) -> None:
     gather = zero.get("stage3_gather_16bit_weights_on_model_save",
                       zero.get("gather_16bit_weights_on_model_save", False))
     if training.save_hf_model and not gather:
-        raise ConfigError(f"{where}: ZeRO-3 without stage3_gather_16bit_weights_on_model_save=true cannot write "
-                          "the final HF model (the weights stay partitioned). Set it to true, or save_hf_model=false.")
+        raise ConfigError(f"{where}: ZeRO-3 without stage3_gather_16bit_weights_on_model_save=true "
+                          "cannot write the final HF model (the weights stay partitioned). "
+                          "Set it to true, or save_hf_model=false.")
 
 
 def _enabled(config: dict, key: str) -> Any:

@@ -32,13 +32,15 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> str:
     if is_rank0():
         tokenizer.save_pretrained(output_dir)
         if "ref" in (getattr(unwrapped, "peft_config", None) or {}):
-            # TRL's DPO keeps a frozen copy of the adapter as "ref" for the reference; only the trained one ships.
+            # TRL's DPO keeps a frozen copy of the adapter as "ref" for the reference;
+            # only the trained one ships.
             shutil.rmtree(os.path.join(output_dir, "ref"), ignore_errors=True)
     _barrier()
     return output_dir
 
 
-def export_merged(base_model_path: str, adapter_dir: str, tokenizer, *, trust_remote_code: bool = False) -> str:
+def export_merged(base_model_path: str, adapter_dir: str, tokenizer, *,
+                  trust_remote_code: bool = False) -> str:
     """Merge the saved adapter into a fresh copy of the base model, on rank 0 only.
 
     Done from the saved files, not the live (maybe ZeRO-3 partitioned) model, so every DeepSpeed
@@ -51,7 +53,8 @@ def export_merged(base_model_path: str, adapter_dir: str, tokenizer, *, trust_re
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype="auto", trust_remote_code=trust_remote_code)
+        base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype="auto",
+                                                    trust_remote_code=trust_remote_code)
         merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
         merged.config.use_cache = True
         merged.save_pretrained(out)

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_hf_args(config, deepspeed):
-    """HF/TRL arguments for ``config`` (a RunConfig); ``deepspeed`` is the parsed DeepSpeedSettings or None."""
+    """HF/TRL arguments for ``config`` (a RunConfig); ``deepspeed``: parsed DeepSpeedSettings or None."""
     training, finetuning = config.training, config.finetuning
     kwargs = training.hf_kwargs()
     kwargs.update(cpu_training_kwargs())  # W1
@@ -28,8 +28,8 @@ def build_hf_args(config, deepspeed):
     if kwargs.get("ddp_find_unused_parameters") is None:
         kwargs["ddp_find_unused_parameters"] = False  # every trainable parameter is used in each step
     if not kwargs.get("average_tokens_across_devices", True):
-        warn_once(logger, "average_tokens_across_devices=false ignored: roll's loss is the per-token mean over "
-                          "the global batch, which needs the token count of all ranks.")
+        warn_once(logger, "average_tokens_across_devices=false ignored: roll's loss is the per-token mean "
+                          "over the global batch, which needs the token count of all ranks.")
     kwargs["average_tokens_across_devices"] = True
     for key in ("save_strategy", "eval_strategy", "logging_strategy"):
         if str(kwargs.get(key)).lower() == "false":  # YAML/CLI read an unquoted `no` as false

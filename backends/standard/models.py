@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_causal_lm(path: str | None, *, trust_remote_code: bool = False, what: str = "model_name_or_path") -> None:
+def check_causal_lm(path: str | None, *, trust_remote_code: bool = False,
+                    what: str = "model_name_or_path") -> None:
     """Raise ModelError unless ``path`` is a local directory (or hub id when online) holding a causal LM."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -41,7 +42,8 @@ def check_causal_lm(path: str | None, *, trust_remote_code: bool = False, what: 
     causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(
         arch.endswith("ForCausalLM") for arch in (getattr(config, "architectures", None) or []))
     if not causal:
-        raise ModelError(f"{what}={path!r} is a {model_type!r} model ({getattr(config, 'architectures', None)}), "
+        architectures = getattr(config, "architectures", None)
+        raise ModelError(f"{what}={path!r} is a {model_type!r} model ({architectures}), "
                          "not a causal language model; roll trains decoder-only causal LMs.")
 
 
@@ -54,7 +56,7 @@ def resolve_dtype(dtype: str, *, bf16: bool, fp16: bool) -> torch.dtype:
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False,
                    attn_implementation: str | None = None) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained``; under a live ZeRO-3 config it loads partitioned (zero.Init)."""
+    """``AutoModelForCausalLM.from_pretrained``; under a live ZeRO-3 config it loads partitioned."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
@@ -97,7 +99,8 @@ def resolve_lora_targets(model: nn.Module, targets: list[str] | str) -> list[str
     head_name = _output_head_name(model)
     if head_name in targets:
         raise ConfigError(f"lora_target includes the output head {head_name!r}; roll does not adapt it "
-                          "(TRL's DPO computes log-probs from its weight directly). Remove it from lora_target.")
+                          "(TRL's DPO computes log-probs from its weight directly). "
+                          "Remove it from lora_target.")
     return list(targets)
 
 
@@ -114,8 +117,9 @@ def apply_lora(model: nn.Module, finetuning) -> nn.Module:
     from peft import LoraConfig, TaskType, get_peft_model
 
     targets = resolve_lora_targets(model, finetuning.lora_targets)
-    lora_config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=finetuning.lora_rank, lora_alpha=finetuning.lora_alpha,
-                             lora_dropout=finetuning.lora_dropout, target_modules=targets)
+    lora_config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=finetuning.lora_rank,
+                             lora_alpha=finetuning.lora_alpha, lora_dropout=finetuning.lora_dropout,
+                             target_modules=targets)
     peft_model = get_peft_model(model, lora_config)
     for param in peft_model.parameters():
         if param.requires_grad:
@@ -134,8 +138,8 @@ def apply_freeze(model: nn.Module, num_trainable_layers: int) -> nn.Module:
     if num_layers is None:
         raise ModelError("finetuning_type=freeze needs config.num_hidden_layers, which this model lacks.")
     if num_trainable_layers > num_layers:
-        raise ConfigError(f"freeze_trainable_layers={num_trainable_layers} but the model has only {num_layers} "
-                          f"layers; use at most {num_layers} (or finetuning_type=full).")
+        raise ConfigError(f"freeze_trainable_layers={num_trainable_layers} but the model has only "
+                          f"{num_layers} layers; use at most {num_layers} (or finetuning_type=full).")
     trainable_ids = {str(i) for i in range(num_layers - num_trainable_layers, num_layers)}
     for name, param in model.named_parameters():
         parts = name.split(".")
@@ -143,8 +147,8 @@ def apply_freeze(model: nn.Module, num_trainable_layers: int) -> nn.Module:
         param.requires_grad_(in_layer)
     trainable, total = count_parameters(model)
     if trainable == 0:
-        raise ModelError("finetuning_type=freeze found no parameters under '...layers.N...'; this architecture "
-                         "names its decoder layers differently.")
+        raise ModelError("finetuning_type=freeze found no parameters under '...layers.N...'; "
+                         "this architecture names its decoder layers differently.")
     log_rank0(logger, "freeze: training the last %d of %d layers (%d of %d parameters)", num_trainable_layers,
               num_layers, trainable, total)
     return model

@@ -136,7 +136,8 @@ def _stack_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         width = max(chosen.shape[-1], rejected.shape[-1])
         pad = IGNORE_INDEX if key == "labels" else 0
-        chosen, rejected = (torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=pad) for t in (chosen, rejected))
+        chosen, rejected = (torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=pad)
+                            for t in (chosen, rejected))
         out[key] = torch.cat([chosen, rejected], dim=0)
     return out
 

@@ -23,7 +23,8 @@ GLOBAL_BATCH = 8
 def _recipe(model_dir, out_dir, stage, **extra) -> dict:
     recipe = dict(model_name_or_path=model_dir, stage=stage, dataset=SFT_DATA if stage == "sft" else DPO_DATA,
                   cutoff_len=64, output_dir=str(out_dir), max_steps=2, logging_steps=1, learning_rate=1e-3,
-                  lr_scheduler_type="constant", save_strategy="no", report_to="none", seed=0, disable_tqdm=True)
+                  lr_scheduler_type="constant", save_strategy="no", report_to="none", seed=0,
+                  disable_tqdm=True)
     recipe.update(extra)
     return recipe
 
@@ -38,7 +39,8 @@ def _one_process(model_dir, out_dir, stage) -> list[dict]:
     from roll import router
     from roll.config.parser import resolve
 
-    router.run(resolve(_recipe(model_dir, out_dir, stage, per_device_train_batch_size=GLOBAL_BATCH), {}, None))
+    recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=GLOBAL_BATCH)
+    router.run(resolve(recipe, {}, None))
     return _logged(out_dir)
 
 
@@ -59,7 +61,8 @@ def sft_reference(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("ds_file,micro_batch,grad_accum", [("ds_z2.json", 4, 1), ("ds_z3.json", 2, 2)])
-def test_sft_zero_two_processes_matches_one(tiny_model_dir, tmp_path, sft_reference, ds_file, micro_batch, grad_accum):
+def test_sft_zero_two_processes_matches_one(tiny_model_dir, tmp_path, sft_reference, ds_file, micro_batch,
+                                            grad_accum):
     from transformers import AutoModelForCausalLM
 
     logged = _two_processes(tiny_model_dir, tmp_path, "sft", ds_file, micro_batch, grad_accum)
@@ -82,7 +85,8 @@ def test_dpo_zero3_two_processes_matches_one(tiny_model_dir, tmp_path):
 
 
 def test_lora_zero3_exports_adapter_and_merged_model(tiny_model_dir, tmp_path):
-    """ZeRO-3 gathers the adapter for saving; the rank-0-only merge must not hang in ZeRO-3 collectives (W4)."""
+    """ZeRO-3 gathers the adapter for saving; the rank-0-only merge must not hang in ZeRO-3
+    collectives (W4)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

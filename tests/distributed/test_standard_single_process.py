@@ -17,7 +17,8 @@ def _run(model_dir, out_dir, **extra):
     from roll import router
     from roll.config.parser import resolve
 
-    recipe = dict(model_name_or_path=model_dir, stage="sft", dataset=SFT_DATA, cutoff_len=64, output_dir=str(out_dir),
+    recipe = dict(model_name_or_path=model_dir, stage="sft", dataset=SFT_DATA, cutoff_len=64,
+                  output_dir=str(out_dir),
                   per_device_train_batch_size=8, max_steps=2, logging_steps=1, learning_rate=1e-3,
                   save_strategy="no", report_to="none", disable_tqdm=True)
     return router.run(resolve({**recipe, **extra}, {}, None))
@@ -27,7 +28,8 @@ def test_zero3_in_one_process_then_plain_dpo(tiny_model_dir, tmp_path):
     launch_vars = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     before = {key: os.environ.get(key) for key in launch_vars}
     plain = _run(tiny_model_dir, tmp_path / "plain")
-    zero3 = _run(tiny_model_dir, tmp_path / "z3", deepspeed=os.path.join(REPO, "recipes", "deepspeed", "ds_z3.json"))
+    ds = os.path.join(REPO, "recipes", "deepspeed", "ds_z3.json")
+    zero3 = _run(tiny_model_dir, tmp_path / "z3", deepspeed=ds)
     assert zero3.log_history[0]["loss"] == pytest.approx(plain.log_history[0]["loss"], rel=1e-4)
     assert {key: os.environ.get(key) for key in launch_vars} == before  # the 1-rank env was restored
     assert "ACCELERATE_USE_DEEPSPEED" not in os.environ
@@ -42,8 +44,8 @@ def test_zero3_checkpoint_resume_reproduces_the_run(tiny_model_dir, tmp_path):
     import json
 
     ds = os.path.join(REPO, "recipes", "deepspeed", "ds_z3.json")
-    common = dict(deepspeed=ds, max_steps=6, save_strategy="steps", save_steps=3, per_device_train_batch_size=4,
-                  lr_scheduler_type="linear")
+    common = dict(deepspeed=ds, max_steps=6, save_strategy="steps", save_steps=3,
+                  per_device_train_batch_size=4, lr_scheduler_type="linear")
     full = _run(tiny_model_dir, tmp_path / "full", **common)
     checkpoint = tmp_path / "full" / "checkpoint-3"
     assert any(name.startswith("global_step") for name in os.listdir(checkpoint))  # DeepSpeed's own state

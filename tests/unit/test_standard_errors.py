@@ -39,7 +39,8 @@ def test_directory_without_config_is_a_model_error(tmp_path):
 def test_non_causal_model_is_a_model_error(tmp_path):
     from transformers import ViTConfig
 
-    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    vit = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    vit.save_pretrained(tmp_path)
     backend = StandardBackend(_config(model_name_or_path=str(tmp_path)))
     with pytest.raises(ModelError, match="not a causal language model"):
         backend.load_models("sft", tokenizer=None)
@@ -63,10 +64,12 @@ def test_recipe_with_missing_deepspeed_file_fails_at_parse_time(tmp_path):
     ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}, {},
      "stage3_gather_16bit_weights_on_model_save"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, {}, "offload_param needs"),
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, {}, "offload_optimizer needs"),
-    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, {}, "both true"),
-    ({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}, {"per_device_train_batch_size": 2},
-     "per_device_train_batch_size=2"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, {},
+     "offload_optimizer needs"),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, {},
+     "both true"),
+    ({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4},
+     {"per_device_train_batch_size": 2}, "per_device_train_batch_size=2"),
 ])
 def test_deepspeed_combinations_that_cannot_work(tmp_path, ds, training, message):
     config = _config(deepspeed=_write_json(tmp_path / "ds.json", ds), **training)

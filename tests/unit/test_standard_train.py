@@ -31,7 +31,8 @@ def _sft_rows(tok, n=32):
         a, b = i % 10, (i * 7 + 3) % 10
         prompt = tok(f"What is {a} plus {b}?")["input_ids"]
         # answers of different lengths, so a mean of micro-batch means differs from the per-token mean
-        answer = tok(" " + " ".join([f"{a} plus {b} equals {a + b}."] * (1 + i % 3)))["input_ids"] + [tok.eos_token_id]
+        text = " " + " ".join([f"{a} plus {b} equals {a + b}."] * (1 + i % 3))
+        answer = tok(text)["input_ids"] + [tok.eos_token_id]
         ids = prompt + answer
         rows.append({"idx": i, "input_ids": ids, "attention_mask": [1] * len(ids),
                      "labels": [IGNORE] * len(prompt) + answer})
@@ -42,7 +43,8 @@ def _pt_rows(tok, n=32):
     rows = []
     for i in range(n):
         ids = tok(f"The sum of {i % 10} and {(i * 3) % 10} is {i % 10 + (i * 3) % 10}.")["input_ids"]
-        rows.append({"idx": i, "input_ids": ids, "attention_mask": [1] * len(ids), "labels": [IGNORE] + ids[1:]})
+        rows.append({"idx": i, "input_ids": ids, "attention_mask": [1] * len(ids),
+                     "labels": [IGNORE] + ids[1:]})
     return rows
 
 
@@ -87,9 +89,9 @@ def train_in_process(model_dir, out_dir, stage="sft", n=32, save=False, **recipe
 
     tok = _tokenizer(model_dir)
     rows = {"pt": _pt_rows, "sft": _sft_rows, "dpo": _dpo_rows}[stage](tok, n)
-    base = dict(model_name_or_path=model_dir, stage=stage, output_dir=str(out_dir), per_device_train_batch_size=4,
-                learning_rate=3e-3, max_steps=6, logging_steps=1, save_strategy="no", report_to="none",
-                lr_scheduler_type="constant", seed=0, disable_tqdm=True)
+    base = dict(model_name_or_path=model_dir, stage=stage, output_dir=str(out_dir),
+                per_device_train_batch_size=4, learning_rate=3e-3, max_steps=6, logging_steps=1,
+                save_strategy="no", report_to="none", lr_scheduler_type="constant", seed=0, disable_tqdm=True)
     config = resolve({**base, **recipe}, {}, None)
     backend = StandardBackend(config)
     collator = _Collator(tok.pad_token_id, pairwise=stage == "dpo")
@@ -126,7 +128,8 @@ def test_stage_trains_and_loss_falls(tiny_model_dir, tmp_path, stage, lr):
     assert {"loss", "grad_norm", "learning_rate", "tokens_per_second"} <= set(logged)
     if stage == "dpo":
         assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"} <= set(logged)
-        assert result.log_history[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 1
+        # policy == reference at step 1
+        assert result.log_history[0]["loss"] == pytest.approx(0.6931, abs=1e-3)
 
 
 @pytest.mark.parametrize("loss", ["ipo", "hinge"])
@@ -134,7 +137,8 @@ def test_dpo_loss_types(tiny_model_dir, tmp_path, loss):
     _, result, _, _ = train_in_process(tiny_model_dir, tmp_path, stage="dpo", learning_rate=1e-3, max_steps=2,
                                        pref_loss=loss, pref_beta=0.2)
     # policy == reference at step 1: ipo loss = (0 - 1/(2 beta))^2, hinge loss = relu(1 - 0) = 1
-    assert result.log_history[0]["loss"] == pytest.approx((1 / (2 * 0.2)) ** 2 if loss == "ipo" else 1.0, rel=1e-4)
+    expected = (1 / (2 * 0.2)) ** 2 if loss == "ipo" else 1.0
+    assert result.log_history[0]["loss"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_dpo_reference_free(tiny_model_dir, tmp_path):
@@ -166,7 +170,8 @@ def test_loss_is_per_token_mean_over_global_batch(tiny_model_dir, tmp_path):
         for row in _sft_rows(tok)[:8]:
             logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1]
             labels = torch.tensor(row["labels"][1:])
-            token_losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+            token_losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE,
+                                                             reduction="sum")
             n = int((labels != IGNORE).sum())
             total, count = total + token_losses.item(), count + n
             micro_means.append(token_losses.item() / n)
@@ -229,7 +234,8 @@ def test_freeze_trains_only_the_last_layers(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    _, _, models, _ = train_in_process(tiny_model_dir, tmp_path, finetuning_type="freeze", freeze_trainable_layers=1)
+    _, _, models, _ = train_in_process(tiny_model_dir, tmp_path, finetuning_type="freeze",
+                                       freeze_trainable_layers=1)
     changed = {k for k, v in models.policy.state_dict().items() if not torch.equal(v, start[k])}
     assert changed and all(".layers.1." in k for k in changed), sorted(changed)
 
@@ -243,7 +249,8 @@ def test_full_model_export_loads_with_tokenizer_and_template(tiny_model_dir, tmp
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.tensor([[5, 17, 42, 99]])
     with torch.no_grad():
-        assert torch.allclose(reloaded(input_ids=ids).logits, models.policy.eval()(input_ids=ids).logits, atol=1e-5)
+        trained = models.policy.eval()(input_ids=ids).logits
+        assert torch.allclose(reloaded(input_ids=ids).logits, trained, atol=1e-5)
     assert AutoTokenizer.from_pretrained(out).chat_template
 
 
@@ -254,8 +261,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     _, full, _, _ = train_in_process(tiny_model_dir, tmp_path / "full", **common)
     checkpoint = tmp_path / "full" / "checkpoint-3"
     assert checkpoint.is_dir()
-    _, resumed, _, _ = train_in_process(tiny_model_dir, tmp_path / "resumed", resume_from_checkpoint=str(checkpoint),
-                                        **common)
+    _, resumed, _, _ = train_in_process(tiny_model_dir, tmp_path / "resumed",
+                                        resume_from_checkpoint=str(checkpoint), **common)
     # log_history carries the checkpoint's steps 1-3; the run's own log file has only what it trained
     logged = [json.loads(line) for line in open(tmp_path / "resumed" / "train_log.jsonl")]
     steps = [(e["step"], e["loss"]) for e in logged if "loss" in e]
@@ -281,9 +288,9 @@ def test_demo_recipe_learns(tiny_model_dir, tmp_path):
     from tests.helpers import REPO
 
     recipe = os.path.join(REPO, "recipes", "demo", "tiny_sft.yaml")
+    data = os.path.join(REPO, "recipes", "demo", "data", "arithmetic_sft.json")
     _, config = parse_args([recipe, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path}",
-                            "max_steps=20", "disable_tqdm=true",
-                            f"dataset={os.path.join(REPO, 'recipes', 'demo', 'data', 'arithmetic_sft.json')}"])
+                            "max_steps=20", "disable_tqdm=true", f"dataset={data}"])
     result = router.run(config)
     losses = _losses(result)
     assert losses[-1] < 0.7 * losses[0], losses
@@ -293,8 +300,10 @@ def test_demo_recipe_learns(tiny_model_dir, tmp_path):
 def test_throughput_counts_real_tokens_only():
     from backends.standard.trainers import _real_tokens
 
-    padded = {"input_ids": torch.tensor([[5, 6, 7], [8, 0, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
-    packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0]]), "position_ids": torch.tensor([[0, 1, 0, 1, 0, 1]])}
+    padded = {"input_ids": torch.tensor([[5, 6, 7], [8, 0, 0]]),
+              "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
+    packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0]]),
+              "position_ids": torch.tensor([[0, 1, 0, 1, 0, 1]])}
     assert _real_tokens(padded, pad_id=0) == 4
     assert _real_tokens(packed, pad_id=0) == 4
 
@@ -318,8 +327,9 @@ def test_packed_rows_give_the_same_loss_as_padded_ones(tiny_model_dir, tmp_path)
     for name, data, policy, mbs in (("padded", rows, PaddingPolicy(), 4),
                                     ("packed", [packed], PaddingPolicy(packing=True), 1)):
         config = resolve(dict(model_name_or_path=tiny_model_dir, stage="sft", output_dir=str(tmp_path / name),
-                              per_device_train_batch_size=mbs, max_steps=1, logging_steps=1, save_strategy="no",
-                              report_to="none", disable_tqdm=True, packing=policy.packing), {}, None)
+                              per_device_train_batch_size=mbs, max_steps=1, logging_steps=1,
+                              save_strategy="no", report_to="none", disable_tqdm=True,
+                              packing=policy.packing), {}, None)
         backend = StandardBackend(config)
         job = TrainJob(stage="sft", tokenizer=tok, train_dataset=Dataset.from_list(data),
                        collator=SequenceCollator(tok.pad_token_id, policy))
