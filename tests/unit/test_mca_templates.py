@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -142,3 +143,56 @@ def test_unmapped_hf_parameter_lists_known_patterns(tiny_model_factory):
     hf_sd["model.layers.0.self_attn.rotary_emb.inv_freq_extra"] = torch.zeros(2)
     with pytest.raises(ModelError, match=r"(?s)rotary_emb.inv_freq_extra.*Known HF patterns.*q_proj"):
         get_template("llama").hf_to_mca(hf_sd, McaModelConfig.from_hf(hf_config))
+
+
+def _fake_chunk(shapes: dict[str, tuple]) -> torch.nn.Module:
+    """A module whose state dict has exactly ``shapes`` (stands in for a built TE GPTModel chunk)."""
+    root = torch.nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.full(shape, float("nan"))))
+    return root
+
+
+@pytest.mark.parametrize("kind,tp_rank,ep_rank", [("qwen2", 1, 0), ("qwen3_moe", 0, 1)])
+def test_streaming_loader_fills_a_te_layout_chunk_as_any_rank(tiny_model_factory, tmp_path, kind, tp_rank, ep_rank):
+    """TE names (fused norms, grouped experts weight{e}), TP2 / EP2 shards, strict: no NaN left."""
+    from safetensors.torch import save_file
+
+    from backends.mca.models.loader import load_hf_weights
+
+    src = tiny_model_factory(kind, tie_word_embeddings=False)
+    hf_config, hf_sd = _hf_checkpoint(src)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf_config))
+    save_file(hf_sd, str(model_dir / "model.safetensors"))
+    tp, ep = (2, 1) if kind == "qwen2" else (1, 2)
+    config = McaModelConfig.from_hf(hf_config, transformer_impl="transformer_engine", moe_grouped_gemm=True,
+                                    tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    place = layout.placement(config, pp_rank=0, vpp_stage=0, ep_rank=ep_rank)
+    coords = {"tp_size": tp, "tp_rank": tp_rank, "etp_size": tp, "etp_rank": tp_rank}
+    canonical = get_template(kind).hf_to_mca(hf_sd, config)
+    per_rank = (config.num_moe_experts or 0) // ep
+    expected = {}
+    for name, tensor in canonical.items():
+        expert = re.search(r"\.local_experts\.(\d+)\.", name)
+        if expert and not place.expert_offset <= int(expert.group(1)) < place.expert_offset + per_rank:
+            continue  # held by the other EP rank
+        expected[layout.to_impl_name(place.to_local(name), config)] = sharding.shard_for_rank(
+            name, tensor, config, (tp, tp_rank), (tp, tp_rank))
+    chunk = _fake_chunk({n: tuple(t.shape) for n, t in expected.items()})
+    report = load_hf_weights([chunk], config, str(model_dir), placements=[place], coords=coords)
+    loaded = chunk.state_dict()
+    assert report.params_loaded == len(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in loaded
+    if kind == "qwen3_moe":
+        assert torch.equal(loaded["decoder.layers.0.mlp.experts.linear_fc2.weight0"],  # local 0 = global 2
+                           hf_sd["model.layers.0.mlp.experts.2.down_proj.weight"])

@@ -65,26 +65,34 @@ def hf_weight_map(hf_dir: str) -> dict[str, str]:
         return {name: SINGLE_NAME for name in fh.keys()}
 
 
-def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_dir: str) -> LoadReport:
-    """Fill ``chunks`` (this rank's) from the HF checkpoint in ``hf_dir``; strict both ways."""
+def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_dir: str,
+                    placements: list[layout.Placement] | None = None, coords: dict[str, int] | None = None) -> LoadReport:
+    """Fill ``chunks`` (this rank's) from the HF checkpoint in ``hf_dir``; strict both ways.
+
+    ``placements``/``coords`` default to this rank's (from Megatron's parallel state); tests pass
+    them to load a chunk as any rank would, without process groups.
+    """
+    placements = placements if placements is not None else chunk_placements(config)
+    coords = coords if coords is not None else rank_coordinates()
     template = get_template(config.hf_model_type)
     weight_map = hf_weight_map(hf_dir)
     for name in weight_map:
         template.match_hf(name)  # every HF parameter must be mapped; raises listing the known patterns
-    targets = _targets(chunks, config, template)
+    targets = _targets(chunks, placements, config, template)
     missing = sorted({n for t in targets.values() for n in t.hf_names} - set(weight_map))
     if missing:
         raise ModelError(f"{hf_dir!r} lacks HF parameters this model needs: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     report = LoadReport(tensors_in_checkpoint=len(weight_map))
-    _stream(targets, config, hf_dir, weight_map, report)
+    _stream(targets, config, hf_dir, weight_map, report, coords)
     return report
 
 
-def _targets(chunks: list[torch.nn.Module], config: McaModelConfig, template: Template) -> dict[str, _Target]:
+def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement], config: McaModelConfig,
+             template: Template) -> dict[str, _Target]:
     """Canonical global Megatron name -> the HF inputs and this rank's parameters it fills."""
     targets: dict[str, _Target] = {}
-    for chunk, place in zip(chunks, chunk_placements(config)):
+    for chunk, place in zip(chunks, placements, strict=True):
         for local_name, param in chunk.state_dict(keep_vars=True).items():
             if local_name.endswith("_extra_state"):
                 continue
@@ -99,10 +107,9 @@ def _targets(chunks: list[torch.nn.Module], config: McaModelConfig, template: Te
 
 
 def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, weight_map: dict[str, str],
-            report: LoadReport) -> None:
+            report: LoadReport, coords: dict[str, int]) -> None:
     from safetensors import safe_open
 
-    coords = rank_coordinates()
     tp, etp = (coords["tp_size"], coords["tp_rank"]), (coords["etp_size"], coords["etp_rank"])
     waiting: dict[str, set[str]] = defaultdict(set)  # HF name -> canonical names still needing it
     for canonical, target in targets.items():
