@@ -58,6 +58,8 @@ def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
     Example: cu_seqlens [0, 8], cp 2, rank 0 -> [0, 1, 6, 7]; rank 1 -> [2, 3, 4, 5].
     """
     bounds = cu_seqlens.tolist()
+    if cp_size == 1:
+        return torch.arange(bounds[0], bounds[-1])
     parts = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start
@@ -65,8 +67,8 @@ def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
             raise ValueError(f"with context_parallel_size {cp_size} every sequence length must be divisible by "
                              f"2 * cp = {2 * cp_size}; got a sequence of {length} tokens (pad the sequences).")
         chunk = length // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank) if cp_size > 1 else (0,):
-            parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk if cp_size > 1 else end))
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
     return torch.cat(parts)
 
 
@@ -149,7 +151,7 @@ class LocalCoreAttention(DotProductAttention):
             key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         dropout_p = self.dropout_p if self.training else 0.0
-        # Same RNG choice as the parent: the TP-rank-specific stream unless SP (then heads are whole).
+        # The same RNG stream choice as DotProductAttention: the TP-rank-specific tracker unless SP.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if not self.config.sequence_parallel else nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,

@@ -99,6 +99,7 @@ def test_cp_token_index_follows_megatron_load_balancing():
     assert cp_token_index(one_seq, 2, 0).tolist() == [0, 1, 6, 7]
     assert cp_token_index(one_seq, 2, 1).tolist() == [2, 3, 4, 5]
     assert cp_token_index(one_seq, 1, 0).tolist() == list(range(8))
+    assert cp_token_index(torch.tensor([0, 5, 12]), 1, 0).tolist() == list(range(12))  # odd lengths: fine at CP1
     packed = torch.tensor([0, 4, 12])  # sequences of 4 and 8 tokens: chunks of 1 and 2
     assert cp_token_index(packed, 2, 0).tolist() == [0, 3, 4, 5, 10, 11]
     assert cp_token_index(packed, 2, 1).tolist() == [1, 2, 6, 7, 8, 9]
