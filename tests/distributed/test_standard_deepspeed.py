@@ -1,5 +1,6 @@
 """The standard backend on 2 processes through `roll-train` itself (deepspeed launcher, gloo on CPU):
-ZeRO-2 and ZeRO-3 give the same first-step loss as a 1-process run with the same global batch.
+ZeRO-2, ZeRO-3 (and DDP under torchrun) give the same losses as a 1-process run with the same
+global batch.
 
 The 1-process reference runs in the test process through the router (no DeepSpeed), which is the
 plain HF Trainer path; the 2-process runs are real `roll-train ... nproc_per_node=2 deepspeed=...`.
@@ -45,13 +46,16 @@ def _one_process(model_dir, out_dir, stage) -> list[dict]:
 
 
 def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum) -> list[dict]:
+    """`roll-train ... nproc_per_node=2`: the deepspeed launcher with a DeepSpeed file, else torchrun (DDP)."""
     recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=micro_batch,
-                     gradient_accumulation_steps=grad_accum, nproc_per_node=2,
-                     deepspeed=os.path.join(REPO, "recipes", "deepspeed", ds_file))
+                     gradient_accumulation_steps=grad_accum, nproc_per_node=2)
+    if ds_file:
+        recipe["deepspeed"] = os.path.join(REPO, "recipes", "deepspeed", ds_file)
     args = [f"{key}={value}" for key, value in recipe.items()]
     proc = roll_train(*args, timeout=420)
-    assert proc.returncode == 0, output_of(proc)
-    assert "launching 2 processes" in proc.stderr and "deepspeed.launcher.runner" in proc.stderr
+    assert proc.returncode == 0, output_of(proc)  # every rank exited cleanly (W2)
+    launcher = "deepspeed.launcher.runner" if ds_file else "torch.distributed.run"
+    assert "launching 2 processes" in proc.stderr and launcher in proc.stderr
     return _logged(out_dir)
 
 
@@ -60,7 +64,8 @@ def sft_reference(tiny_model_dir, tmp_path_factory):
     return _one_process(tiny_model_dir, tmp_path_factory.mktemp("sft_1proc"), "sft")
 
 
-@pytest.mark.parametrize("ds_file,micro_batch,grad_accum", [("ds_z2.json", 4, 1), ("ds_z3.json", 2, 2)])
+@pytest.mark.parametrize("ds_file,micro_batch,grad_accum",
+                         [("ds_z2.json", 4, 1), ("ds_z3.json", 2, 2), (None, 2, 2)])
 def test_sft_zero_two_processes_matches_one(tiny_model_dir, tmp_path, sft_reference, ds_file, micro_batch,
                                             grad_accum):
     from transformers import AutoModelForCausalLM
@@ -71,7 +76,7 @@ def test_sft_zero_two_processes_matches_one(tiny_model_dir, tmp_path, sft_refere
     assert logged[0]["grad_norm"] == pytest.approx(sft_reference[0]["grad_norm"], rel=1e-4)
     assert logged[1]["loss"] == pytest.approx(sft_reference[1]["loss"], rel=1e-4)
     assert logged[0]["tokens_per_second"] > 0
-    AutoModelForCausalLM.from_pretrained(str(tmp_path))  # ZeRO-3 gathered the weights into an HF model
+    AutoModelForCausalLM.from_pretrained(str(tmp_path))  # under ZeRO-3: the gathered weights
 
 
 def test_dpo_zero3_two_processes_matches_one(tiny_model_dir, tmp_path):
