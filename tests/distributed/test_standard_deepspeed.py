@@ -46,7 +46,7 @@ def _one_process(model_dir, out_dir, stage) -> list[dict]:
 
 
 def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum) -> list[dict]:
-    """`roll-train ... nproc_per_node=2`: the deepspeed launcher with a DeepSpeed file, else torchrun (DDP)."""
+    """`roll-train ... nproc_per_node=2`: deepspeed launcher with a DeepSpeed file, else torchrun."""
     recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=micro_batch,
                      gradient_accumulation_steps=grad_accum, nproc_per_node=2)
     if ds_file:
