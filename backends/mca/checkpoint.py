@@ -10,6 +10,7 @@ Only model weights live here; optimizer/scheduler/RNG state belongs to the train
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -51,6 +52,8 @@ def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     _require_model_chunks(model_chunks)
+    if importlib.util.find_spec("psutil") is None:  # the writer would die and every rank would wait forever
+        raise RuntimeError("saving a Megatron checkpoint needs psutil: pip install psutil (part of roll-train[mca]).")
     os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
     start = time.perf_counter()
