@@ -72,6 +72,26 @@ def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
 
 
+def pad_segments(feature: dict[str, Any], multiple: int, pad_token_id: int) -> dict[str, list[int]]:
+    """Pad every packed sample of a row (found from position_ids) to a multiple of ``multiple`` tokens.
+
+    Example (multiple 2, pad 0): ``{"input_ids": [5, 6, 7], "labels": [-100, 6, -100], "position_ids": [0, 1, 0]}``
+    -> ``{"input_ids": [5, 6, 7, 0], "labels": [-100, 6, -100, -100], "position_ids": [0, 1, 0, 1]}``.
+    """
+    ids = [int(t) for t in feature["input_ids"]]
+    labels = [int(t) for t in feature["labels"]]
+    positions = [int(t) for t in _get(feature, "position_ids", lambda n: list(range(n)))]
+    starts = [i for i, p in enumerate(positions) if p == 0 or i == 0] + [len(ids)]
+    out: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for begin, end in zip(starts, starts[1:]):
+        n = end - begin
+        pad = -n % multiple
+        out["input_ids"] += ids[begin:end] + [pad_token_id] * pad
+        out["labels"] += labels[begin:end] + [IGNORE_INDEX] * pad
+        out["position_ids"] += list(range(n + pad))
+    return out
+
+
 @dataclass
 class SequenceCollator:
     """Pads pt/sft rows to the policy's length (right padding) and returns torch tensors.
@@ -86,12 +106,15 @@ class SequenceCollator:
 
     With ``policy.packing`` rows carry ``position_ids`` restarting at 0 per packed sample; the
     batch has ``input_ids``, ``labels``, ``position_ids`` (padding tail restarts at 0, so it is its
-    own segment) and ``cu_seqlens`` (int32 boundaries over the flattened batch), no attention_mask::
+    own segment) and ``cu_seqlens`` (int32 boundaries over the flattened batch), no attention_mask.
+    ``pad_to_multiple_of`` then applies to every packed sample too (context parallelism splits each
+    sample of a THD batch into 2 * CP chunks): a sample is padded at its end, positions continuing,
+    labels IGNORE_INDEX (causal attention: its real tokens never see that padding)::
 
         [{"input_ids": [5, 6, 7], "labels": [-100, 6, -100], "position_ids": [0, 1, 0]}]  (policy
-        pad_to_multiple_of=4, packing=True)
+        pad_to_multiple_of=2, packing=True)
         -> {"input_ids": [[5, 6, 7, 0]], "labels": [[-100, 6, -100, -100]],
-            "position_ids": [[0, 1, 0, 0]], "cu_seqlens": [0, 2, 3, 4]}
+            "position_ids": [[0, 1, 0, 1]], "cu_seqlens": [0, 2, 4]}
     """
 
     pad_token_id: int
@@ -100,6 +123,8 @@ class SequenceCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("cannot collate an empty batch")
+        if self.policy.packing and self.policy.pad_to_multiple_of > 1:
+            features = [pad_segments(f, self.policy.pad_to_multiple_of, self.pad_token_id) for f in features]
         length = target_length(max(len(f["input_ids"]) for f in features), self.policy)
         batch = {
             "input_ids": _pad([f["input_ids"] for f in features], length, self.pad_token_id),

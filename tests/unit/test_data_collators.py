@@ -35,11 +35,11 @@ def test_sequence_collator_returns_long_tensors():
 
 
 def test_packed_docstring_example():
-    policy = PaddingPolicy(pad_to_multiple_of=4, packing=True)
+    policy = PaddingPolicy(pad_to_multiple_of=2, packing=True)
     batch = SequenceCollator(pad_token_id=0, policy=policy)(
         [{"input_ids": [5, 6, 7], "labels": [X, 6, X], "position_ids": [0, 1, 0]}])
     assert _lists(batch) == {"input_ids": [[5, 6, 7, 0]], "labels": [[X, 6, X, X]],
-                             "position_ids": [[0, 1, 0, 0]], "cu_seqlens": [0, 2, 3, 4]}
+                             "position_ids": [[0, 1, 0, 1]], "cu_seqlens": [0, 2, 4]}
     assert batch["cu_seqlens"].dtype == torch.int32
     assert "attention_mask" not in batch
 
@@ -126,9 +126,9 @@ def test_packed_shift_no_label_crosses_a_boundary():
     row = {"input_ids": [5, 6, 7, 8, 9], "labels": [X, 6, 7, X, 9], "position_ids": [0, 1, 2, 0, 1]}
     policy = PaddingPolicy(packing=True, shift_labels=True, pad_to_multiple_of=2)
     batch = SequenceCollator(pad_token_id=0, policy=policy)([row])
-    # padded to 5 so that 4 (a multiple of 2) positions remain after the shift
-    assert _lists(batch) == {"input_ids": [[5, 6, 7, 8]], "labels": [[6, 7, X, 9]],
-                             "position_ids": [[0, 1, 2, 0]], "cu_seqlens": [0, 3, 4]}
+    # each sample padded to a multiple of 2 ([5, 6, 7, 0] [8, 9]), plus one position the shift drops
+    assert _lists(batch) == {"input_ids": [[5, 6, 7, 0, 8, 9]], "labels": [[6, 7, X, X, 9, X]],
+                             "position_ids": [[0, 1, 2, 3, 0, 1]], "cu_seqlens": [0, 4, 6]}
 
 
 def test_cu_seqlens_over_several_rows():
@@ -183,3 +183,25 @@ def test_megatron_policy_from_layout(layout, expected):
     batch = SequenceCollator(pad_token_id=0, policy=policy)(SFT_ROWS)
     length = batch["input_ids"].shape[1]
     assert length % policy.pad_to_multiple_of == 0 and (policy.pad_to == "longest" or length == 64)
+
+
+def test_pad_segments_docstring_example():
+    from roll.data.collators import pad_segments
+
+    assert pad_segments({"input_ids": [5, 6, 7], "labels": [X, 6, X], "position_ids": [0, 1, 0]}, 2, 0) == {
+        "input_ids": [5, 6, 7, 0], "labels": [X, 6, X, X], "position_ids": [0, 1, 0, 1]}
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_packed_samples_all_multiples_for_context_parallel(shift):
+    """CP=2 (multiple 4): every segment of every row, the padding tails included, is a multiple of 4 long."""
+    rows = [{"input_ids": list(range(1, 8)), "labels": [X] * 7, "position_ids": [0, 1, 2, 0, 1, 0, 1]},
+            {"input_ids": [9, 9], "labels": [X, 9], "position_ids": [0, 1]}]
+    policy = PaddingPolicy.for_megatron(cutoff_len=64, cp=2, packing=True) if shift else \
+        PaddingPolicy(pad_to_multiple_of=4, packing=True)
+    batch = SequenceCollator(pad_token_id=0, policy=policy)(rows)
+    cu = batch["cu_seqlens"].tolist()
+    assert all((b - a) % 4 == 0 for a, b in zip(cu, cu[1:])), cu
+    assert batch["input_ids"].shape[1] % 4 == 0
+    assert batch["input_ids"][0].tolist() == [1, 2, 3, 0, 4, 5, 0, 0, 6, 7, 0, 0]  # the shift only drops tail padding
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3] * 3
