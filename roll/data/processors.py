@@ -131,10 +131,6 @@ class SupervisedProcessor(_Processor):
                 parsed.append(skip.reason)
             except RowError as exc:
                 raise self.fail(index, exc) from None
-            except Exception as exc:  # jinja errors from a template that rejects this turn order
-                if type(exc).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError"):
-                    raise
-                parsed.append("unrenderable")
         texts = [text for turns in parsed if not isinstance(turns, str) for turn in turns for text in turn[:2]]
         token_iter = iter(_tokenize(self.tokenizer, texts))
         checked = False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from roll.data.formats import RowError
+from roll.data.formats import RowError, Skip
 from roll.logging import warn_once
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,16 @@ class Renderer:
         return cls(tokenizer, tuple(sorted((s for s in specials if s), key=len, reverse=True)))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        """The template's text; a template that refuses the conversation (raise_exception) skips the row."""
+        import jinja2
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateSyntaxError as exc:
+            raise RowError(f"the chat template has a syntax error: {exc}") from None
+        except jinja2.TemplateError:
+            raise Skip("unrenderable") from None
 
     def turns(self, messages: list[dict], train_turns: str = "all") -> list[tuple[str, str, bool]]:
         """Split the rendered conversation into [(prompt_text, reply_text, trainable)], one per reply.

@@ -207,3 +207,16 @@ def test_warns_when_replies_end_without_a_special_token(caplog, monkeypatch):
         ids, labels = _sft(tokenizer, SHAREGPT, "sharegpt")
     assert "not trained to stop" in caplog.text
     assert trained_runs(tokenizer, ids, labels) == REPLIES
+
+
+def test_template_that_refuses_a_conversation_skips_the_row():
+    from roll.tiny import build_bpe_tokenizer
+
+    tokenizer = build_bpe_tokenizer()
+    tokenizer.chat_template = ("{% if messages | length > 2 %}{{ raise_exception('only one turn') }}{% endif %}"
+                               + tokenizer.chat_template)
+    rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}, SHAREGPT]
+    out = SupervisedProcessor(tokenizer, 4096, "sharegpt", "mem.json")(_batch(rows), [0, 1])
+    assert out["_drop"] == ["", "unrenderable"]
+    pair = {"conversations": SHAREGPT["conversations"][:3], "chosen": "A.", "rejected": "B."}
+    assert PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(_batch([pair]), [0])["_drop"] == ["unrenderable"]
