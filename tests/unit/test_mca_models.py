@@ -108,3 +108,10 @@ def test_auto_config_takes_layout_and_precision_from_training_args(tiny_model_di
     assert config.hf_model_type == "qwen2" and config.add_qkv_bias
     with pytest.raises(ModelError, match="neither mca_config.json nor config.json"):
         AutoConfig.from_pretrained(str(tmp_path))
+
+
+def test_varying_sequence_lengths_switch_moe_to_alltoall():
+    config = McaModelConfig.from_hf(_hf("qwen3_moe"), variable_seq_lengths=True, moe_token_dispatcher_type="allgather")
+    assert config.moe_token_dispatcher_type == "alltoall"
+    fixed = McaModelConfig.from_hf(_hf("qwen3_moe"), moe_token_dispatcher_type="allgather")
+    assert fixed.moe_token_dispatcher_type == "allgather"
