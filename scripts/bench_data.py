@@ -47,7 +47,8 @@ def dry_run(recipe: dict, workdir: str) -> tuple[dict, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shared", required=True, help="the shared inputs directory (data/, tokenizers/)")
     parser.add_argument("--out", help="also write all results to this JSON file")
     args = parser.parse_args()
@@ -69,8 +70,9 @@ def main() -> int:
             results[f"sft {attempt}"] = {**summary, "wall_seconds": round(wall, 2)}
             check(f"sft alpaca packing, {attempt}",
                   summary["packing_efficiency"] >= 0.95 and summary["num_samples"] == fresh_count(alpaca),
-                  f"packing_efficiency={summary['packing_efficiency']:.4f} num_samples={summary['num_samples']} "
-                  f"(file has {fresh_count(alpaca)}) rows={summary['num_rows']} tokens={summary['num_tokens']} "
+                  f"packing_efficiency={summary['packing_efficiency']:.4f} "
+                  f"num_samples={summary['num_samples']} (file has {fresh_count(alpaca)}) "
+                  f"rows={summary['num_rows']} tokens={summary['num_tokens']} "
                   f"trainable={summary['num_trainable_tokens']} preprocess={summary['preprocess_seconds']}s "
                   f"wall={wall:.1f}s")
         for stage, name in (("dpo", "dpo_en_demo.json"), ("pt", "c4_demo.jsonl")):
@@ -79,7 +81,8 @@ def main() -> int:
             results[stage] = {**summary, "wall_seconds": round(wall, 2)}
             check(f"{stage} {name}", summary["num_samples"] + summary["num_dropped"] == fresh_count(path),
                   f"num_samples={summary['num_samples']} dropped={summary['dropped']} "
-                  f"truncated={summary['num_truncated']} rows={summary['num_rows']} tokens={summary['num_tokens']} "
+                  f"truncated={summary['num_truncated']} rows={summary['num_rows']} "
+                  f"tokens={summary['num_tokens']} "
                   f"trainable={summary['num_trainable_tokens']} preprocess={summary['preprocess_seconds']}s")
         with open(alpaca, encoding="utf-8") as handle:
             rows = json.load(handle)

@@ -27,7 +27,7 @@ def _base_key(key: str) -> str:
 
 
 def shift_labels(batch: dict[str, Any], keys: tuple[str, ...] = SEQUENCE_KEYS) -> dict[str, Any]:
-    """Megatron's label shift, applied once over every declared sequence key (and its chosen_/rejected_ forms).
+    """Megatron's label shift, applied once over every declared sequence key and its chosen_/rejected_ forms.
 
     ``labels <- labels[..., 1:]``; every other sequence key drops its last position, so position t
     is trained to predict token t+1. Works on tensors ``[B, L]`` and on plain 1-D lists.
@@ -54,7 +54,8 @@ def target_length(longest: int, policy: PaddingPolicy) -> int:
     extra = 1 if policy.shift_labels else 0
     wanted = policy.max_length if policy.pad_to == "max_length" else max(longest - extra, 1)
     if longest - extra > wanted:
-        raise ValueError(f"a row has {longest} tokens, longer than the policy's max_length {policy.max_length}; "
+        raise ValueError(f"a row has {longest} tokens, longer than the policy's max_length "
+                         f"{policy.max_length}; "
                          "the processors truncate to cutoff_len, so max_length must be cutoff_len")
     multiple = policy.pad_to_multiple_of
     return -(-wanted // multiple) * multiple + extra
@@ -75,8 +76,10 @@ def cu_seqlens_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 def pad_segments(feature: dict[str, Any], multiple: int, pad_token_id: int) -> dict[str, list[int]]:
     """Pad every packed sample of a row (found from position_ids) to a multiple of ``multiple`` tokens.
 
-    Example (multiple 2, pad 0): ``{"input_ids": [5, 6, 7], "labels": [-100, 6, -100], "position_ids": [0, 1, 0]}``
-    -> ``{"input_ids": [5, 6, 7, 0], "labels": [-100, 6, -100, -100], "position_ids": [0, 1, 0, 1]}``.
+    Example (multiple 2, pad 0)::
+
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, -100], "position_ids": [0, 1, 0]}
+        -> {"input_ids": [5, 6, 7, 0], "labels": [-100, 6, -100, -100], "position_ids": [0, 1, 0, 1]}
     """
     ids = [int(t) for t in feature["input_ids"]]
     labels = [int(t) for t in feature["labels"]]
@@ -135,8 +138,8 @@ class SequenceCollator:
             batch["position_ids"] = torch.stack([_positions(p, length) for p in positions])
         else:
             if any(f.get("seq_lens") is not None for f in features):
-                raise ValueError("these rows are packed (they carry seq_lens) but the padding policy has packing "
-                                 "off: attention would cross samples. Build the policy with packing=True.")
+                raise ValueError("these rows are packed (they carry seq_lens) but the padding policy has "
+                                 "packing off: attention would cross samples. Build it with packing=True.")
             batch["attention_mask"] = _pad([_get(f, "attention_mask", lambda n: [1] * n) for f in features],
                                            length, 0)
         if self.policy.shift_labels:

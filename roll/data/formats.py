@@ -79,7 +79,8 @@ def alpaca_messages(row: dict) -> list[dict]:
         messages.append({"role": "system", "content": system})
     history = row.get("history") or []
     if not isinstance(history, list):
-        raise RowError(f"'history' must be a list of [instruction, response] pairs, got {type(history).__name__}")
+        raise RowError(f"'history' must be a list of [instruction, response] pairs, "
+                       f"got {type(history).__name__}")
     for i, pair in enumerate(history):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise RowError(f"'history'[{i}] must be an [instruction, response] pair")
@@ -102,7 +103,10 @@ def turns_to_messages(turns: Any, column: str) -> list[dict]:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RowError(f"'{column}'[{i}] must be an object with from/value or role/content")
-        tag, content = (turn.get("from"), turn.get("value")) if "from" in turn else (turn.get("role"), turn.get("content"))
+        if "from" in turn:
+            tag, content = turn.get("from"), turn.get("value")
+        else:
+            tag, content = turn.get("role"), turn.get("content")
         if tag not in SHAREGPT_ROLES:
             raise RowError(f"'{column}'[{i}] has role {tag!r}; expected one of {sorted(SHAREGPT_ROLES)}")
         messages.append({"role": SHAREGPT_ROLES[tag], "content": _text(content, f"'{column}'[{i}] content")})
@@ -156,7 +160,9 @@ def _answer(value: Any, column: str) -> tuple[list[dict] | None, str]:
 def _pair_prompt(row: dict) -> list[dict] | None:
     if row.get("prompt") is not None:
         prompt = row["prompt"]
-        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else turns_to_messages(prompt, "prompt")
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return turns_to_messages(prompt, "prompt")
     if row.get("conversations") is not None or row.get("messages") is not None:
         return sharegpt_messages(row)
     if row.get("instruction") is not None:
@@ -171,7 +177,8 @@ def pair(row: dict) -> tuple[list[dict], str, str]:
     prompt = _pair_prompt(row)
     if prompt is None:
         if chosen_prompt is None:
-            raise RowError("no prompt: expected a 'prompt', 'instruction', 'conversations' or 'messages' column, "
+            raise RowError("no prompt: expected a 'prompt', 'instruction', 'conversations' or 'messages' "
+                           "column, "
                            "or chosen/rejected given as full conversations")
         if chosen_prompt != rejected_prompt:
             raise RowError("chosen and rejected conversations start with different prompts")

@@ -32,7 +32,8 @@ def split_sources(spec: str | None) -> list[str]:
     """'a.json, b.jsonl' -> ['a.json', 'b.jsonl']."""
     parts = [p.strip() for p in (spec or "").split(",") if p.strip()]
     if not parts:
-        raise DataError("no dataset given: set `dataset:` to one or more comma-separated files or directories.")
+        raise DataError("no dataset given: set `dataset:` to one or more comma-separated files or "
+                        "directories.")
     return parts
 
 
@@ -47,12 +48,13 @@ def expand(spec: str) -> list[str]:
         files = sorted(os.path.join(spec, f) for f in os.listdir(spec)
                        if os.path.splitext(f)[1].lower() in BUILDERS and not f.startswith("."))
         if not files:
-            raise DataError(f"dataset directory {spec} has no {'/'.join(BUILDERS)} files and is not a saved dataset.")
+            raise DataError(f"dataset directory {spec} has no {'/'.join(BUILDERS)} files and is not a "
+                            "saved dataset.")
         return files
     if _looks_like_hub_name(spec) and not _offline():
         return [spec]
-    raise DataError(f"dataset source {spec!r} not found: not a file or directory"
-                    + (" (hub names need network; HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)." if _offline() else "."))
+    hint = " (hub names need network; HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)." if _offline() else "."
+    raise DataError(f"dataset source {spec!r} not found: not a file or directory{hint}")
 
 
 def load_sources(spec: str | None, cache_dir: str | None = None) -> list[Source]:
@@ -71,7 +73,8 @@ def _load_one(path: str, cache_dir: str | None):
         loaded = datasets.load_from_disk(path)
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
-                raise DataError(f"saved dataset {path} has splits {list(loaded)}; roll needs a 'train' split.")
+                raise DataError(f"saved dataset {path} has splits {list(loaded)}; "
+                                "roll needs a 'train' split.")
             loaded = loaded["train"]
         return loaded
     if not os.path.exists(path):
@@ -104,8 +107,9 @@ def check_mixed_types(dataset, path: str) -> None:
         for index, row in enumerate(rows):
             value = row.get(column)
             if value is not None and type(value).__name__ != majority:
-                raise DataError(f"{path}, row {index} (0-based): column {column!r} holds a {type(value).__name__} "
-                                f"({json.dumps(value)[:60]}), but the other rows hold a {majority}; fix or remove it.")
+                raise DataError(f"{path}, row {index} (0-based): column {column!r} holds a "
+                                f"{type(value).__name__} ({json.dumps(value)[:60]}), but the other rows hold "
+                                f"a {majority}; fix or remove it.")
 
 
 def _raw_rows(path: str) -> list[dict]:

@@ -23,7 +23,8 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """
     too_long = next((i for i, n in enumerate(lengths) if n > capacity), None)
     if too_long is not None:
-        raise DataError(f"sample {too_long} has {lengths[too_long]} tokens, more than the bin size {capacity}")
+        raise DataError(f"sample {too_long} has {lengths[too_long]} tokens, "
+                        f"more than the bin size {capacity}")
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, bin id), sorted: the first fit found is the best fit
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

@@ -52,7 +52,7 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
 
 @contextlib.contextmanager
 def local_rank0_first():
-    """In a distributed run, let each node's local rank 0 tokenize first; the other ranks then load its cache."""
+    """In a distributed run each node's local rank 0 tokenizes first; the other ranks load its cache."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -66,7 +66,8 @@ def local_rank0_first():
             dist.barrier()
 
 
-def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...], seed: int) -> DatasetBundle:
+def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
+           seed: int) -> DatasetBundle:
     start = time.perf_counter()
     stats = PreprocessStats()
     sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset)]
@@ -88,7 +89,8 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
         stats.num_eval_samples = len(eval_ds)
         eval_ds = eval_ds.remove_columns([c for c in META_COLUMNS if c in eval_ds.column_names])
     if data_args.packing:
-        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len, data_args.preprocessing_num_workers)
+        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len,
+                                                       data_args.preprocessing_num_workers)
         train = train.shuffle(seed=seed) if data_args.shuffle else train
         if eval_ds is not None:
             eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len)
@@ -112,7 +114,8 @@ def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], st
     columns = list(source.dataset.column_names)
     fmt = fmts.detect(columns) if formatting == "auto" else formatting
     if fmt is None:
-        raise DataError(f"{source.name}: cannot tell the row format from the columns {columns}; stage {stage} "
+        raise DataError(f"{source.name}: cannot tell the row format from the columns {columns}; "
+                        f"stage {stage} "
                         f"expects {' or '.join(allowed)} rows (see docs/data.md), or set `formatting:`.")
     if fmt not in allowed:
         raise DataError(f"{source.name}: {fmt} rows (columns {columns}) cannot be used for stage {stage}, "
@@ -178,19 +181,22 @@ def _drop_skipped(ds, stats: PreprocessStats):
     reasons = Counter(r for r in ds["_drop"] if r)
     stats.add_drops(reasons)
     if reasons:
-        log_rank0(logger, "data: skipped %d row(s): %s (see docs/data.md, 'Skipped rows')", sum(reasons.values()),
+        log_rank0(logger, "data: skipped %d row(s): %s (see docs/data.md, 'Skipped rows')",
+                  sum(reasons.values()),
                   ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())), level=logging.WARNING)
         ds = ds.filter(lambda drop: [d == "" for d in drop], batched=True, input_columns="_drop",
                        desc="Dropping skipped rows")
     if len(ds) == 0:
-        raise DataError(f"no samples left after preprocessing: all {sum(reasons.values())} row(s) were skipped "
+        raise DataError(f"no samples left after preprocessing: all {sum(reasons.values())} row(s) were "
+                        "skipped "
                         f"({', '.join(f'{k}={v}' for k, v in sorted(reasons.items()))}).")
     return ds
 
 
 def _hold_out(ds, val_size: float, seed: int):
     size = int(val_size) if val_size >= 1 else val_size
-    if (size if isinstance(size, int) else int(size * len(ds))) < 1 or (isinstance(size, int) and size >= len(ds)):
+    held_out = size if isinstance(size, int) else int(size * len(ds))
+    if held_out < 1 or held_out >= len(ds):
         raise ConfigError(f"val_size={val_size} leaves no training or no eval rows out of {len(ds)}.")
     split = ds.train_test_split(test_size=size, seed=seed, shuffle=True)
     return split["train"], split["test"]

@@ -26,7 +26,7 @@ class PaddingPolicy:
     """Target length for pad_to='max_length' (the recipe's cutoff_len)."""
     pad_to_multiple_of: int = 1
     shift_labels: bool = False
-    """Apply the label shift once in the collator: labels <- labels[1:], other keys drop their last position."""
+    """Shift once in the collator: labels <- labels[1:], other sequence keys drop their last position."""
     packing: bool = False
     """Rows are packed: emit position_ids restarting per sample and segment boundaries, no attention_mask."""
 
@@ -37,8 +37,9 @@ class PaddingPolicy:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
 
     @classmethod
-    def for_megatron(cls, *, cutoff_len: int, tp: int = 1, cp: int = 1, ep: int = 1, sequence_parallel: bool = False,
-                     moe_token_dispatcher: str = "allgather", packing: bool = False) -> "PaddingPolicy":
+    def for_megatron(cls, *, cutoff_len: int, tp: int = 1, cp: int = 1, ep: int = 1,
+                     sequence_parallel: bool = False, moe_token_dispatcher: str = "allgather",
+                     packing: bool = False) -> "PaddingPolicy":
         """The Megatron backend's policy for a layout (DESIGN.md section 4).
 
         - labels are shifted in the collator (Megatron's GPT model does not shift);

@@ -75,7 +75,8 @@ def check_segmentation(tokenizer, turns: list[tuple[str, str, bool]], tokenized:
     pieces = [tok for prompt, reply, _ in tokenized for tok in prompt + reply]
     if whole != pieces:
         warn_once(logger, "tokenizing the prompt and reply pieces separately gives different tokens than the "
-                          "whole conversation with this tokenizer (it may add a prefix space per call); training "
+                          "whole conversation with this tokenizer (it may add a prefix space per call); "
+                          "training "
                           "sequences differ slightly from inference-time tokenization. Consider `template: "
                           "default` or a byte-level BPE tokenizer.")
     return True
@@ -116,7 +117,7 @@ PAIR_SEQ = tuple(f"{side}_{key}" for side in ("chosen", "rejected") for key in S
 
 @dataclass
 class SupervisedProcessor(_Processor):
-    """alpaca / sharegpt rows -> input_ids, attention_mask, labels (assistant replies + end-of-turn trained)."""
+    """alpaca / sharegpt rows -> input_ids, attention_mask, labels (replies + end-of-turn trained)."""
 
     train_turns: str = "all"
 
@@ -131,7 +132,8 @@ class SupervisedProcessor(_Processor):
                 parsed.append(skip.reason)
             except RowError as exc:
                 raise self.fail(index, exc) from None
-        texts = [text for turns in parsed if not isinstance(turns, str) for turn in turns for text in turn[:2]]
+        texts = [text for turns in parsed if not isinstance(turns, str)
+                 for prompt, reply, _ in turns for text in (prompt, reply)]
         token_iter = iter(_tokenize(self.tokenizer, texts))
         checked = False
         for turns in parsed:

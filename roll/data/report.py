@@ -55,6 +55,7 @@ def dry_run_report(job, stats) -> tuple[dict, str]:
     batch = job.collator([job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))])
     summary["batch_shapes"] = {key: list(value.shape) for key, value in batch.items()}
     lines = [f"stage {job.stage}: data summary", *("  " + line for line in stats.summary_lines()),
-             "  collated batch of 2 rows: " + ", ".join(f"{k} {v}" for k, v in summary["batch_shapes"].items()),
+             "  collated batch of 2 rows: "
+             + ", ".join(f"{k} {v}" for k, v in summary["batch_shapes"].items()),
              f"trained tokens are marked {OPEN}...{CLOSE}", *_example(job)]
     return summary, "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 DROP_REASONS = {
     "empty_conversation": "the conversation has no turns",
     "no_assistant_reply": "no assistant turn to train on (e.g. the conversation ends with the user)",
-    "bad_turn_order": "roles cannot be rendered in this order (system first, then user/assistant alternating)",
+    "bad_turn_order": "roles out of order (optional system first, then user/assistant alternating)",
     "empty_reply": "the assistant reply (or chosen/rejected answer) is empty",
     "chosen_equals_rejected": "the chosen and rejected answers are identical",
     "unrenderable": "the chat template raised an error on this conversation",
@@ -55,8 +55,11 @@ class PreprocessStats:
         eff = "n/a (packing off)" if self.packing_efficiency is None else f"{self.packing_efficiency:.4f}"
         dropped = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"
         return [
-            f"samples in: {self.num_samples_in}, kept: {self.num_samples}, dropped: {self.num_dropped} ({dropped})",
-            f"truncated: {self.num_truncated}, training rows: {self.num_rows}, eval samples: {self.num_eval_samples}",
-            f"tokens: {self.num_tokens}, trainable tokens: {self.num_trainable_tokens}, packing efficiency: {eff}",
+            f"samples in: {self.num_samples_in}, kept: {self.num_samples}, "
+            f"dropped: {self.num_dropped} ({dropped})",
+            f"truncated: {self.num_truncated}, training rows: {self.num_rows}, "
+            f"eval samples: {self.num_eval_samples}",
+            f"tokens: {self.num_tokens}, trainable tokens: {self.num_trainable_tokens}, "
+            f"packing efficiency: {eff}",
             f"preprocessing took {self.preprocess_seconds:.2f}s",
         ]

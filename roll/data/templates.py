@@ -31,7 +31,8 @@ QWEN = (
 LLAMA3 = (
     "{{ bos_token or '' }}"
     "{%- for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] + '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
@@ -97,8 +98,9 @@ class Renderer:
     def _reply_span(self, full: str, messages: list[dict], i: int, cursor: int) -> tuple[int, int]:
         prefix = self.render(messages[:i], add_generation_prompt=True)
         if not full.startswith(prefix) or len(prefix) < cursor:
-            raise RowError(f"the chat template does not render turn {i} incrementally (the rendering of the first "
-                           f"{i} turns is not a prefix of the whole conversation), so the loss mask cannot be "
+            raise RowError(f"the chat template does not render turn {i} incrementally (the rendering of "
+                           f"the first {i} turns is not a prefix of the whole conversation), so the loss "
+                           f"mask cannot be "
                            f"placed; set `template:` to one of {', '.join(BUILTIN_TEMPLATES)}")
         content = messages[i]["content"].strip()
         start = full.find(content, len(prefix))
@@ -108,7 +110,8 @@ class Renderer:
         end = start + len(content)
         end_of_turn = next((tok for tok in self.end_of_turn if full.startswith(tok, end)), "")
         if not end_of_turn:
-            warn_once(logger, "the chat template closes assistant replies with no special token of this tokenizer "
-                              f"(after the reply comes {full[end:end + 20]!r}), so the model is not trained to stop; "
+            warn_once(logger, "the chat template closes assistant replies with no special token of this "
+                              f"tokenizer (after the reply comes {full[end:end + 20]!r}), so the model is "
+                              "not trained to stop; "
                               "use a template whose end-of-turn marker is a special token of the tokenizer.")
         return start, end + len(end_of_turn)

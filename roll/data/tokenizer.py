@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_args, data_args):
-    """Load ``tokenizer_name_or_path`` (default: ``model_name_or_path``); apply ``template:``; set a pad token."""
+    """Load ``tokenizer_name_or_path`` (default ``model_name_or_path``), apply ``template:``, set a pad."""
     from transformers import AutoTokenizer
 
     path = model_args.tokenizer_name_or_path or model_args.model_name_or_path
@@ -32,7 +32,7 @@ def load_tokenizer(model_args, data_args):
 
 
 def apply_template(tokenizer, name: str | None) -> None:
-    """Install the built-in template ``name``; with None keep the tokenizer's own (or 'default' if it has none)."""
+    """Install the built-in template ``name``; None keeps the tokenizer's own ('default' if it has none)."""
     if name is not None:
         if name not in BUILTIN_TEMPLATES:
             raise ConfigError(f"unknown template {name!r}; choose one of {', '.join(BUILTIN_TEMPLATES)} "

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from roll import IGNORE_INDEX
-from roll.data.collators import (LabelShiftCollator, PairwiseCollator, SequenceCollator, cu_seqlens_from_positions,
-                                 shift_labels, target_length)
+from roll.data.collators import (LabelShiftCollator, PairwiseCollator, SequenceCollator,
+                                 cu_seqlens_from_positions, shift_labels, target_length)
 from roll.data.policy import PaddingPolicy
 
 X = IGNORE_INDEX
@@ -67,8 +67,8 @@ def test_pairwise_collator_refuses_packing():
 
 
 def test_shift_labels_docstring_example_including_pairwise_keys():
-    assert shift_labels({"input_ids": [5, 6, 7], "labels": [X, 6, 7], "chosen_attention_mask": [1, 1, 1]}) == {
-        "input_ids": [5, 6], "labels": [6, 7], "chosen_attention_mask": [1, 1]}
+    batch = {"input_ids": [5, 6, 7], "labels": [X, 6, 7], "chosen_attention_mask": [1, 1, 1]}
+    assert shift_labels(batch) == {"input_ids": [5, 6], "labels": [6, 7], "chosen_attention_mask": [1, 1]}
 
 
 def test_shift_labels_on_every_pairwise_key_and_leaves_others():
@@ -98,7 +98,8 @@ def test_pad_to_max_length_with_shift_gives_max_length_after_shift():
 def test_pad_to_multiple_of():
     batch = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(pad_to_multiple_of=4))(SFT_ROWS)
     assert batch["input_ids"].shape == (2, 4)
-    shifted = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(pad_to_multiple_of=4, shift_labels=True))(SFT_ROWS)
+    policy = PaddingPolicy(pad_to_multiple_of=4, shift_labels=True)
+    shifted = SequenceCollator(pad_token_id=0, policy=policy)(SFT_ROWS)
     assert shifted["input_ids"].shape == (2, 4)  # padded to 5, then the shift drops one
     assert shifted["labels"][0].tolist() == [6, 7, X, X]
 
@@ -153,7 +154,8 @@ def test_label_shift_wrapper_over_a_foreign_collator():
 
 def test_tensor_rows_collate_like_list_rows():
     rows = [{k: torch.tensor(v) for k, v in row.items()} for row in SFT_ROWS]
-    assert _lists(SequenceCollator(pad_token_id=0)(rows)) == _lists(SequenceCollator(pad_token_id=0)(SFT_ROWS))
+    collate = SequenceCollator(pad_token_id=0)
+    assert _lists(collate(rows)) == _lists(collate(SFT_ROWS))
     packed = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([X, 6, X]),
                "position_ids": torch.tensor([0, 1, 0])}]
     batch = SequenceCollator(pad_token_id=0, policy=PaddingPolicy(packing=True))(packed)
@@ -203,5 +205,6 @@ def test_packed_samples_all_multiples_for_context_parallel(shift):
     cu = batch["cu_seqlens"].tolist()
     assert all((b - a) % 4 == 0 for a, b in zip(cu, cu[1:])), cu
     assert batch["input_ids"].shape[1] % 4 == 0
-    assert batch["input_ids"][0].tolist() == [1, 2, 3, 0, 4, 5, 0, 0, 6, 7, 0, 0]  # the shift only drops tail padding
+    # the shift only drops tail padding
+    assert batch["input_ids"][0].tolist() == [1, 2, 3, 0, 4, 5, 0, 0, 6, 7, 0, 0]
     assert batch["position_ids"][0].tolist() == [0, 1, 2, 3] * 3

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     args = DataArguments(dataset="recipes/demo/data/arithmetic_sft.json", cutoff_len=128, packing=True)
     bundle = build_datasets(args, tok, stage="sft", processor="supervised", formats=("alpaca",), seed=3)
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as handle:
-        json.dump({"input_ids": list(bundle.train["input_ids"]), "cache": [f["filename"] for f in bundle.train.cache_files],
+        json.dump({"input_ids": list(bundle.train["input_ids"]),
                    "num_samples": bundle.stats.num_samples,
                    "from_cache": any("Loading cached processed dataset" in m for m in messages)}, handle)
     dist.destroy_process_group()

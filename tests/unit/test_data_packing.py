@@ -69,12 +69,13 @@ def test_packed_dataset_invariants(bpe, tmp_path, monkeypatch):
     samples = sorted(zip(plain.train["input_ids"], plain.train["labels"]))
     segments = [seg for row in packed.train for seg in _segments(row)]
     assert all(len(row["input_ids"]) <= 128 for row in packed.train)
-    assert all(sum(row["seq_lens"]) == len(row["input_ids"]) == len(row["position_ids"]) for row in packed.train)
+    for row in packed.train:
+        assert sum(row["seq_lens"]) == len(row["input_ids"]) == len(row["position_ids"])
     # no sample split or lost: the segments are exactly the unpacked samples
     assert sorted((s["input_ids"], s["labels"]) for s in segments) == samples
     for seg in segments:
         assert seg["position_ids"] == list(range(len(seg["input_ids"])))  # restart at 0
-        assert seg["labels"][0] == IGNORE_INDEX  # nothing predicts a segment's first token from the previous one
+        assert seg["labels"][0] == IGNORE_INDEX  # no segment's first token is predicted from the previous one
     stats = packed.stats
     assert stats.num_samples == 60 and stats.num_rows == len(packed.train) < 60
     assert stats.packing_efficiency == pytest.approx(stats.num_tokens / (len(packed.train) * 128))

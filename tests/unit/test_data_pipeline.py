@@ -1,4 +1,4 @@
-"""build_datasets end to end on small files written to tmp dirs: sources, formats, splits, order, errors, cache."""
+"""build_datasets end to end on small files in tmp dirs: sources, formats, splits, order, errors, cache."""
 
 from __future__ import annotations
 
@@ -139,14 +139,15 @@ def test_wrong_type_in_a_row_names_file_and_row(bpe, tmp_path):
         build(bpe, dataset=write_json(tmp_path / "bad.json", rows))
     # a column of one wrong type throughout reaches the processor, which names the first row
     rows = [{"instruction": "Hi", "input": "", "output": [1]}] * 2
-    with pytest.raises(DataError, match=r"bad2\.json, row 0 \(0-based\): 'output' must be a string, got list"):
+    expected = r"bad2\.json, row 0 \(0-based\): 'output' must be a string, got list"
+    with pytest.raises(DataError, match=expected):
         build(bpe, dataset=write_json(tmp_path / "bad2.json", rows))
 
 
 @pytest.mark.parametrize("bad_value", [{"x": 1}, 7])
 @pytest.mark.parametrize("lines", [False, True])
 def test_mixed_types_in_a_column_name_the_row(bpe, tmp_path, bad_value, lines):
-    """datasets would decode such a column as JSON (the string "3" becomes 3): the faulty row is named instead."""
+    """datasets would decode such a column as JSON (the string "3" becomes 3): the faulty row is named."""
     rows = [dict(r) for r in ROWS]
     rows[0]["output"] = "3"
     rows[9]["output"] = bad_value

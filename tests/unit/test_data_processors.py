@@ -47,7 +47,8 @@ def test_sft_rows_skipped_with_a_reason(bpe, conversation, reason):
 
 def test_pair_with_equal_answers_is_skipped(bpe):
     rows = [{"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}]
-    assert PairwiseProcessor(bpe, 64, "pairwise", "mem.json")(_batch(rows), [0])["_drop"] == ["chosen_equals_rejected"]
+    out = PairwiseProcessor(bpe, 64, "pairwise", "mem.json")(_batch(rows), [0])
+    assert out["_drop"] == ["chosen_equals_rejected"]
 
 
 @pytest.mark.parametrize("row,expected", [
@@ -93,7 +94,8 @@ def test_truncate_turns_drops_later_turns_and_masks_first_label():
 
 def test_sft_row_with_nothing_trainable_after_cutoff_is_dropped(bpe):
     """Training only the last turn, when the first turn already fills cutoff_len."""
-    row = {"conversations": [turn("human", "the cat sees the dog " * 10), turn("gpt", "the dog sees the cat " * 10),
+    row = {"conversations": [turn("human", "the cat sees the dog " * 10),
+                             turn("gpt", "the dog sees the cat " * 10),
                              turn("human", "Hi"), turn("gpt", "Hello.")]}
     out = SupervisedProcessor(bpe, 16, "sharegpt", "x.json", train_turns="last")(_batch([row]), [0])
     assert out["_drop"] == ["no_trainable_tokens"]
@@ -110,7 +112,8 @@ def test_sft_truncation_keeps_the_answer_and_the_assistant_header(bpe):
 
 
 def test_pair_truncation_keeps_the_same_prompt_on_both_sides(bpe):
-    row = {"prompt": " ".join(["the cat sees the dog"] * 40), "chosen": "Yes, the cat runs. " * 10, "rejected": "No."}
+    row = {"prompt": " ".join(["the cat sees the dog"] * 40), "chosen": "Yes, the cat runs. " * 10,
+           "rejected": "No."}
     out = PairwiseProcessor(bpe, 64, "pairwise", "x.json")(_batch([row]), [0])
     chosen, rejected = out["chosen_input_ids"][0], out["rejected_input_ids"][0]
     n_prompt = out["rejected_labels"][0].count(X)
@@ -134,7 +137,8 @@ def test_pretrain_concatenates_appends_eos_and_chunks(bpe):
 
 def test_pretrain_packing_splits_only_long_documents(bpe):
     texts = ["the cat", "one two three four five six seven eight nine ten eleven"]
-    out = PretrainProcessor(bpe, 6, "text", "x.jsonl", packing=True)(_batch([{"text": t} for t in texts]), [0, 1])
+    processor = PretrainProcessor(bpe, 6, "text", "x.jsonl", packing=True)
+    out = processor(_batch([{"text": t} for t in texts]), [0, 1])
     first = bpe("the cat")["input_ids"] + [bpe.eos_token_id]
     assert out["input_ids"][0] == first and out["_truncated"][0] is False
     assert all(out["_truncated"][1:]) and sum(out["_docs"]) == 2

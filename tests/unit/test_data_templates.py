@@ -51,8 +51,9 @@ def assert_matches_rendering(tokenizer, messages: list[dict], input_ids: list[in
     assert rendered.startswith(text) and not rendered[len(text):].strip(), (rendered, text)
 
 
-ALPACA = {"system": "You are a helpful assistant.", "instruction": "What is two plus three?", "input": "Answer briefly.",
-          "output": "Two plus three equals five.", "history": [["Hello", "Hello world."]]}
+ALPACA = {"system": "You are a helpful assistant.", "instruction": "What is two plus three?",
+          "input": "Answer briefly.", "output": "Two plus three equals five.",
+          "history": [["Hello", "Hello world."]]}
 ALPACA_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
                    {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello world."},
                    {"role": "user", "content": "What is two plus three?\nAnswer briefly."},
@@ -77,7 +78,8 @@ def test_alpaca_with_history_masks_every_reply(tok_name, request):
     tokenizer = request.getfixturevalue(tok_name)
     ids, labels = _sft(tokenizer, ALPACA, "alpaca")
     assert_matches_rendering(tokenizer, ALPACA_MESSAGES, ids)
-    assert trained_runs(tokenizer, ids, labels) == ["Hello world.<|im_end|>", "Two plus three equals five.<|im_end|>"]
+    assert trained_runs(tokenizer, ids, labels) == ["Hello world.<|im_end|>",
+                                                    "Two plus three equals five.<|im_end|>"]
     assert labels[0] == IGNORE_INDEX
 
 
@@ -183,13 +185,14 @@ def test_pieces_tokenize_like_the_whole_conversation(tok_name, request):
 @pytest.mark.parametrize("tok_name", ["bpe", "qwen"])
 def test_function_call_and_observation_turns(tok_name, request):
     tokenizer = request.getfixturevalue(tok_name)
+    call = '{"name": "weather", "arguments": {"city": "Paris"}}'
     row = {"conversations": [{"from": "human", "value": "Weather in Paris?"},
-                             {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Paris"}}'},
+                             {"from": "function_call", "value": call},
                              {"from": "observation", "value": '{"temp": 21}'},
                              {"from": "gpt", "value": "It is 21 degrees in Paris."}]}
     ids, labels = _sft(tokenizer, row, "sharegpt")
     assert trained_runs(tokenizer, ids, labels) == [
-        '{"name": "weather", "arguments": {"city": "Paris"}}<|im_end|>', "It is 21 degrees in Paris.<|im_end|>"]
+        call + "<|im_end|>", "It is 21 degrees in Paris.<|im_end|>"]
     assert '{"temp": 21}' in tokenizer.decode(ids)
 
 
@@ -213,10 +216,13 @@ def test_template_that_refuses_a_conversation_skips_the_row():
     from roll.tiny import build_bpe_tokenizer
 
     tokenizer = build_bpe_tokenizer()
-    tokenizer.chat_template = ("{% if messages | length > 2 %}{{ raise_exception('only one turn') }}{% endif %}"
+    tokenizer.chat_template = ("{% if messages | length > 2 %}{{ raise_exception('only one turn') }}"
+                               "{% endif %}"
                                + tokenizer.chat_template)
-    rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}, SHAREGPT]
+    short = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
+    rows = [short, SHAREGPT]
     out = SupervisedProcessor(tokenizer, 4096, "sharegpt", "mem.json")(_batch(rows), [0, 1])
     assert out["_drop"] == ["", "unrenderable"]
     pair = {"conversations": SHAREGPT["conversations"][:3], "chosen": "A.", "rejected": "B."}
-    assert PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(_batch([pair]), [0])["_drop"] == ["unrenderable"]
+    out = PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(_batch([pair]), [0])
+    assert out["_drop"] == ["unrenderable"]

@@ -1,4 +1,4 @@
-"""The stage table and build_job, and roll-train --dry-run on the demo data (tokenizer + dataset + collator)."""
+"""The stage table, build_job, and roll-train --dry-run on the demo data (tokenizer, dataset, collator)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from roll.data.pipeline import PROCESSORS
 from roll.data.policy import PaddingPolicy
 from tests.helpers import REPO, output_of, roll_train
 
-DEMO = {"pt": "recipes/demo/tiny_pt.yaml", "sft": "recipes/demo/tiny_sft.yaml", "dpo": "recipes/demo/tiny_dpo.yaml"}
+DEMO = {stage: f"recipes/demo/tiny_{stage}.yaml" for stage in ("pt", "sft", "dpo")}
 
 
 def test_stage_table_names_real_processors_collators_and_formats():
