@@ -1,11 +1,92 @@
-"""McaBackend: Megatron-Core training behind the Backend interface."""
+"""McaBackend: Megatron-Core behind the Backend interface.
+
+What is here today is the model side: the padding policy Megatron needs, distributed and
+model-parallel initialisation, loading (HF converted on the fly, or a Megatron checkpoint at any
+layout), and export back to HF format. The training loop (Megatron DDP, distributed optimizer,
+pipeline schedules, per-token loss) is the next piece of work; until it lands, a training run on
+this backend stops with a clear message before anything is loaded. ``--dry-run`` works already and
+shows exactly what the Megatron collator feeds the model.
+"""
 
 from __future__ import annotations
 
+import logging
+
 from backends.base import Backend, register_backend
+from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
+from roll.data.policy import PaddingPolicy
+from roll.errors import RollError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+_NO_TRAINER = ("training on the mca backend is not available in this version: the Megatron training loop is "
+               "the next milestone. Available now with --use-mca: --print-config, --dry-run, and "
+               "HF <-> Megatron conversion with `roll-convert` (hf2mca / mca2hf / check). "
+               "Train with the standard backend (drop --use-mca) in the meantime.")
 
 
 @register_backend("mca")
 class McaBackend(Backend):
     supported_stages = frozenset({"pt", "sft", "dpo"})
-    supported_finetuning_types = frozenset({"full", "lora"})
+    # LoRA on Megatron comes with the training loop; refusing it here fails at config time.
+    supported_finetuning_types = frozenset({"full"})
+
+    def padding_policy(self, stage: str) -> PaddingPolicy:
+        t, d = self.config.training, self.config.data
+        return PaddingPolicy.for_megatron(
+            cutoff_len=d.cutoff_len, tp=t.tensor_model_parallel_size, cp=t.context_parallel_size,
+            ep=t.expert_model_parallel_size, sequence_parallel=t.sequence_parallel,
+            moe_token_dispatcher=t.moe_token_dispatcher_type, packing=d.packing)
+
+    def setup_distributed(self) -> DistributedInfo:
+        # The first step of every real run: stop here, before minutes of model loading, while the
+        # training loop is missing (see module docstring).
+        raise RollError(_NO_TRAINER)
+
+    def initialize(self) -> DistributedInfo:
+        """Torch.distributed + Megatron parallel groups + seeds for the validated layout (idempotent)."""
+        from backends.mca.initialize import initialize_megatron
+
+        assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"
+        info = initialize_megatron(self.config.layout, seed=self.config.training.seed)
+        log_rank0(logger, "Megatron initialised: %s", self.config.layout.describe())
+        return info
+
+    def load_models(self, stage: str, tokenizer) -> ModelBundle:
+        """Policy chunks (and, for dpo, frozen reference chunks) from the configured checkpoints."""
+        from backends.mca.models.auto import AutoModel
+
+        model_args, ft = self.config.model, self.config.finetuning
+        policy = AutoModel.from_pretrained(model_args.model_name_or_path, self.config.training)
+        ref = None
+        if stage == "dpo" and not ft.ref_free:
+            ref = AutoModel.from_pretrained(ft.ref_model or model_args.model_name_or_path, self.config.training)
+            for chunk in ref:
+                chunk.requires_grad_(False).eval()
+        return ModelBundle(policy=policy, ref=ref)
+
+    def apply_finetuning(self, models: ModelBundle) -> ModelBundle:
+        return models  # full fine-tuning: every parameter of every chunk trains
+
+    def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
+        raise RollError(_NO_TRAINER)
+
+    def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
+        raise RollError(_NO_TRAINER)
+
+    def save(self, models: ModelBundle, tokenizer, output_dir: str) -> str:
+        """Gather the chunks and write standard HF safetensors + config + tokenizer (collective)."""
+        from backends.mca.models.export import save_hf
+
+        chunks = models.policy
+        config = chunks[0].config
+        save_hf(chunks, config, output_dir, tokenizer_dir=self.config.model.tokenizer_name_or_path
+                or self.config.model.model_name_or_path)
+        return output_dir
+
+    def teardown(self) -> None:
+        from backends.mca.initialize import destroy_megatron, is_initialized
+
+        if is_initialized():
+            destroy_megatron()

@@ -98,6 +98,11 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def is_initialized() -> bool:
+    """Whether ``initialize_megatron`` has run in this process (and not been torn down)."""
+    return "layout" in _state
+
+
 def destroy_megatron() -> None:
     """Tear down what ``initialize_megatron`` set up (parallel groups, and the process group if it
     created one), so a process can exit cleanly or initialise again with another layout."""
