@@ -118,13 +118,14 @@ def destroy_process_group() -> None:
 
 
 def install_clean_exit() -> None:
-    """W2 (second half): end a launched worker with ``os._exit(0)`` once Python's atexit work ran.
+    """W2 (second half): end a launched worker with ``os._exit(0)`` at interpreter exit.
 
     Even after ``destroy_process_group`` leftover gloo threads make some ranks abort at
     interpreter shutdown ("terminate called without an active exception", SIGABRT), so the
     launcher reports failure for a run that succeeded. Only installed in launched workers, and only
     after a successful run (a failing rank keeps its non-zero exit code). Trainer callbacks
     (tensorboard, wandb) have finished by then: they close their writers at the end of training.
+    atexit handlers registered earlier than this one are skipped (they run last-in first-out).
     """
     if not _inside_launched_worker():
         return

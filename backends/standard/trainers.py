@@ -12,7 +12,7 @@ What they add to HF/TRL, and why:
   step loss is the per-token mean over the global batch. dpo: TRL's per-pair mean of the
   micro-batch, divided by grad_accum and averaged over ranks: the mean over pairs of the global
   batch (micro-batches are equal-sized).
-* **Throughput**: ``tokens_per_second`` in every log counts real (attention-mask) tokens only.
+* **Throughput**: ``tokens_per_second`` in every log counts real (non-pad) tokens only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 
-IGNORE_INDEX = -100
+from roll import IGNORE_INDEX
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
