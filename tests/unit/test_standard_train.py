@@ -340,3 +340,25 @@ def test_packed_rows_give_the_same_loss_as_padded_ones(tiny_model_dir, tmp_path)
             backend.teardown()
         losses[name] = result.log_history[0]["loss"]
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_evaluate_reports_the_loss_on_the_eval_set(tiny_model_dir, tmp_path, stage):
+    from datasets import Dataset
+
+    tok = _tokenizer(tiny_model_dir)
+    rows = {"sft": _sft_rows, "dpo": _dpo_rows}[stage](tok, 8)
+    config = resolve(dict(model_name_or_path=tiny_model_dir, stage=stage, output_dir=str(tmp_path),
+                          per_device_eval_batch_size=4, report_to="none", disable_tqdm=True), {}, None)
+    backend = StandardBackend(config)
+    job = TrainJob(stage=stage, tokenizer=tok, train_dataset=Dataset.from_list(rows),
+                   eval_dataset=Dataset.from_list(rows), collator=_Collator(tok.pad_token_id, stage == "dpo"))
+    backend.setup_distributed()
+    try:
+        metrics = backend.evaluate(job, backend.apply_finetuning(backend.load_models(stage, tok)))
+    finally:
+        backend.teardown()
+    if stage == "dpo":
+        assert metrics["eval_loss"] == pytest.approx(0.6931, abs=1e-3)  # policy == reference
+    else:
+        assert 5.0 < metrics["eval_loss"] < 7.0  # an untrained model: near ln(vocab 512) = 6.24
