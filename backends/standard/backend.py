@@ -34,6 +34,7 @@ class StandardBackend(Backend):
         self._hf_args = None
         self._trainer = None
         self._restore_env: dict[str, str | None] = {}
+        self._owns_process_group = False
         self._succeeded = False
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -49,6 +50,8 @@ class StandardBackend(Backend):
 
         if self._hf_args is None:  # idempotent: the env and process group are set up once
             training = self.config.training
+            # A group that already exists (a notebook's, another test's) is not ours to destroy.
+            self._owns_process_group = not (dist.is_available() and dist.is_initialized())
             self._deepspeed = load_deepspeed_config(training.deepspeed)
             if self._deepspeed is not None:
                 check_combination(self._deepspeed, training)
@@ -165,7 +168,8 @@ class StandardBackend(Backend):
 
     def teardown(self) -> None:
         """Release the process group and per-process state (W2, W6); restore the env we set (W5)."""
-        _compat.destroy_process_group()
+        if self._owns_process_group:
+            _compat.destroy_process_group()
         if self._deepspeed is not None:
             _compat.reset_process_state()
         _compat.restore_env(self._restore_env)
