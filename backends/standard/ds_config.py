@@ -6,11 +6,10 @@ loaded, often as an assertion about batch sizes. These checks say which key to c
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from roll.config.training import read_deepspeed_json
 from roll.errors import ConfigError
 
 _BATCH_KEYS = {
@@ -44,7 +43,7 @@ def load_deepspeed_config(value: str | dict | None) -> DeepSpeedSettings | None:
     if isinstance(value, dict):
         source, config = "<dict>", value
     else:
-        source, config = str(value), _read_json(str(value))
+        source, config = str(value), read_deepspeed_json(str(value))
     zero = config.get("zero_optimization", {}) or {}
     if not isinstance(zero, dict):
         raise ConfigError(f"deepspeed config {source}: 'zero_optimization' must be an object, got {zero!r}.")
@@ -55,21 +54,6 @@ def load_deepspeed_config(value: str | dict | None) -> DeepSpeedSettings | None:
     return DeepSpeedSettings(source=source, config=config, zero_stage=int(stage),
                              offload_optimizer=_offloads(zero, "offload_optimizer"),
                              offload_param=_offloads(zero, "offload_param"))
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"deepspeed config file {path!r} does not exist. Use one of recipes/deepspeed/"
-                          "ds_z0.json, ds_z2.json, ds_z3.json, ds_z3_offload.json "
-                          "or drop the 'deepspeed' key.")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            config = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"deepspeed config {path!r} is not valid JSON: {exc}.") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"deepspeed config {path!r} must hold a JSON object, got {type(config).__name__}.")
-    return config
 
 
 def _offloads(zero: dict, key: str) -> bool:

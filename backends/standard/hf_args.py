@@ -31,9 +31,6 @@ def build_hf_args(config, deepspeed):
         warn_once(logger, "average_tokens_across_devices=false ignored: roll's loss is the per-token mean "
                           "over the global batch, which needs the token count of all ranks.")
     kwargs["average_tokens_across_devices"] = True
-    for key in ("save_strategy", "eval_strategy", "logging_strategy"):
-        if str(kwargs.get(key)).lower() == "false":  # YAML/CLI read an unquoted `no` as false
-            kwargs[key] = "no"
     if finetuning.stage == "dpo":
         from trl import DPOConfig
 

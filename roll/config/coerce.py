@@ -58,6 +58,9 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is float:
         return _coerce_float(value)
     if tp is str:
+        if isinstance(value, bool):  # YAML 1.1 reads unquoted no/yes/off/on as booleans
+            raise CoercionError(f"expected text, got the YAML boolean {str(value).lower()}; "
+                                "put the value in quotes, e.g. \"no\"")
         if isinstance(value, (dict, list)):
             raise CoercionError(f"expected a string, got {type(value).__name__} {value!r}")
         return str(value)
@@ -93,6 +96,8 @@ def _coerce_union(value: Any, arms: tuple) -> Any:
         return 0
 
     ordered = sorted(arms, key=rank)
+    if isinstance(value, bool) and str in arms and bool not in arms:
+        return coerce(value, str)  # raises with the advice to quote YAML's no/yes
     for arm in ordered:
         if arm is type(None):
             continue

@@ -123,11 +123,16 @@ def load_recipe(path: str) -> dict[str, Any]:
     return {_normalise(str(k)): v for k, v in content.items()}
 
 
-def _parse_cli_value(text: str) -> Any:
+def _parse_cli_value(text: str, tp: Any) -> Any:
+    """A command-line value read as YAML, except that ``save_strategy=no`` stays the text 'no'
+    when the key does not take a boolean (quoting is awkward on a command line)."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, bool) and not _is_bool(tp):
+        return text
+    return value
 
 
 def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str | None) -> RunConfig:
@@ -144,7 +149,7 @@ def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str 
     for key, value in recipe.items():
         values[key], source_of[key] = value, recipe_source
     for key, value in overrides.items():
-        values[key], source_of[key] = _parse_cli_value(value), "the command line"
+        values[key], source_of[key] = _parse_cli_value(value, FIELDS[key].type), "the command line"
 
     kwargs: dict[str, dict[str, Any]] = {group: {} for group in GROUPS}
     for key, value in values.items():

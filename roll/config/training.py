@@ -21,6 +21,21 @@ from roll.errors import ConfigError
 _HF_FIELDS = frozenset(f.name for f in dataclasses.fields(transformers.TrainingArguments))
 
 
+def read_deepspeed_json(path: str) -> dict:
+    """The DeepSpeed config file a recipe names, as a dict; a clear ConfigError when unusable."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"deepspeed config file {path!r} does not exist. Use one of recipes/deepspeed/"
+                          "ds_z0.json, ds_z2.json, ds_z3.json, ds_z3_offload.json or drop the 'deepspeed' key.")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"deepspeed config {path!r} is not valid JSON: {exc}.") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"deepspeed config {path!r} must hold a JSON object, got {type(content).__name__}.")
+    return content
+
+
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     output_dir: str = "outputs/roll"
@@ -108,20 +123,7 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("overlap_param_gather=true needs use_distributed_optimizer=true.")
         if isinstance(self.deepspeed, str):
-            self._check_deepspeed_file(self.deepspeed)
-
-    @staticmethod
-    def _check_deepspeed_file(path: str) -> None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"deepspeed config file {path!r} does not exist. Ship one such as "
-                              "recipes/deepspeed/ds_z2.json or drop the 'deepspeed' key.")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                content = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"deepspeed config {path!r} is not valid JSON: {exc}.") from None
-        if not isinstance(content, dict):
-            raise ConfigError(f"deepspeed config {path!r} must hold a JSON object, got {type(content).__name__}.")
+            read_deepspeed_json(self.deepspeed)
 
     @property
     def world_size_from_launch(self) -> int:

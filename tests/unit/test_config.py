@@ -36,6 +36,13 @@ def test_bool_flags_and_dashes(recipe):
     assert config.backend_name == "mca"
 
 
+def test_yaml_booleans_for_text_keys(recipe):
+    _, config = parse_args([recipe(stage="sft"), "save_strategy=no"])
+    assert config.training.save_strategy == "no"  # not the string 'False'
+    with pytest.raises(ConfigError, match='quotes'):
+        parse_args([recipe(save_strategy=False)])  # `save_strategy: no` unquoted in a recipe
+
+
 def test_optional_and_literal_values(recipe):
     _, config = parse_args([recipe(recompute_granularity="full"), "virtual_pipeline_model_parallel_size=null",
                             "report_to=none", "--use-mca"])
