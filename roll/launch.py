@@ -8,8 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
-from roll.config import RunConfig
+from roll.errors import ConfigError
+
+if TYPE_CHECKING:  # roll.config pulls in transformers; tests/helpers and the mca backend only need free_port
+    from roll.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,8 @@ def needs_launch(config: RunConfig) -> bool:
     return not inside_launcher() and t.nproc_per_node * t.nnodes > 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a launcher's or a single-process group's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -36,12 +41,10 @@ def launch_command(config: RunConfig, argv: list[str]) -> list[str]:
     """The launcher command that runs ``roll-train argv`` on nproc_per_node processes."""
     t = config.training
     if t.nnodes > 1:
-        from roll.errors import ConfigError
-
         raise ConfigError("nnodes > 1: start roll-train on each node with your cluster launcher "
                           "(torchrun --nnodes ... or deepspeed --hostfile ...); roll-train only spawns local processes.")
     module = ["-m", "roll.cli"]
-    port = str(_free_port())
+    port = str(free_port())
     if not t.use_mca and t.deepspeed:
         # --no_local_rank: roll reads LOCAL_RANK from the environment, not from an injected argument.
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.nproc_per_node),

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+
+from roll.launch import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "ROLL_LAUNCHED", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from roll.config.layout import ParallelLayout
 from roll.contract import DistributedInfo
 from roll.errors import ConfigError
+from roll.launch import free_port
 from roll.logging import log_rank0
 from roll.platform import current_platform
 
@@ -123,15 +123,9 @@ def _init_process_group(backend: str, timeout_minutes: int) -> bool:
         dist.init_process_group(backend=backend, timeout=timeout)  # env:// (MASTER_ADDR/PORT from the launcher)
     else:
         # A plain `python` run (unit tests, single-process conversion): a one-process group.
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, timeout=timeout)
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _layout_key(layout: ParallelLayout) -> tuple[int, ...]:
