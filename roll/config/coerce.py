@@ -24,6 +24,11 @@ def closest(word: str, candidates: typing.Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def is_bool_word(text: str) -> bool:
+    """Whether ``text`` spells a boolean: true/false, yes/no, on/off or 1/0, in any case."""
+    return text.lower() in _TRUE | _FALSE
+
+
 def describe(tp: Any) -> str:
     """Human-readable name of a type annotation, e.g. 'int or null', "one of pt, sft, dpo"."""
     origin = typing.get_origin(tp)
@@ -122,7 +127,7 @@ def _coerce_literal(value: Any, choices: tuple) -> Any:
 def _coerce_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+    if isinstance(value, str) and is_bool_word(value):
         return value.lower() in _TRUE
     if isinstance(value, int) and value in (0, 1):
         return bool(value)

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from roll.config.coerce import CoercionError, closest, coerce, describe
+from roll.config.coerce import CoercionError, closest, coerce, describe, is_bool_word
 from roll.config.run import GROUPS, RunConfig
 from roll.errors import ConfigError
 
@@ -91,8 +91,7 @@ def split_command_line(argv: list[str]) -> tuple[CliOptions, dict[str, str]]:
         if not sep:  # --key value, or a bare --flag meaning true
             ref = FIELDS.get(key)
             takes_value = i < len(argv) and not argv[i].startswith("--") and "=" not in argv[i]
-            if ref is not None and _is_bool(ref.type) and not (takes_value and argv[i].lower() in
-                                                               ("true", "false", "yes", "no", "0", "1")):
+            if ref is not None and _is_bool(ref.type) and not (takes_value and is_bool_word(argv[i])):
                 value = "true"
             elif takes_value:
                 value = argv[i]

@@ -34,6 +34,10 @@ def test_bool_flags_and_dashes(recipe):
     _, config = parse_args([recipe(stage="sft"), "--use-mca", "--packing", "--bf16", "false"])
     assert config.training.use_mca is True and config.data.packing is True and config.training.bf16 is False
     assert config.backend_name == "mca"
+    # every spelling the value coercion accepts is also taken as the flag's value, not as a recipe path
+    for word, expected in (("off", False), ("on", True), ("no", False), ("1", True)):
+        _, config = parse_args([recipe(stage="sft"), "--packing", word])
+        assert config.data.packing is expected, word
 
 
 def test_yaml_booleans_for_text_keys(recipe):
