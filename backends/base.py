@@ -2,7 +2,10 @@
 
 The router (roll/router.py) drives a backend through these steps, in order::
 
-    setup_distributed -> padding_policy -> load_models -> apply_finetuning -> train -> save -> teardown
+    padding_policy -> setup_distributed -> load_models -> apply_finetuning -> train -> save -> teardown
+
+``padding_policy`` comes first because ``--dry-run`` needs it without starting any process group;
+it must depend on the config only. ``teardown`` runs even when a step after setup_distributed raised.
 
 Contract (DESIGN.md): both backends train on the same tokenized dataset in the same sample order,
 with the shared collators shaped by ``padding_policy``, and report the same loss: the per-token mean
