@@ -40,6 +40,12 @@ def test_dry_run_shows_megatron_batch(tiny_model_dir, tmp_path):
     # Same samples and trainable tokens on both backends: only the collator's shape differs.
     for key in ("num_samples", "num_tokens", "num_trainable_tokens"):
         assert std_summary[key] == mca_summary[key], key
+    # The Megatron batch is shifted (one position shorter than the longest row) and padded to a
+    # multiple of TP for sequence parallelism; every key keeps the same shape.
+    std_len = std_summary["batch_shapes"]["input_ids"][1]
+    mca_shapes = mca_summary["batch_shapes"]
+    assert mca_shapes["input_ids"] == [2, -(-(std_len - 1) // 2) * 2], mca_shapes
+    assert mca_shapes["labels"] == mca_shapes["input_ids"], mca_shapes
 
 
 def test_training_run_stops_early_with_a_clear_message(tiny_model_dir, tmp_path):
