@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from roll import IGNORE_INDEX
 from roll.data import formats as fmts
 from roll.data.loading import Source, load_sources
 from roll.data.packing import pack_dataset
@@ -211,6 +212,6 @@ def _count(ds, stats: PreprocessStats, pairwise: bool) -> None:
     for prefix in prefixes:
         stats.num_tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
         labels = pc.list_flatten(table[f"{prefix}labels"])
-        stats.num_trainable_tokens += pc.sum(pc.not_equal(labels, -100)).as_py() or 0
+        stats.num_trainable_tokens += pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0
     stats.num_samples = pc.sum(table["_docs"]).as_py() or 0
     stats.num_truncated = pc.sum(table["_truncated"].cast("int64")).as_py() or 0
