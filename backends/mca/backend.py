@@ -10,15 +10,10 @@ shows exactly what the Megatron collator feeds the model.
 
 from __future__ import annotations
 
-import logging
-
 from backends.base import Backend, register_backend
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
 from roll.errors import RollError
-from roll.logging import log_rank0
-
-logger = logging.getLogger(__name__)
 
 _NO_TRAINER = ("training on the mca backend is not available in this version: the Megatron training loop is "
                "the next milestone. Available now with --use-mca: --print-config, --dry-run, and "
@@ -49,9 +44,7 @@ class McaBackend(Backend):
         from backends.mca.initialize import initialize_megatron
 
         assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"
-        info = initialize_megatron(self.config.layout, seed=self.config.training.seed)
-        log_rank0(logger, "Megatron initialised: %s", self.config.layout.describe())
-        return info
+        return initialize_megatron(self.config.layout, seed=self.config.training.seed)  # logs the layout
 
     def load_models(self, stage: str, tokenizer) -> ModelBundle:
         """Policy chunks (and, for dpo, frozen reference chunks) from the configured checkpoints."""
