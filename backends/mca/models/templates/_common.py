@@ -95,10 +95,16 @@ def check_dense_moe_layers(hf: dict, out: dict) -> None:
                          "(dense layers between MoE layers) is not supported by the Megatron conversion yet.")
 
 
+def rope_config(hf: dict) -> tuple[dict, str]:
+    """The RoPE parameters and their ``rope_type`` ('default' when none), in any transformers spelling
+    (``rope_parameters`` from 5.x; ``rope_scaling`` with ``rope_type`` or the older ``type`` before)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return rope, rope.get("rope_type", rope.get("type", "default"))
+
+
 def default_rope_only(hf: dict, out: dict) -> None:
     """Families whose HF implementation we map only with plain RoPE."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    _, kind = rope_config(hf)
     if kind != "default":
         raise ModelError(f"{hf.get('model_type')}: rope_type {kind!r} is not supported by the Megatron conversion; "
                          "only default RoPE is (Llama-3 scaling: model_type llama).")

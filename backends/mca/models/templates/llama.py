@@ -9,8 +9,7 @@ _MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "orig
 
 
 def _config_hook(hf: dict, out: dict) -> None:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope, kind = c.rope_config(hf)
     if kind == "llama3":
         fixed = {k: rope.get(k) for k in _MEGATRON_LLAMA3_FIXED}
         if any(float(fixed[k]) != v for k, v in _MEGATRON_LLAMA3_FIXED.items() if fixed[k] is not None):
