@@ -130,13 +130,10 @@ def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], st
 
 def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
     fmt = resolve_format(source, data_args.formatting, allowed, stage)
-    common = dict(tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt, source=source.name)
-    if processor == "supervised":
-        fn = SupervisedProcessor(**common, train_turns="last" if data_args.train_on_last_turn_only else "all")
-    elif processor == "pretrain":
-        fn = PretrainProcessor(**common, packing=data_args.packing)
-    else:
-        fn = PairwiseProcessor(**common)
+    options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all"},
+               "pretrain": {"packing": data_args.packing}}
+    fn = PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt, source=source.name,
+                               **options.get(processor, {}))
     ds = source.dataset
     if len(ds) == 0:
         raise DataError(f"{source.name} has no rows.")
