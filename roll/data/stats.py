@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,9 +46,6 @@ class PreprocessStats:
         for reason, count in reasons.items():
             self.dropped[reason] = self.dropped.get(reason, 0) + count
         self.num_dropped = sum(self.dropped.values())
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     def summary_lines(self) -> list[str]:
         eff = "n/a (packing off)" if self.packing_efficiency is None else f"{self.packing_efficiency:.4f}"
