@@ -8,6 +8,7 @@ config on export, and converting whole global state dicts in either direction.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import re
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class Template:
 
     def hf_config_dict(self, mca: Any) -> dict:
         """The original HF config with every mapped key taken back from the Megatron config."""
-        hf = _deepcopy(mca.hf_config)
+        hf = copy.deepcopy(mca.hf_config)
         for key in self.config_keys:
             if _get_path(hf, key.hf) is None:
                 continue  # keep keys the original left unset as they were
@@ -147,11 +148,3 @@ def _set_path(data: dict, path: str, value: Any) -> None:
     for part in parents:
         data = data.setdefault(part, {})
     data[last] = value
-
-
-def _deepcopy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deepcopy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deepcopy(v) for v in data]
-    return data
