@@ -52,10 +52,11 @@ def dry_run_report(job, stats) -> tuple[dict, str]:
     summary = {key: getattr(stats, key) for key in SUMMARY_KEYS}
     summary.update(stage=job.stage, num_samples_in=stats.num_samples_in, num_rows=stats.num_rows,
                    dropped=dict(stats.dropped), num_eval_samples=stats.num_eval_samples)
-    batch = job.collator([job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))])
-    summary["batch_shapes"] = {key: list(value.shape) for key, value in batch.items()}
+    first = [job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))]
+    summary["batch_shapes"] = {key: list(value.shape) for key, value in job.collator(first).items()}
+    unit = "pairs" if "chosen_input_ids" in first[0] else "rows"
     lines = [f"stage {job.stage}: data summary", *("  " + line for line in stats.summary_lines()),
-             "  collated batch of 2 rows: "
+             f"  collated batch of the first {len(first)} {unit}: "
              + ", ".join(f"{k} {v}" for k, v in summary["batch_shapes"].items()),
              f"trained tokens are marked {OPEN}...{CLOSE}", *_example(job)]
     return summary, "\n".join(lines) + "\n"

@@ -67,6 +67,8 @@ def test_dry_run_text_marks_the_trained_span(tiny_model_dir, tmp_path):
                       HF_DATASETS_CACHE=str(tmp_path))
     assert proc.returncode == 0, output_of(proc)
     assert "packing efficiency: n/a" in proc.stdout
+    # two pairs collate to four rows (chosen stacked over rejected), and the line says pairs
+    assert re.search(r"collated batch of the first 2 pairs: input_ids \[4, \d+\]", proc.stdout), proc.stdout
     assert "--- chosen" in proc.stdout and "--- rejected" in proc.stdout
     # both sides: the prompt unmarked, exactly the answer + end-of-turn token marked
     marked = re.findall(r"What is \d plus \d\?<\|im_end\|>\n<\|im_start\|>assistant\n"
