@@ -204,18 +204,17 @@ def parallel_overrides(training_args: Any) -> dict[str, Any]:
     out = {name: getattr(training_args, name) for name in _PARALLEL_FIELDS if hasattr(training_args, name)}
     impl = getattr(training_args, "transformer_impl", None)
     if impl is not None:
-        from backends.mca.spec import resolve_transformer_impl as resolve_impl
-        out["transformer_impl"] = resolve_impl(impl)
+        from backends.mca.spec import resolve_transformer_impl
+
+        out["transformer_impl"] = resolve_transformer_impl(impl)
     if getattr(training_args, "bf16", False):
         out.update(bf16=True, params_dtype=torch.bfloat16)
     elif getattr(training_args, "fp16", False):
         out.update(fp16=True, params_dtype=torch.float16)
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_token_dispatcher_type",
-                 "moe_grouped_gemm", "calculate_per_token_loss"):
-        if getattr(training_args, name, None) is not None:
+                 "moe_grouped_gemm", "moe_aux_loss_coeff", "calculate_per_token_loss"):
+        if getattr(training_args, name, None) is not None:  # None: keep the model config's value
             out[name] = getattr(training_args, name)
-    if getattr(training_args, "moe_aux_loss_coeff", None) is not None:
-        out["moe_aux_loss_coeff"] = training_args.moe_aux_loss_coeff
     return out
 
 
