@@ -1,8 +1,10 @@
 """``roll-convert``: HF <-> Megatron checkpoint conversion and the logits parity check.
 
-    roll-convert hf2mca --input HF_DIR --output OUT [--tp N --pp N --vpp N --ep N --etp N]
-    roll-convert mca2hf --input MCA_DIR --output HF_DIR [--tp N --pp N --vpp N --ep N]
-    roll-convert check  --input HF_DIR [--tp N --pp N --vpp N --ep N] [--tolerance 1e-4]
+    roll-convert hf2mca --input HF_DIR --output OUT [LAYOUT]
+    roll-convert mca2hf --input MCA_DIR --output HF_DIR [LAYOUT] [--max-shard-gb 2]
+    roll-convert check  --input HF_DIR [LAYOUT] [--tolerance 1e-4] [--seq-len 16]
+
+LAYOUT: --tp N --pp N --vpp N --ep N --etp N (sizes default to 1, --etp to --tp).
 
 Multi-rank layouts run under ``torchrun --nproc_per_node=N -m backends.mca.convert_cli ...``
 (or the ``roll-convert`` script under torchrun); tp * pp (* dp) must equal N.
