@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models built from configs and saved once per session (no hub access)."""
+"""Shared fixtures: tiny models and the test tokenizer, built once per session (no hub access)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,12 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model_dir(tiny_model_factory) -> str:
     """A tiny Qwen2 (hidden 64, 2 layers, GQA 4/2, tied embeddings) with a 512-token BPE tokenizer."""
     return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def bpe():
+    """The 512-token byte-level BPE test tokenizer with ChatML specials (roll.tiny). Do not mutate it:
+    tests that change its template or specials build their own."""
+    from roll.tiny import build_bpe_tokenizer
+
+    return build_bpe_tokenizer()

@@ -1,4 +1,5 @@
-"""Helpers for tests that start real processes. Every subprocess gets a timeout."""
+"""Helpers shared by tests: starting real processes (every subprocess gets a timeout), and batches
+in the column layout ``datasets.map(batched=True)`` hands to a processor."""
 
 from __future__ import annotations
 
@@ -42,3 +43,9 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300, **extra_env: str)
 def output_of(proc: subprocess.CompletedProcess, tail: int = 4000) -> str:
     """The end of a process's stdout + stderr, for assertion messages."""
     return (proc.stdout[-tail:] + "\n--- stderr ---\n" + proc.stderr[-tail:])
+
+
+def batch_of(rows: list[dict]) -> dict[str, list]:
+    """Rows -> the columnar batch ``datasets.map(batched=True)`` passes (a missing key reads as None)."""
+    keys = sorted({k for row in rows for k in row})
+    return {k: [row.get(k) for row in rows] for k in keys}

@@ -8,12 +8,12 @@ import random
 import pytest
 
 from roll import IGNORE_INDEX
-
-X = IGNORE_INDEX
 from roll.config.data import DataArguments
 from roll.data import build_datasets
 from roll.data.packing import best_fit_decreasing
 from roll.errors import DataError
+
+X = IGNORE_INDEX
 
 
 def test_best_fit_decreasing_docstring_example():
@@ -34,13 +34,6 @@ def test_every_sample_in_exactly_one_bin_within_capacity(seed):
 def test_sample_longer_than_a_bin_is_an_error():
     with pytest.raises(DataError, match="sample 1 has 9 tokens"):
         best_fit_decreasing([3, 9], 8)
-
-
-@pytest.fixture(scope="module")
-def bpe():
-    from roll.tiny import build_bpe_tokenizer
-
-    return build_bpe_tokenizer()
 
 
 def _segments(row):

@@ -25,13 +25,6 @@ def datasets_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
-@pytest.fixture(scope="module")
-def bpe():
-    from roll.tiny import build_bpe_tokenizer
-
-    return build_bpe_tokenizer()
-
-
 def write_json(path, rows, lines: bool = False) -> str:
     with open(path, "w", encoding="utf-8") as handle:
         if lines:

@@ -10,20 +10,9 @@ from roll import IGNORE_INDEX
 from roll.data.processors import (PairwiseProcessor, PretrainProcessor, SupervisedProcessor, split_budget,
                                   truncate_turns)
 from roll.errors import DataError
+from tests.helpers import batch_of
 
 X = IGNORE_INDEX
-
-
-@pytest.fixture(scope="module")
-def bpe():
-    from roll.tiny import build_bpe_tokenizer
-
-    return build_bpe_tokenizer()
-
-
-def _batch(rows: list[dict]) -> dict[str, list]:
-    keys = sorted({k for row in rows for k in row})
-    return {k: [row.get(k) for row in rows] for k in keys}
 
 
 def turn(role: str, text: str) -> dict:
@@ -40,14 +29,14 @@ def turn(role: str, text: str) -> dict:
 ])
 def test_sft_rows_skipped_with_a_reason(bpe, conversation, reason):
     rows = [{"conversations": [turn("human", "Hi"), turn("gpt", "Hello.")]}, {"conversations": conversation}]
-    out = SupervisedProcessor(bpe, 64, "sharegpt", "mem.json")(_batch(rows), [0, 1])
+    out = SupervisedProcessor(bpe, 64, "sharegpt", "mem.json")(batch_of(rows), [0, 1])
     assert out["_drop"] == ["", reason]
     assert out["input_ids"][1] == [] and len(out["input_ids"][0]) > 0
 
 
 def test_pair_with_equal_answers_is_skipped(bpe):
     rows = [{"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}]
-    out = PairwiseProcessor(bpe, 64, "pairwise", "mem.json")(_batch(rows), [0])
+    out = PairwiseProcessor(bpe, 64, "pairwise", "mem.json")(batch_of(rows), [0])
     assert out["_drop"] == ["chosen_equals_rejected"]
 
 
@@ -58,13 +47,13 @@ def test_pair_with_equal_answers_is_skipped(bpe):
 def test_wrong_type_names_file_and_row(bpe, row, expected):
     good = {"instruction": "Hi", "input": "", "output": "Hello."}
     with pytest.raises(DataError, match=rf"data/x\.json, row 7 \(0-based\): {expected}"):
-        SupervisedProcessor(bpe, 64, "alpaca", "data/x.json")(_batch([good, row]), [6, 7])
+        SupervisedProcessor(bpe, 64, "alpaca", "data/x.json")(batch_of([good, row]), [6, 7])
 
 
 def test_unknown_role_names_the_turn(bpe):
     with pytest.raises(DataError, match=r"row 0.*'conversations'\[1\] has role 'bot'"):
         SupervisedProcessor(bpe, 64, "sharegpt", "x.json")(
-            _batch([{"conversations": [turn("human", "Hi"), turn("bot", "Yo")]}]), [0])
+            batch_of([{"conversations": [turn("human", "Hi"), turn("bot", "Yo")]}]), [0])
 
 
 @pytest.mark.parametrize("prompt,answer,budget,expected", [
@@ -97,14 +86,14 @@ def test_sft_row_with_nothing_trainable_after_cutoff_is_dropped(bpe):
     row = {"conversations": [turn("human", "the cat sees the dog " * 10),
                              turn("gpt", "the dog sees the cat " * 10),
                              turn("human", "Hi"), turn("gpt", "Hello.")]}
-    out = SupervisedProcessor(bpe, 16, "sharegpt", "x.json", train_turns="last")(_batch([row]), [0])
+    out = SupervisedProcessor(bpe, 16, "sharegpt", "x.json", train_turns="last")(batch_of([row]), [0])
     assert out["_drop"] == ["no_trainable_tokens"]
 
 
 def test_sft_truncation_keeps_the_answer_and_the_assistant_header(bpe):
     long_prompt = " ".join(["the cat sees the dog"] * 40)
     out = SupervisedProcessor(bpe, 48, "alpaca", "x.json")(
-        _batch([{"instruction": long_prompt, "input": "", "output": "Yes, the cat sees the dog."}]), [0])
+        batch_of([{"instruction": long_prompt, "input": "", "output": "Yes, the cat sees the dog."}]), [0])
     ids, labels = out["input_ids"][0], out["labels"][0]
     assert out["_truncated"] == [True] and len(ids) == 48
     assert bpe.decode([t for t in labels if t != X]) == "Yes, the cat sees the dog.<|im_end|>"
@@ -114,7 +103,7 @@ def test_sft_truncation_keeps_the_answer_and_the_assistant_header(bpe):
 def test_pair_truncation_keeps_the_same_prompt_on_both_sides(bpe):
     row = {"prompt": " ".join(["the cat sees the dog"] * 40), "chosen": "Yes, the cat runs. " * 10,
            "rejected": "No."}
-    out = PairwiseProcessor(bpe, 64, "pairwise", "x.json")(_batch([row]), [0])
+    out = PairwiseProcessor(bpe, 64, "pairwise", "x.json")(batch_of([row]), [0])
     chosen, rejected = out["chosen_input_ids"][0], out["rejected_input_ids"][0]
     n_prompt = out["rejected_labels"][0].count(X)
     assert out["_truncated"] == [True] and len(chosen) <= 64 and len(rejected) <= 64
@@ -124,7 +113,7 @@ def test_pair_truncation_keeps_the_same_prompt_on_both_sides(bpe):
 
 def test_pretrain_concatenates_appends_eos_and_chunks(bpe):
     texts = ["the cat sees the dog", "", "one two three four five six seven eight nine ten"]
-    out = PretrainProcessor(bpe, 8, "text", "x.jsonl")(_batch([{"text": t} for t in texts]), [0, 1, 2])
+    out = PretrainProcessor(bpe, 8, "text", "x.jsonl")(batch_of([{"text": t} for t in texts]), [0, 1, 2])
     kept = [i for i, d in enumerate(out["_drop"]) if not d]
     assert out["_drop"].count("empty_text") == 1 and out["input_ids"][out["_drop"].index("empty_text")] == []
     flat = [t for i in kept for t in out["input_ids"][i]]
@@ -138,7 +127,7 @@ def test_pretrain_concatenates_appends_eos_and_chunks(bpe):
 def test_pretrain_packing_splits_only_long_documents(bpe):
     texts = ["the cat", "one two three four five six seven eight nine ten eleven"]
     processor = PretrainProcessor(bpe, 6, "text", "x.jsonl", packing=True)
-    out = processor(_batch([{"text": t} for t in texts]), [0, 1])
+    out = processor(batch_of([{"text": t} for t in texts]), [0, 1])
     first = bpe("the cat")["input_ids"] + [bpe.eos_token_id]
     assert out["input_ids"][0] == first and out["_truncated"][0] is False
     assert all(out["_truncated"][1:]) and sum(out["_docs"]) == 2
@@ -163,6 +152,6 @@ def test_segmentation_check_warns_for_a_prefix_space_tokenizer(caplog, monkeypat
 
 def test_pair_truncated_only_in_the_prompt_is_counted(bpe):
     row = {"prompt": " ".join(["the cat sees the dog"] * 40), "chosen": "Yes.", "rejected": "No."}
-    out = PairwiseProcessor(bpe, 64, "pairwise", "x.json")(_batch([row]), [0])
+    out = PairwiseProcessor(bpe, 64, "pairwise", "x.json")(batch_of([row]), [0])
     assert out["_truncated"] == [True]
     assert bpe.decode([t for t in out["chosen_labels"][0] if t != X]) == "Yes.<|im_end|>"

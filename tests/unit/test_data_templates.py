@@ -8,13 +8,7 @@ import pytest
 from roll import IGNORE_INDEX
 from roll.data.processors import PairwiseProcessor, SupervisedProcessor
 from roll.data.tokenizer import apply_template
-
-
-@pytest.fixture(scope="module")
-def bpe():
-    from roll.tiny import build_bpe_tokenizer
-
-    return build_bpe_tokenizer()
+from tests.helpers import batch_of
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +16,6 @@ def qwen():
     from roll.tiny import load_qwen_tokenizer
 
     return load_qwen_tokenizer()
-
-
-def _batch(rows: list[dict]) -> dict[str, list]:
-    keys = sorted({k for row in rows for k in row})
-    return {k: [row.get(k) for row in rows] for k in keys}
 
 
 def trained_runs(tokenizer, input_ids: list[int], labels: list[int]) -> list[str]:
@@ -68,7 +57,7 @@ REPLIES = ["One plus one equals two.", "Two plus two equals four.", "You are wel
 
 
 def _sft(tokenizer, row, fmt, **kw):
-    out = SupervisedProcessor(tokenizer, 4096, fmt, "mem.json", **kw)(_batch([row]), [0])
+    out = SupervisedProcessor(tokenizer, 4096, fmt, "mem.json", **kw)(batch_of([row]), [0])
     assert out["_drop"] == [""]
     return out["input_ids"][0], out["labels"][0]
 
@@ -114,7 +103,7 @@ def test_pairwise_masks_answers_and_shares_the_prompt(tok_name, request):
     row = {"conversations": [{"from": "human", "value": "What is two plus three?"}],
            "chosen": {"from": "gpt", "value": "Two plus three equals five."},
            "rejected": {"from": "gpt", "value": "Two plus three equals six."}}
-    out = PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(_batch([row]), [0])
+    out = PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(batch_of([row]), [0])
     prompt = [{"role": "user", "content": "What is two plus three?"}]
     for side in ("chosen", "rejected"):
         ids, labels = out[f"{side}_input_ids"][0], out[f"{side}_labels"][0]
@@ -136,7 +125,7 @@ def test_pairwise_prompt_and_answer_shapes(bpe, chosen, rejected, prompt_key):
     row = {"chosen": chosen, "rejected": rejected}
     if prompt_key:
         row[prompt_key] = "Two plus three?"
-    out = PairwiseProcessor(bpe, 4096, "pairwise", "mem.json")(_batch([row]), [0])
+    out = PairwiseProcessor(bpe, 4096, "pairwise", "mem.json")(batch_of([row]), [0])
     assert out["_drop"] == [""]
     assert trained_runs(bpe, out["chosen_input_ids"][0], out["chosen_labels"][0]) == ["Five.<|im_end|>"]
     assert trained_runs(bpe, out["rejected_input_ids"][0], out["rejected_labels"][0]) == ["Six.<|im_end|>"]
@@ -221,8 +210,8 @@ def test_template_that_refuses_a_conversation_skips_the_row():
                                + tokenizer.chat_template)
     short = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
     rows = [short, SHAREGPT]
-    out = SupervisedProcessor(tokenizer, 4096, "sharegpt", "mem.json")(_batch(rows), [0, 1])
+    out = SupervisedProcessor(tokenizer, 4096, "sharegpt", "mem.json")(batch_of(rows), [0, 1])
     assert out["_drop"] == ["", "unrenderable"]
     pair = {"conversations": SHAREGPT["conversations"][:3], "chosen": "A.", "rejected": "B."}
-    out = PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(_batch([pair]), [0])
+    out = PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(batch_of([pair]), [0])
     assert out["_drop"] == ["unrenderable"]
