@@ -108,12 +108,19 @@ def reset_process_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def destroy_process_group() -> None:
-    """W2 (first half): barrier, then release the process group so no rank is left waiting."""
+def destroy_process_group(*, barrier: bool) -> None:
+    """W2 (first half): release the process group; after a successful run, barrier first.
+
+    The barrier keeps a rank from leaving while others still finish (rank 0's export). After a
+    failure it must be skipped: the failing rank would wait there for ranks still in a training
+    step, so it never exits and the launcher, which stops the other ranks only when one exits,
+    hangs until the collective timeout instead of reporting the failure.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -169,7 +169,7 @@ class StandardBackend(Backend):
     def teardown(self) -> None:
         """Release the process group and per-process state (W2, W6); restore the env we set (W5)."""
         if self._owns_process_group:
-            _compat.destroy_process_group()
+            _compat.destroy_process_group(barrier=self._succeeded)
         if self._deepspeed is not None:
             _compat.reset_process_state()
         _compat.restore_env(self._restore_env)
