@@ -44,9 +44,6 @@ class Mapping:
     def to_hf(self, tensor: torch.Tensor, config: McaModelConfig) -> list[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement to_hf")
 
-    def fill(self, names: tuple[str, ...], **index: int) -> tuple[str, ...]:
-        return tuple(n.format(**index) for n in names)
-
 
 class Rename(Mapping):
     """1:1, same tensor (embeddings, norms, o_proj, down_proj, router)."""
@@ -116,7 +113,7 @@ class Match:
 
     @property
     def hf_names(self) -> tuple[str, ...]:
-        return self.mapping.fill(self.mapping.hf, **self.index)
+        return tuple(name.format(**self.index) for name in self.mapping.hf)
 
     @property
     def mca_name(self) -> str:
