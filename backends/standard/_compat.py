@@ -130,18 +130,22 @@ def install_clean_exit() -> None:
     Even after ``destroy_process_group`` leftover gloo threads make some ranks abort at
     interpreter shutdown ("terminate called without an active exception", SIGABRT), so the
     launcher reports failure for a run that succeeded. Only installed in launched workers, and only
-    after a successful run (a failing rank keeps its non-zero exit code). Trainer callbacks
-    (tensorboard, wandb) have finished by then: they close their writers at the end of training.
-    atexit handlers registered earlier than this one are skipped (they run last-in first-out).
+    after a successful run (a failing rank keeps its non-zero exit code). A script that goes on
+    after the run and then dies of an exception still exits 1: Python records the exception in
+    ``sys.last_value`` before atexit handlers run (a later ``sys.exit(n)`` is not seen: exit 0).
+    Trainer callbacks (tensorboard, wandb) have finished by then: they close their writers at the
+    end of training. atexit handlers registered earlier than this one are skipped (they run
+    last-in first-out).
     """
     if not _inside_launched_worker():
         return
 
     def _exit_now() -> None:
+        failed = getattr(sys, "last_value", None) is not None  # its traceback is printed already
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(1 if failed else 0)
 
     atexit.register(_exit_now)
 

@@ -1,0 +1,24 @@
+"""The standard backend's workarounds (backends/standard/_compat.py) that a unit test can hold."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import run
+
+_AFTER_A_RUN = """
+from backends.standard._compat import install_clean_exit
+install_clean_exit()  # what teardown does after a successful run
+{then}
+"""
+
+
+@pytest.mark.parametrize("then,code", [("pass", 0), ("raise RuntimeError('later step failed')", 1)])
+def test_clean_exit_keeps_a_later_failure(then, code):
+    """W2: a launched worker ends with os._exit after the run, but an exception after it still exits 1."""
+    proc = run([sys.executable, "-c", _AFTER_A_RUN.format(then=then)], timeout=120, ROLL_LAUNCHED="1")
+    assert proc.returncode == code, proc.stderr[-2000:]
+    if code:
+        assert "later step failed" in proc.stderr
