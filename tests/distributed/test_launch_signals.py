@@ -38,8 +38,10 @@ def test_sigterm_stops_all_ranks(tiny_model_dir, tmp_path):
         started = _wait_for(lambda: (out / "train_log.jsonl").exists()
                             and len((out / "train_log.jsonl").read_text().splitlines()) >= 2, timeout=240)
         assert started, (tmp_path / "roll-train.log").read_text()[-3000:]
-        ranks = [p for p in parent.children(recursive=True) if "roll.cli" in " ".join(p.cmdline())]
-        assert len(ranks) >= 2, [p.cmdline() for p in parent.children(recursive=True)]
+        # The launcher's own command line ends in `-m roll.cli` too: count only the ranks it started.
+        cmdlines = [" ".join(p.cmdline()) for p in parent.children(recursive=True)]
+        ranks = [c for c in cmdlines if "roll.cli" in c and "torch.distributed.run" not in c]
+        assert len(ranks) == 2, cmdlines
         descendants = parent.children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
