@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import yaml
 
@@ -10,6 +12,7 @@ from roll import registry, router
 from roll.config import parse_args
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
+from tests.helpers import output_of, run
 
 
 class FakeBackend(Backend):
@@ -105,6 +108,11 @@ def test_registry_refuses_duplicates_and_finds_backends_lazily():
         decorator(type("Other", (), {}))
     assert {"standard", "mca"} <= set(registry.available_backends())
     assert registry.get_backend_class("mca").name == "mca"
+    # lazily: resolving a standard-backend recipe imports that backend only, never the Megatron one
+    probe = ("import sys; from roll.config import parse_args; parse_args(['recipes/qwen_sft.yaml']); "
+             "print(sorted(m for m in sys.modules if m.startswith(('backends.mca', 'megatron'))))")
+    proc = run([sys.executable, "-c", probe], timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", output_of(proc)
 
 
 def test_unknown_backend_is_a_config_error():
