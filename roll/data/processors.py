@@ -63,13 +63,13 @@ def truncate_turns(turns: list[tuple[list[int], list[int], bool]], cutoff_len: i
     return input_ids, labels, truncated
 
 
-def check_segmentation(tokenizer, turns: list[tuple[str, str, bool]], tokenized: list) -> bool:
+def check_segmentation(tokenizer, turns: list[tuple[str, str, bool]], tokenized: list) -> None:
     """Warn (once) if tokenizing prompt and reply pieces separately differs from tokenizing the whole text.
 
     Masks are placed by tokenizing each piece on its own. Byte-level BPE tokenizers (Qwen, Llama 3)
     give the same tokens as the whole conversation because template pieces meet at special tokens
     and newlines; a tokenizer that prepends a space to every call (legacy SentencePiece) does not.
-    Checked on one conversation per batch. Returns True (checked).
+    Checked on one conversation per batch.
     """
     whole = _tokenize(tokenizer, ["".join(p + r for p, r, _ in turns)])[0]
     pieces = [tok for prompt, reply, _ in tokenized for tok in prompt + reply]
@@ -79,7 +79,6 @@ def check_segmentation(tokenizer, turns: list[tuple[str, str, bool]], tokenized:
                           "training "
                           "sequences differ slightly from inference-time tokenization. Consider `template: "
                           "default` or a byte-level BPE tokenizer.")
-    return True
 
 
 def _rows(batch: dict[str, list]) -> list[dict]:
@@ -142,7 +141,8 @@ class SupervisedProcessor(_Processor):
                 continue
             tokenized = [(next(token_iter), next(token_iter), trainable) for _, _, trainable in turns]
             if not checked:
-                checked = check_segmentation(self.tokenizer, turns, tokenized)
+                check_segmentation(self.tokenizer, turns, tokenized)
+                checked = True
             input_ids, labels, truncated = truncate_turns(tokenized, self.cutoff_len)
             if all(label == IGNORE_INDEX for label in labels):
                 self.empty(out, "no_trainable_tokens", SEQ)
