@@ -33,6 +33,7 @@ class StandardBackend(Backend):
         self._deepspeed: DeepSpeedSettings | None = None
         self._hf_args = None
         self._trainer = None
+        self._trainer_job: TrainJob | None = None
         self._restore_env: dict[str, str | None] = {}
         self._owns_process_group = False
         self._succeeded = False
@@ -132,7 +133,7 @@ class StandardBackend(Backend):
 
         self._succeeded = False
         resume = _resume_value(self.config.training.resume_from_checkpoint, self._hf_args.output_dir)
-        self._trainer = self._make_trainer(job, models)
+        self._trainer, self._trainer_job = self._make_trainer(job, models), job
         self._trainer.add_callback(JsonlLogCallback(self._hf_args.output_dir, fresh=resume is None))
         output = self._trainer.train(resume_from_checkpoint=resume)
         self._succeeded = True
@@ -149,8 +150,13 @@ class StandardBackend(Backend):
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         if job.eval_dataset is None:
             return {}
-        trainer = self._trainer or self._make_trainer(job, models)
-        return trainer.evaluate(job.eval_dataset)
+        if self._trainer is not None and self._trainer_job is job:
+            trainer = self._trainer
+        else:
+            trainer = self._make_trainer(job, models)
+        # The trainer's own eval set (job's, prepared at construction), not the dataset again: after
+        # training, TRL refuses to prepare one with precomputed reference log-probs (ref_free).
+        return trainer.evaluate()
 
     def save(self, models: ModelBundle, tokenizer, output_dir: str) -> str:
         from backends.standard.export import export_merged, save_final_model

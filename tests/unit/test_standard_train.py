@@ -83,8 +83,10 @@ class _Collator:
                 "labels": _pad([f["labels"] for f in features], IGNORE)}
 
 
-def train_in_process(model_dir, out_dir, stage="sft", n=32, save=False, **recipe):
-    """Drive the backend the way roll/router.py does; returns (backend, result, models, collator)."""
+def train_in_process(model_dir, out_dir, stage="sft", n=32, save=False, evaluate=False, **recipe):
+    """Drive the backend the way roll/router.py does; returns (backend, result, models, collator).
+
+    ``evaluate``: the training rows are also the eval set, evaluated after training into result.metrics."""
     from datasets import Dataset
 
     tok = _tokenizer(model_dir)
@@ -95,11 +97,14 @@ def train_in_process(model_dir, out_dir, stage="sft", n=32, save=False, **recipe
     config = resolve({**base, **recipe}, {}, None)
     backend = StandardBackend(config)
     collator = _Collator(tok.pad_token_id, pairwise=stage == "dpo")
-    job = TrainJob(stage=stage, tokenizer=tok, train_dataset=Dataset.from_list(rows), collator=collator)
+    job = TrainJob(stage=stage, tokenizer=tok, train_dataset=Dataset.from_list(rows), collator=collator,
+                   eval_dataset=Dataset.from_list(rows) if evaluate else None)
     backend.setup_distributed()
     try:
         models = backend.apply_finetuning(backend.load_models(stage, tok))
         result = backend.train(job, models)
+        if evaluate:
+            result.metrics.update(backend.evaluate(job, models))
         if save:
             result.hf_model_dir = backend.save(models, tok, str(out_dir))
     finally:
@@ -142,10 +147,13 @@ def test_dpo_loss_types(tiny_model_dir, tmp_path, loss):
 
 
 def test_dpo_reference_free(tiny_model_dir, tmp_path):
-    _, result, models, _ = train_in_process(tiny_model_dir, tmp_path, stage="dpo", max_steps=2, ref_free=True)
+    _, result, models, _ = train_in_process(tiny_model_dir, tmp_path, stage="dpo", max_steps=2, ref_free=True,
+                                            evaluate=True)
     assert models.ref is None
     # the reference log-probs are 0, not the policy's, so the first loss is not log(2)
     assert result.log_history[0]["loss"] != pytest.approx(0.6931, abs=1e-3)
+    # evaluating after training works too (TRL would not precompute reference log-probs again)
+    assert result.metrics["eval_loss"] > 0 and result.metrics["eval_loss"] != pytest.approx(0.6931, abs=1e-3)
 
 
 # ---- loss definition and sample order -----------------------------------------------------------
