@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -192,11 +193,12 @@ def _drop_skipped(ds, stats: PreprocessStats):
 
 
 def _hold_out(ds, val_size: float, seed: int):
-    size = int(val_size) if val_size >= 1 else val_size
-    held_out = size if isinstance(size, int) else int(size * len(ds))
+    # A fraction rounds up, as datasets' own train_test_split does; the split is then given this
+    # exact count, so the check below judges the split that really happens.
+    held_out = int(val_size) if val_size >= 1 else math.ceil(val_size * len(ds))
     if held_out < 1 or held_out >= len(ds):
         raise ConfigError(f"val_size={val_size} leaves no training or no eval rows out of {len(ds)}.")
-    split = ds.train_test_split(test_size=size, seed=seed, shuffle=True)
+    split = ds.train_test_split(test_size=held_out, seed=seed, shuffle=True)
     return split["train"], split["test"]
 
 

@@ -89,6 +89,10 @@ def test_max_samples_val_size_and_eval_dataset(bpe, tmp_path):
     assert (len(other.train), len(other.eval)) == (20, 3)
     with pytest.raises(ConfigError, match="val_size"):
         build(bpe, dataset=path, val_size=20)
+    # a fraction that would leave no training row is the same clear error (not datasets' ValueError)
+    with pytest.raises(ConfigError, match="val_size=0.99 leaves no training"):
+        build(bpe, dataset=path, val_size=0.99)
+    assert len(build(bpe, dataset=path, val_size=0.01).eval) == 1  # rounds up, like datasets
 
 
 def test_one_seeded_sample_order(bpe, tmp_path):
