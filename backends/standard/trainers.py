@@ -28,6 +28,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 
 from roll import IGNORE_INDEX
+
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
@@ -109,8 +110,15 @@ class PreferenceBatch:
     roll's PairwiseCollator gives ``input_ids/attention_mask/labels`` of shape [2B, L], chosen rows
     before rejected; TRL wants the same rows with ``completion_mask`` instead of labels. A token is
     part of the completion exactly when roll supervises it, so ``completion_mask = labels != -100``.
-    Example: labels ``[[-100, -100, 7, 8]]`` -> completion_mask ``[[0, 0, 1, 1]]``.
     Precomputed reference log-probs (``ref_*_logps`` columns) are passed through as tensors.
+
+    Example (``PreferenceBatch(PairwiseCollator(pad_token_id=0))``)::
+
+        [{"chosen_input_ids": [5, 6, 7], "chosen_attention_mask": [1, 1, 1], "chosen_labels": [-100, 6, 7],
+          "rejected_input_ids": [5, 8], "rejected_attention_mask": [1, 1], "rejected_labels": [-100, 8],
+          "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}]
+        -> {"input_ids": [[5, 6, 7], [5, 8, 0]], "attention_mask": [[1, 1, 1], [1, 1, 0]],
+            "completion_mask": [[0, 1, 1], [0, 1, 0]], "ref_chosen_logps": [-1.5], "ref_rejected_logps": [-2.0]}
     """
 
     collator: Callable[[list[dict]], dict]
@@ -119,27 +127,11 @@ class PreferenceBatch:
         ref = {key: [f[key] for f in features] for key in _REF_KEYS if key in features[0]}
         rows = [{k: v for k, v in f.items() if k not in _REF_KEYS} for f in features]
         batch = dict(self.collator(rows))
-        if "chosen_input_ids" in batch:  # collator that keeps the two halves apart
-            batch = _stack_pairs(batch)
         labels = batch.pop("labels")
         batch["completion_mask"] = (labels != IGNORE_INDEX).long()
         for key, values in ref.items():
             batch[key] = torch.tensor(values, dtype=torch.float32)
         return batch
-
-
-def _stack_pairs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for key in ("input_ids", "attention_mask", "labels", "position_ids"):
-        chosen, rejected = batch.get(f"chosen_{key}"), batch.get(f"rejected_{key}")
-        if chosen is None:
-            continue
-        width = max(chosen.shape[-1], rejected.shape[-1])
-        pad = IGNORE_INDEX if key == "labels" else 0
-        chosen, rejected = (torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=pad)
-                            for t in (chosen, rejected))
-        out[key] = torch.cat([chosen, rejected], dim=0)
-    return out
 
 
 def make_dpo_trainer_class():

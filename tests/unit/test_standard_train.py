@@ -316,6 +316,19 @@ def test_throughput_counts_real_tokens_only():
     assert _real_tokens(packed, pad_id=0) == 4
 
 
+def test_preference_batch_docstring_example():
+    from backends.standard.trainers import PreferenceBatch
+    from roll.data.collators import PairwiseCollator
+
+    features = [{"chosen_input_ids": [5, 6, 7], "chosen_attention_mask": [1, 1, 1], "chosen_labels": [IGNORE, 6, 7],
+                 "rejected_input_ids": [5, 8], "rejected_attention_mask": [1, 1], "rejected_labels": [IGNORE, 8],
+                 "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}]
+    batch = PreferenceBatch(PairwiseCollator(pad_token_id=0))(features)
+    assert {key: value.tolist() for key, value in batch.items()} == {
+        "input_ids": [[5, 6, 7], [5, 8, 0]], "attention_mask": [[1, 1, 1], [1, 1, 0]],
+        "completion_mask": [[0, 1, 1], [0, 1, 0]], "ref_chosen_logps": [-1.5], "ref_rejected_logps": [-2.0]}
+
+
 def test_packed_rows_give_the_same_loss_as_padded_ones(tiny_model_dir, tmp_path):
     """4 samples as one packed row (position_ids restart, no attention mask) == the same 4 padded:
     attention does not cross samples and the token count is the same."""
