@@ -16,13 +16,18 @@ def register_backend(name: str):
 
     def decorator(cls: type) -> type:
         existing = _REGISTRY.get(name)
-        if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise ValueError(f"backend {name!r} is already registered by {existing.__module__}.{existing.__qualname__}")
+        # The same class defined again (its module re-imported) may re-register; any other class may not.
+        if existing is not None and _qualified(existing) != _qualified(cls):
+            raise ValueError(f"backend {name!r} is already registered by {_qualified(existing)}")
         _REGISTRY[name] = cls
         cls.name = name
         return cls
 
     return decorator
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def available_backends() -> list[str]:

@@ -106,6 +106,8 @@ def test_registry_refuses_duplicates_and_finds_backends_lazily():
     decorator = registry.register_backend("standard")
     with pytest.raises(ValueError, match="already registered"):
         decorator(type("Other", (), {}))
+    with pytest.raises(ValueError, match="already registered"):  # same class name, another module
+        decorator(type("StandardBackend", (), {"__module__": "someone_elses.plugin"}))
     assert {"standard", "mca"} <= set(registry.available_backends())
     assert registry.get_backend_class("mca").name == "mca"
     # lazily: resolving a standard-backend recipe imports that backend only, never the Megatron one
