@@ -13,7 +13,7 @@ from roll.config.finetuning import FinetuningArguments
 from roll.config.layout import ParallelLayout
 from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
-from roll.errors import ConfigError
+from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,15 @@ class RunConfig:
         config_file = os.path.join(path, "config.json") if path else None
         if not config_file or not os.path.isfile(config_file):
             return None
-        with open(config_file, encoding="utf-8") as fh:
-            hf_config = json.load(fh)
-        hf_config = hf_config.get("text_config", hf_config)
+        try:
+            with open(config_file, encoding="utf-8") as fh:
+                hf_config = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"{config_file} (model_name_or_path) is not valid JSON: {exc}.") from None
+        if not isinstance(hf_config, dict):
+            raise ModelError(f"{config_file} (model_name_or_path) must hold a JSON object, "
+                             f"got {type(hf_config).__name__}.")
+        hf_config = hf_config.get("text_config") or hf_config
         return hf_config.get("num_hidden_layers")
 
     def to_dict(self) -> dict[str, dict]:

@@ -7,7 +7,7 @@ import yaml
 
 from roll.config import ParallelLayout, parse_args
 from roll.config.parser import load_recipe, split_command_line
-from roll.errors import ConfigError
+from roll.errors import ConfigError, ModelError
 
 
 @pytest.fixture
@@ -137,6 +137,12 @@ def test_mca_cross_field_rules(recipe, tiny_model_dir, caplog):
     with pytest.raises(ConfigError, match=r"num_layers\(2\) is not divisible by pp\(2\) \* vpp\(2\)"):
         parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "nproc_per_node=2",
                     "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"])
+
+
+def test_unreadable_model_config_is_a_model_error(recipe, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match=r"config\.json \(model_name_or_path\) is not valid JSON"):
+        parse_args([recipe(model_name_or_path=str(tmp_path)), "--use-mca"])
 
 
 def test_standard_backend_ignores_mca_knobs_with_warning(recipe, caplog):
