@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from backends.mca.models.auto import AutoConfig, AutoModel, save_mca
+from backends.mca.models.auto import AutoModel, save_mca
 from backends.mca.models.config import McaModelConfig
 from backends.mca.models.export import save_hf
 from backends.mca.models.gpt import model_device
@@ -41,7 +41,7 @@ class Layout:
 def hf_to_mca(hf_dir: str, out_dir: str, layout: Layout = Layout()) -> McaModelConfig:
     """Convert an HF checkpoint to a Megatron (torch_dist) checkpoint with ``mca_config.json``."""
     chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
-    config = AutoConfig.from_pretrained(hf_dir, **layout.overrides())
+    config = chunks[0].config
     save_mca(chunks, config, out_dir, tokenizer_dir=hf_dir)
     log_rank0(logger, "wrote Megatron checkpoint to %s", out_dir)
     return config
@@ -50,8 +50,7 @@ def hf_to_mca(hf_dir: str, out_dir: str, layout: Layout = Layout()) -> McaModelC
 def mca_to_hf(mca_dir: str, out_dir: str, layout: Layout = Layout(), max_shard_bytes: int = 2 * 1024**3) -> None:
     """Export a Megatron checkpoint (any saved layout, loaded at ``layout``) as a standard HF checkpoint."""
     chunks = AutoModel.from_pretrained(mca_dir, **layout.overrides())
-    config = AutoConfig.from_pretrained(mca_dir, **layout.overrides())
-    save_hf(chunks, config, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_dir=mca_dir)
+    save_hf(chunks, chunks[0].config, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_dir=mca_dir)
 
 
 def sample_input_ids(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 1234) -> torch.Tensor:
@@ -77,21 +76,18 @@ def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
     position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
     local_seq = seq // config.tensor_model_parallel_size if config.sequence_parallel else seq
     logits = None
-    for stage, chunk in enumerate(chunks):
+    for stage, chunk in enumerate(chunks):  # this rank's chunk `stage` is virtual stage stage * pp + pp_rank
         chunk.eval()
-        for p in range(pp):
-            if p != pp_rank:
-                continue
-            first, last = stage == 0 and p == 0, stage == len(chunks) - 1 and p == pp - 1
-            if not first:
-                hidden = torch.empty(local_seq, batch, config.hidden_size, dtype=config.params_dtype, device=device)
-                dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-                chunk.set_input_tensor(hidden)
-            out = chunk(input_ids, position_ids, attention_mask=None)
-            if last:
-                logits = gather_from_tensor_model_parallel_region(out)[..., : config.vocab_size].cpu()
-            else:
-                dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        first, last = stage == 0 and pp_rank == 0, stage == len(chunks) - 1 and pp_rank == pp - 1
+        if not first:
+            hidden = torch.empty(local_seq, batch, config.hidden_size, dtype=config.params_dtype, device=device)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            chunk.set_input_tensor(hidden)
+        out = chunk(input_ids, position_ids, attention_mask=None)
+        if last:
+            logits = gather_from_tensor_model_parallel_region(out)[..., : config.vocab_size].cpu()
+        else:
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
     return logits
 
 
@@ -105,8 +101,8 @@ def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
 
 def check_parity(hf_dir: str, layout: Layout = Layout(), seq_len: int = 16) -> float:
     """Max |HF logits - Megatron logits| (fp32) over a fixed random batch, the same on every rank."""
-    config = AutoConfig.from_pretrained(hf_dir, **layout.overrides())
     chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
+    config = chunks[0].config
     input_ids = sample_input_ids(config.vocab_size, seq_len=seq_len)
     logits = megatron_logits(chunks, config, input_ids)
     diff = torch.zeros((), device=model_device())  # nccl reduces device tensors only

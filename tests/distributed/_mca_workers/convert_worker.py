@@ -36,13 +36,12 @@ def _layout(case: dict):
 
 def _logits(case: dict) -> dict:
     from backends.mca.convert import megatron_logits, sample_input_ids
-    from backends.mca.models.auto import AutoConfig, AutoModel
+    from backends.mca.models.auto import AutoModel
 
-    overrides = _layout(case).overrides()
-    config = AutoConfig.from_pretrained(case["dir"], **overrides)
-    chunks = AutoModel.from_pretrained(case["dir"], **overrides)
+    chunks = AutoModel.from_pretrained(case["dir"], **_layout(case).overrides())
+    config = chunks[0].config
     logits = megatron_logits(chunks, config, sample_input_ids(config.vocab_size))
-    if logits is not None and case.get("save_to") and torch.distributed.get_rank() == dist.get_world_size() - 1:
+    if logits is not None and case.get("save_to") and dist.get_rank() == dist.get_world_size() - 1:
         torch.save(logits, case["save_to"])
     if case.get("resave_to"):
         from backends.mca.models.auto import save_mca
