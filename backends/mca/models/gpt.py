@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from backends.mca.models.layout import Placement, placement
 from roll.errors import ModelError
+from roll.platform import current_platform
 
 if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
@@ -18,18 +21,10 @@ logger = logging.getLogger(__name__)
 
 def ensure_initialized(config: McaModelConfig, seed: int = 42) -> None:
     """Initialise Megatron for ``config``'s layout if nobody has (idempotent; a mismatch is an error)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     from backends.mca.initialize import initialize_megatron
     from roll.config.layout import ParallelLayout
 
-    if parallel_state.model_parallel_is_initialized() and dist.is_initialized():
-        world = dist.get_world_size()
-    else:
-        import os
-
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout = ParallelLayout(world_size=world, tp=config.tensor_model_parallel_size,
                             pp=config.pipeline_model_parallel_size, vpp=config.virtual_pipeline_model_parallel_size,
                             cp=config.context_parallel_size, ep=config.expert_model_parallel_size,
@@ -39,10 +34,6 @@ def ensure_initialized(config: McaModelConfig, seed: int = 42) -> None:
 
 def model_device() -> torch.device:
     """Where this rank's chunks live: its accelerator, or the CPU."""
-    import os
-
-    from roll.platform import current_platform
-
     return current_platform().device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
