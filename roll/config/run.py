@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from roll.config.data import DataArguments
 from roll.config.finetuning import FinetuningArguments
 from roll.config.layout import ParallelLayout
 from roll.config.model import ModelArguments
-from roll.config.training import TrainingArguments
+from roll.config.training import TrainingArguments, read_json_object
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0, warn_once
 
@@ -93,14 +92,7 @@ class RunConfig:
         config_file = os.path.join(path, "config.json") if path else None
         if not config_file or not os.path.isfile(config_file):
             return None
-        try:
-            with open(config_file, encoding="utf-8") as fh:
-                hf_config = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"{config_file} (model_name_or_path) is not valid JSON: {exc}.") from None
-        if not isinstance(hf_config, dict):
-            raise ModelError(f"{config_file} (model_name_or_path) must hold a JSON object, "
-                             f"got {type(hf_config).__name__}.")
+        hf_config = read_json_object(config_file, f"{config_file} (model_name_or_path)", ModelError)
         hf_config = hf_config.get("text_config") or hf_config
         return hf_config.get("num_hidden_layers")
 

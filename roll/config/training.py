@@ -16,9 +16,21 @@ from typing import Literal
 
 import transformers
 
-from roll.errors import ConfigError
+from roll.errors import ConfigError, RollError
 
 _HF_FIELDS = frozenset(f.name for f in dataclasses.fields(transformers.TrainingArguments))
+
+
+def read_json_object(path: str, what: str, error: type[RollError] = ConfigError) -> dict:
+    """The JSON object in an existing file; ``error`` naming ``what`` when it is not valid JSON or not an object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise error(f"{what} is not valid JSON: {exc}.") from None
+    if not isinstance(content, dict):
+        raise error(f"{what} must hold a JSON object, got {type(content).__name__}.")
+    return content
 
 
 def read_deepspeed_json(path: str) -> dict:
@@ -26,14 +38,7 @@ def read_deepspeed_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"deepspeed config file {path!r} does not exist. Use one of recipes/deepspeed/"
                           "ds_z0.json, ds_z2.json, ds_z3.json, ds_z3_offload.json or drop the 'deepspeed' key.")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            content = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"deepspeed config {path!r} is not valid JSON: {exc}.") from None
-    if not isinstance(content, dict):
-        raise ConfigError(f"deepspeed config {path!r} must hold a JSON object, got {type(content).__name__}.")
-    return content
+    return read_json_object(path, f"deepspeed config {path!r}")
 
 
 @dataclass
