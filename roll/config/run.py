@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 from dataclasses import dataclass, field
@@ -106,8 +107,6 @@ class RunConfig:
 
 
 def _plain(value):
-    import enum
-
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple)):

@@ -128,7 +128,7 @@ def test_layout_derives_dp_and_checks_layers():
         layout.check_num_layers(6)
 
 
-def test_mca_cross_field_rules(recipe, tiny_model_dir, caplog):
+def test_mca_cross_field_rules(recipe, tiny_model_dir):
     # SP is forced on with TP>1 and EP>1; the layer count comes from the local model's config.json.
     _, config = parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "nproc_per_node=4",
                             "tensor_model_parallel_size=2", "expert_model_parallel_size=2"])
