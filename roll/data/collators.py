@@ -14,9 +14,7 @@ from typing import Any, Callable
 import torch
 
 from roll import IGNORE_INDEX
-from roll.data.policy import SEQUENCE_KEYS, PaddingPolicy
-
-PAIR_PREFIXES = ("chosen_", "rejected_")
+from roll.data.policy import PAIR_PREFIXES, SEQUENCE_KEYS, PaddingPolicy
 
 
 def _base_key(key: str) -> str:

@@ -24,6 +24,7 @@ from roll import IGNORE_INDEX
 from roll.data import formats as fmts
 from roll.data.loading import Source, load_sources
 from roll.data.packing import pack_dataset
+from roll.data.policy import PAIR_PREFIXES
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
 from roll.data.stats import PreprocessStats
 from roll.errors import ConfigError, DataError
@@ -207,7 +208,7 @@ def _count(ds, stats: PreprocessStats, pairwise: bool) -> None:
     import pyarrow.compute as pc
 
     table = ds.with_format("arrow")[:]
-    prefixes = ("chosen_", "rejected_") if pairwise else ("",)
+    prefixes = PAIR_PREFIXES if pairwise else ("",)
     for prefix in prefixes:
         stats.num_tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
         labels = pc.list_flatten(table[f"{prefix}labels"])

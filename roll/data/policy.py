@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
-"""Per-token keys of a sample; pairwise batches use them with 'chosen_' / 'rejected_' prefixes."""
+"""Per-token keys of a sample; pairwise rows carry them with the PAIR_PREFIXES."""
+
+PAIR_PREFIXES = ("chosen_", "rejected_")
+"""Key prefixes of the two sides of a preference pair (dpo rows)."""
 
 
 @dataclass(frozen=True)
