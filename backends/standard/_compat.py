@@ -10,14 +10,12 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import sys
 
+from roll.launch import LAUNCHED_ENV, free_port
 from roll.platform import current_platform
 
 logger = logging.getLogger(__name__)
-
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def cpu_training_kwargs() -> dict:
@@ -38,11 +36,8 @@ def single_process_env() -> dict[str, str | None]:
     """
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return {}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     values = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     previous = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     return previous
@@ -151,4 +146,4 @@ def install_clean_exit() -> None:
 
 
 def _inside_launched_worker() -> bool:
-    return "ROLL_LAUNCHED" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+    return LAUNCHED_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
