@@ -134,16 +134,15 @@ class StandardBackend(Backend):
         self._succeeded = False
         resume = _resume_value(self.config.training.resume_from_checkpoint, self._hf_args.output_dir)
         self._trainer, self._trainer_job = self._make_trainer(job, models), job
-        self._trainer.add_callback(JsonlLogCallback(self._hf_args.output_dir, fresh=resume is None))
+        log_file = JsonlLogCallback(self._hf_args.output_dir, fresh=resume is None)
+        self._trainer.add_callback(log_file)
         output = self._trainer.train(resume_from_checkpoint=resume)
         self._succeeded = True
         history = list(self._trainer.state.log_history)
         losses = [entry["loss"] for entry in history if "loss" in entry]
         if losses:
             log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); "
-                      "logs in %s",
-                      losses[0], losses[-1], self._trainer.state.global_step,
-                      os.path.join(self._hf_args.output_dir, "train_log.jsonl"))
+                      "logs in %s", losses[0], losses[-1], self._trainer.state.global_step, log_file.path)
         return TrainResult(log_history=history, output_dir=self._hf_args.output_dir,
                            metrics=dict(output.metrics))
 
