@@ -118,7 +118,8 @@ class PreferenceBatch:
           "rejected_input_ids": [5, 8], "rejected_attention_mask": [1, 1], "rejected_labels": [-100, 8],
           "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}]
         -> {"input_ids": [[5, 6, 7], [5, 8, 0]], "attention_mask": [[1, 1, 1], [1, 1, 0]],
-            "completion_mask": [[0, 1, 1], [0, 1, 0]], "ref_chosen_logps": [-1.5], "ref_rejected_logps": [-2.0]}
+            "completion_mask": [[0, 1, 1], [0, 1, 0]],
+            "ref_chosen_logps": [-1.5], "ref_rejected_logps": [-2.0]}
     """
 
     collator: Callable[[list[dict]], dict]

@@ -320,8 +320,9 @@ def test_preference_batch_docstring_example():
     from backends.standard.trainers import PreferenceBatch
     from roll.data.collators import PairwiseCollator
 
-    features = [{"chosen_input_ids": [5, 6, 7], "chosen_attention_mask": [1, 1, 1], "chosen_labels": [IGNORE, 6, 7],
-                 "rejected_input_ids": [5, 8], "rejected_attention_mask": [1, 1], "rejected_labels": [IGNORE, 8],
+    features = [{"chosen_input_ids": [5, 6, 7], "chosen_attention_mask": [1, 1, 1],
+                 "chosen_labels": [IGNORE, 6, 7], "rejected_input_ids": [5, 8],
+                 "rejected_attention_mask": [1, 1], "rejected_labels": [IGNORE, 8],
                  "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}]
     batch = PreferenceBatch(PairwiseCollator(pad_token_id=0))(features)
     assert {key: value.tolist() for key, value in batch.items()} == {
