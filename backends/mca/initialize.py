@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from backends.mca.platform import apply_cpu_compat
 from roll.config.layout import ParallelLayout
 from roll.contract import DistributedInfo
 from roll.errors import ConfigError
@@ -58,10 +59,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
         raise ConfigError(f"the parallel layout expects world_size {layout.world_size} ({layout.describe()}), but "
                           f"torch.distributed has {world} processes. Launch with nproc_per_node * nnodes = "
                           f"{layout.world_size} or change the parallel sizes.")
-    if not platform.is_accelerator:
-        from backends.mca.platform import apply_cpu_compat
-
-        apply_cpu_compat()
+    apply_cpu_compat()  # decides itself whether this process needs the patches (no accelerator)
 
     from megatron.core import parallel_state
 
