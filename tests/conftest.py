@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -43,3 +44,15 @@ def bpe():
     from roll.tiny import build_bpe_tokenizer
 
     return build_bpe_tokenizer()
+
+
+@pytest.fixture
+def roll_warnings(caplog, monkeypatch):
+    """``caplog`` capturing roll's warnings: the warn-once memory is cleared (an earlier test may
+    already have emitted the message) and the 'roll' logger propagates (setup_logging turns it off)."""
+    from roll import logging as roll_logging
+
+    monkeypatch.setattr(roll_logging, "_warned", set())
+    monkeypatch.setattr(logging.getLogger("roll"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="roll")
+    return caplog

@@ -145,17 +145,10 @@ def test_unreadable_model_config_is_a_model_error(recipe, tmp_path):
         parse_args([recipe(model_name_or_path=str(tmp_path)), "--use-mca"])
 
 
-def test_standard_backend_ignores_mca_knobs_with_warning(recipe, caplog, monkeypatch):
-    import logging
-
-    from roll import logging as roll_logging
-
-    monkeypatch.setattr(roll_logging, "_warned", set())  # warn_once: an earlier test may have said it
-    monkeypatch.setattr(logging.getLogger("roll"), "propagate", True)  # setup_logging may have turned it off
-    with caplog.at_level(logging.WARNING, logger="roll"):
-        _, config = parse_args([recipe(tensor_model_parallel_size=2, sequence_parallel=True)])
+def test_standard_backend_ignores_mca_knobs_with_warning(recipe, roll_warnings):
+    _, config = parse_args([recipe(tensor_model_parallel_size=2, sequence_parallel=True)])
     assert config.layout is None
-    assert "ignoring Megatron-only settings tensor_model_parallel_size=2, sequence_parallel=True" in caplog.text
+    assert "ignoring Megatron-only settings tensor_model_parallel_size=2, sequence_parallel=True" in roll_warnings.text
 
 
 def test_every_shipped_recipe_parses():

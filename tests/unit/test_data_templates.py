@@ -185,19 +185,13 @@ def test_function_call_and_observation_turns(tok_name, request):
     assert '{"temp": 21}' in tokenizer.decode(ids)
 
 
-def test_warns_when_replies_end_without_a_special_token(caplog, monkeypatch):
-    import logging
-
-    from roll import logging as roll_logging
+def test_warns_when_replies_end_without_a_special_token(roll_warnings):
     from roll.tiny import build_bpe_tokenizer
 
-    monkeypatch.setattr(roll_logging, "_warned", set())
-    monkeypatch.setattr(logging.getLogger("roll"), "propagate", True)
     tokenizer = build_bpe_tokenizer()
     apply_template(tokenizer, "llama3")  # <|eot_id|> is not a token of this tokenizer
-    with caplog.at_level("WARNING", logger="roll"):
-        ids, labels = _sft(tokenizer, SHAREGPT, "sharegpt")
-    assert "not trained to stop" in caplog.text
+    ids, labels = _sft(tokenizer, SHAREGPT, "sharegpt")
+    assert "not trained to stop" in roll_warnings.text
     assert trained_runs(tokenizer, ids, labels) == REPLIES
 
 
