@@ -26,6 +26,9 @@ class Source:
 
     name: str
     dataset: "datasets.Dataset"  # noqa: F821
+    file_rows: list[int] | None = None
+    """The file's row index of each dataset row when only some rows were kept (max_samples), so that
+    errors still name the row in the file; None when the dataset is the whole file in order."""
 
 
 def split_sources(spec: str | None) -> list[str]:

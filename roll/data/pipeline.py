@@ -20,6 +20,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from roll import IGNORE_INDEX
 from roll.data import formats as fmts
 from roll.data.loading import Source, load_sources
@@ -108,8 +110,10 @@ def _cap(source: Source, data_args, seed: int) -> Source:
     n = data_args.max_samples
     if n is None or n >= len(source.dataset):
         return source
-    ds = source.dataset.shuffle(seed=seed) if data_args.shuffle else source.dataset
-    return Source(source.name, ds.select(range(n)))
+    # The permutation datasets' shuffle(seed=seed) draws, kept so that errors name the file's row.
+    order = np.random.default_rng(seed).permutation(len(source.dataset)) if data_args.shuffle else range(n)
+    rows = [int(i) for i in order[:n]]
+    return Source(source.name, source.dataset.select(rows), file_rows=rows)
 
 
 def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], stage: str) -> str:
@@ -135,7 +139,7 @@ def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, 
     options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all"},
                "pretrain": {"packing": data_args.packing}}
     fn = PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt, source=source.name,
-                               **options.get(processor, {}))
+                               file_rows=source.file_rows, **options.get(processor, {}))
     ds = source.dataset
     if len(ds) == 0:
         raise DataError(f"{source.name} has no rows.")

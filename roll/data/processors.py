@@ -97,9 +97,12 @@ class _Processor:
     fmt: str
     source: str
     """File name shown in errors."""
+    file_rows: list[int] | None = None
+    """The file's row index of each dataset row (Source.file_rows); None: dataset index = file row."""
 
     def fail(self, index: int, exc: Exception) -> DataError:
-        return DataError(f"{self.source}, row {index} (0-based): {exc} [format: {self.fmt}]")
+        row = index if self.file_rows is None else self.file_rows[index]
+        return DataError(f"{self.source}, row {row} (0-based): {exc} [format: {self.fmt}]")
 
     @staticmethod
     def empty(out: dict[str, list], reason: str, seq_keys: tuple[str, ...]) -> None:

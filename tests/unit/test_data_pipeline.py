@@ -141,6 +141,16 @@ def test_wrong_type_in_a_row_names_file_and_row(bpe, tmp_path):
         build(bpe, dataset=write_json(tmp_path / "bad2.json", rows))
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_row_named_in_the_file_after_max_samples(bpe, tmp_path, shuffle):
+    """max_samples selects (and with shuffle reorders) rows; an error still names the row of the file."""
+    rows = [dict(r) for r in ROWS]
+    rows[5] = {"instruction": "Hi", "input": ""}  # no output: reaches the processor as None
+    path = write_json(tmp_path / "a.jsonl", rows, lines=True)
+    with pytest.raises(DataError, match=r"a\.jsonl, row 5 \(0-based\): 'output' must be a string"):
+        build(bpe, dataset=path, max_samples=19, shuffle=shuffle)
+
+
 @pytest.mark.parametrize("bad_value", [{"x": 1}, 7])
 @pytest.mark.parametrize("lines", [False, True])
 def test_mixed_types_in_a_column_name_the_row(bpe, tmp_path, bad_value, lines):
