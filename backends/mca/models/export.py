@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from backends.mca.models import layout, sharding
-from backends.mca.models.gpt import chunk_placements
+from backends.mca.models import sharding
+from backends.mca.models.gpt import canonical_tensors
 from backends.mca.models.loader import INDEX_NAME
 from backends.mca.models.template import get_template
 from roll.logging import log_rank0
@@ -37,7 +37,7 @@ def save_hf(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str,
             max_shard_bytes: int = 2 * 1024**3, tokenizer_dir: str | None = None) -> None:
     """Write the full model in HF format to ``out_dir`` (collective: every rank must call it)."""
     template = get_template(config.hf_model_type)
-    local = _local_canonical(chunks, config)
+    local = {name: tensor.detach() for name, tensor in canonical_tensors(chunks, config)}
     writer = _ShardWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
     units = ["pre", *range(config.num_layers), "post"]
     for unit in units:
@@ -55,15 +55,6 @@ def save_hf(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str,
             copy_tokenizer_files(tokenizer_dir, out_dir)
         log_rank0(logger, "wrote HF checkpoint to %s (%d shard files)", out_dir, len(writer.files))
     dist.barrier()
-
-
-def _local_canonical(chunks: list[torch.nn.Module], config: McaModelConfig) -> dict[str, torch.Tensor]:
-    out = {}
-    for chunk, place in zip(chunks, chunk_placements(config)):
-        for name, tensor in chunk.state_dict().items():
-            if not name.endswith("_extra_state"):
-                out[place.to_global(layout.from_impl_name(name, config))] = tensor.detach()
-    return out
 
 
 def _unit_of(name: str) -> str | int:

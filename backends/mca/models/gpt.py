@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
 
-from backends.mca.models.layout import Placement, placement
+from backends.mca.models.layout import Placement, from_impl_name, placement
 from roll.errors import ModelError
 from roll.platform import current_platform
 
@@ -50,6 +50,18 @@ def chunk_placements(config: McaModelConfig) -> list[Placement]:
     coords = rank_coordinates()
     vpp = config.virtual_pipeline_model_parallel_size or 1
     return [placement(config, coords["pp_rank"], stage, coords["ep_rank"]) for stage in range(vpp)]
+
+
+def canonical_tensors(chunks: list[torch.nn.Module], config: McaModelConfig,
+                      placements: list[Placement] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical global name, tensor) for every weight of this rank's chunks, in the naming the
+    templates use (local spec, global layer/expert indices). The tensors are the chunks' own
+    parameters and buffers, not copies. ``placements`` default to this rank's."""
+    placements = placements if placements is not None else chunk_placements(config)
+    for chunk, place in zip(chunks, placements, strict=True):
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
+            if not name.endswith("_extra_state"):  # TE's FP8 metadata (None in local modules): no weight
+                yield place.to_global(from_impl_name(name, config)), tensor
 
 
 def build_model_chunks(config: McaModelConfig, seed: int = 42) -> list[torch.nn.Module]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from backends.mca.models import layout, sharding
-from backends.mca.models.gpt import chunk_placements, rank_coordinates
+from backends.mca.models.gpt import canonical_tensors, rank_coordinates
 from backends.mca.models.mapping import Mapping
 from backends.mca.models.template import Template, get_template
 from roll.errors import ModelError
@@ -72,7 +72,6 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     ``placements``/``coords`` default to this rank's (from Megatron's parallel state); tests pass
     them to load a chunk as any rank would, without process groups.
     """
-    placements = placements if placements is not None else chunk_placements(config)
     coords = coords if coords is not None else rank_coordinates()
     template = get_template(config.hf_model_type)
     weight_map = hf_weight_map(hf_dir)
@@ -88,21 +87,17 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     return report
 
 
-def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement], config: McaModelConfig,
+def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement] | None, config: McaModelConfig,
              template: Template) -> dict[str, _Target]:
     """Canonical global Megatron name -> the HF inputs and this rank's parameters it fills."""
     targets: dict[str, _Target] = {}
-    for chunk, place in zip(chunks, placements, strict=True):
-        for local_name, param in chunk.state_dict(keep_vars=True).items():
-            if local_name.endswith("_extra_state"):
-                continue
-            canonical = place.to_global(layout.from_impl_name(local_name, config))
-            source = canonical
-            if canonical == "output_layer.weight" and config.tie_embeddings_and_output_weights:
-                source = "embedding.word_embeddings.weight"  # last PP stage's copy of the tied embedding
-            match = template.match_mca(source)
-            target = targets.setdefault(canonical, _Target(match.hf_names, match.mapping))
-            target.params.append(param)
+    for canonical, param in canonical_tensors(chunks, config, placements):
+        source = canonical
+        if canonical == "output_layer.weight" and config.tie_embeddings_and_output_weights:
+            source = "embedding.word_embeddings.weight"  # last PP stage's copy of the tied embedding
+        match = template.match_mca(source)
+        target = targets.setdefault(canonical, _Target(match.hf_names, match.mapping))
+        target.params.append(param)
     return targets
 
 
