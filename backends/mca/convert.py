@@ -8,15 +8,17 @@ check means the converter, sharding and streaming loader agree with Hugging Face
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from backends.mca.models.auto import AutoModel, save_mca
+from backends.mca.models.auto import AutoModel, has_hf_config, save_mca
 from backends.mca.models.config import McaModelConfig
 from backends.mca.models.export import save_hf
 from backends.mca.models.gpt import model_device
+from roll.errors import ModelError
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,9 @@ def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
 
 def check_parity(hf_dir: str, layout: Layout = Layout(), seq_len: int = 16) -> float:
     """Max |HF logits - Megatron logits| (fp32) over a fixed random batch, the same on every rank."""
+    if os.path.isdir(hf_dir) and not has_hf_config(hf_dir):  # checked before minutes of Megatron loading
+        raise ModelError(f"{hf_dir!r} has no HF config.json: the check needs an HF checkpoint to compare with "
+                         "(export a Megatron checkpoint with `roll-convert mca2hf` first).")
     chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
     config = chunks[0].config
     input_ids = sample_input_ids(config.vocab_size, seq_len=seq_len)

@@ -216,3 +216,11 @@ def test_roll_convert_check_cli_passes_and_fails_on_tolerance(tiny_model_factory
     bad = run([sys.executable, "-m", "backends.mca.convert_cli", "check", "--input", model, "--tolerance", "1e-12"],
               timeout=180)
     assert bad.returncode == 1 and "FAILED" in bad.stdout, output_of(bad)
+    # A Megatron checkpoint has no HF model to compare with: a clear error before loading, not a traceback.
+    mca = str(tmp_path / "moe_mca")
+    to_mca = run([sys.executable, "-m", "backends.mca.convert_cli", "hf2mca", "--input", model, "--output", mca],
+                 timeout=180)
+    assert to_mca.returncode == 0, output_of(to_mca)
+    wrong = run([sys.executable, "-m", "backends.mca.convert_cli", "check", "--input", mca], timeout=180)
+    assert wrong.returncode == 2 and "has no HF config.json" in wrong.stderr, output_of(wrong)
+    assert "Traceback" not in wrong.stderr, output_of(wrong)
