@@ -35,20 +35,20 @@ def _logged(out_dir) -> list[dict]:
         return [entry for entry in map(json.loads, fh) if "loss" in entry]
 
 
-def _one_process(model_dir, out_dir, stage) -> list[dict]:
+def _one_process(model_dir, out_dir, stage, **extra) -> list[dict]:
     """The reference: 1 process, micro-batch = global batch, through the router in this process."""
     from roll import router
     from roll.config.parser import resolve
 
-    recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=GLOBAL_BATCH)
+    recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=GLOBAL_BATCH, **extra)
     router.run(resolve(recipe, {}, None))
     return _logged(out_dir)
 
 
-def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum) -> list[dict]:
+def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum, **extra) -> list[dict]:
     """`roll-train ... nproc_per_node=2`: deepspeed launcher with a DeepSpeed file, else torchrun."""
     recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=micro_batch,
-                     gradient_accumulation_steps=grad_accum, nproc_per_node=2)
+                     gradient_accumulation_steps=grad_accum, nproc_per_node=2, **extra)
     if ds_file:
         recipe["deepspeed"] = os.path.join(REPO, "recipes", "deepspeed", ds_file)
     args = [f"{key}={value}" for key, value in recipe.items()]
@@ -60,17 +60,35 @@ def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum) 
 
 
 @pytest.fixture(scope="module")
-def sft_reference(tiny_model_dir, tmp_path_factory):
-    return _one_process(tiny_model_dir, tmp_path_factory.mktemp("sft_1proc"), "sft")
+def sft_case(tiny_model_factory, tmp_path_factory) -> dict:
+    """A model and data on which the loss definition shows in the loss itself: answers of 1-4
+    sentences (9-40 trainable tokens a sample) and a large init (per-token losses far apart). On the
+    first two steps a mean of per-rank or per-micro-batch means differs from the global per-token
+    mean by 8e-4 to 3e-3 relative (checked offline), well outside the 1e-4 tolerance; on the demo
+    data with the default init the loss differs by as little as 5e-6 (only grad_norm showed it)."""
+    with open(SFT_DATA, encoding="utf-8") as fh:
+        rows = json.load(fh)
+    for i, row in enumerate(rows):
+        row["output"] = " ".join([row["output"]] * (1 + i % 4))
+    data = tmp_path_factory.mktemp("sft_varied") / "data.json"
+    data.write_text(json.dumps(rows), encoding="utf-8")
+    return {"model_dir": tiny_model_factory("qwen2", initializer_range=1.0), "dataset": str(data)}
+
+
+@pytest.fixture(scope="module")
+def sft_reference(sft_case, tmp_path_factory):
+    return _one_process(sft_case["model_dir"], tmp_path_factory.mktemp("sft_1proc"), "sft",
+                        dataset=sft_case["dataset"])
 
 
 @pytest.mark.parametrize("ds_file,micro_batch,grad_accum",
                          [("ds_z2.json", 4, 1), ("ds_z3.json", 2, 2), (None, 2, 2)])
-def test_sft_zero_two_processes_matches_one(tiny_model_dir, tmp_path, sft_reference, ds_file, micro_batch,
+def test_sft_zero_two_processes_matches_one(sft_case, tmp_path, sft_reference, ds_file, micro_batch,
                                             grad_accum):
     from transformers import AutoModelForCausalLM
 
-    logged = _two_processes(tiny_model_dir, tmp_path, "sft", ds_file, micro_batch, grad_accum)
+    logged = _two_processes(sft_case["model_dir"], tmp_path, "sft", ds_file, micro_batch, grad_accum,
+                            dataset=sft_case["dataset"])
     assert [e["step"] for e in logged] == [1, 2]
     assert logged[0]["loss"] == pytest.approx(sft_reference[0]["loss"], rel=1e-4)
     assert logged[0]["grad_norm"] == pytest.approx(sft_reference[0]["grad_norm"], rel=1e-4)
