@@ -19,6 +19,13 @@ import sys
 from roll.errors import RollError
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roll-convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,14 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--input", required=True, help="source model directory")
         if name != "check":
             cmd.add_argument("--output", required=True, help="directory to write")
-        cmd.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-        cmd.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-        cmd.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
-        cmd.add_argument("--ep", type=int, default=1, help="expert parallel size")
-        cmd.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp)")
+        cmd.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size")
+        cmd.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size")
+        cmd.add_argument("--vpp", type=_positive_int, default=None, help="virtual pipeline stages per pipeline rank")
+        cmd.add_argument("--ep", type=_positive_int, default=1, help="expert parallel size")
+        cmd.add_argument("--etp", type=_positive_int, default=None, help="expert tensor parallel size (default: tp)")
         if name == "check":
             cmd.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |HF - Megatron| logit")
-            cmd.add_argument("--seq-len", type=int, default=16, help="tokens per sample of the random batch")
+            cmd.add_argument("--seq-len", type=_positive_int, default=16, help="tokens per sample of the random batch")
         if name == "mca2hf":
             cmd.add_argument("--max-shard-gb", type=float, default=2.0, help="max size of one safetensors file")
     return parser

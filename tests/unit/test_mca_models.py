@@ -115,3 +115,13 @@ def test_varying_sequence_lengths_switch_moe_to_alltoall():
     assert config.moe_token_dispatcher_type == "alltoall"
     fixed = McaModelConfig.from_hf(_hf("qwen3_moe"), moe_token_dispatcher_type="allgather")
     assert fixed.moe_token_dispatcher_type == "allgather"
+
+
+@pytest.mark.parametrize("option", ["--tp", "--pp", "--vpp", "--ep", "--etp", "--seq-len"])
+def test_roll_convert_refuses_non_positive_sizes(option, capsys):
+    from backends.mca.convert_cli import _parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["check", "--input", "model", option, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
