@@ -187,6 +187,21 @@ def test_loss_is_per_token_mean_over_global_batch(tiny_model_dir, tmp_path):
     assert abs(sum(micro_means) / 8 - total / count) > 1e-3  # the data would expose a mean of means
 
 
+def test_dpo_loss_is_the_mean_over_pairs_of_the_global_batch(tiny_model_dir, tmp_path):
+    """GAS=1 x MBS=8 == GAS=8 x MBS=1 for DPO too: TRL's per-pair mean of a micro-batch is divided by
+    the accumulation steps, so a step's gradient is that of the mean over its 8 pairs (not 8x it)."""
+    runs = {}
+    for mbs, gas in ((8, 1), (1, 8)):
+        _, result, _, _ = train_in_process(tiny_model_dir, tmp_path / f"m{mbs}", stage="dpo", max_steps=2,
+                                           learning_rate=1e-3, per_device_train_batch_size=mbs,
+                                           gradient_accumulation_steps=gas)
+        runs[(mbs, gas)] = [entry for entry in result.log_history if "loss" in entry]
+    a, b = runs[(8, 1)], runs[(1, 8)]
+    assert a[0]["grad_norm"] == pytest.approx(b[0]["grad_norm"], rel=1e-4)
+    assert a[1]["loss"] == pytest.approx(b[1]["loss"], rel=1e-5)  # step 1 is log(2) whatever the split
+    assert a[1]["rewards/margins"] == pytest.approx(b[1]["rewards/margins"], rel=1e-3)
+
+
 def test_trainer_consumes_the_pipeline_order(tiny_model_dir, tmp_path):
     """Global step k takes samples [k*B, (k+1)*B): no second shuffle by the Trainer."""
     _, _, _, collator = train_in_process(tiny_model_dir, tmp_path, max_steps=3, per_device_train_batch_size=2,
