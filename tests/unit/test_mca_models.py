@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.mca
 
 from backends.mca.models.config import McaModelConfig  # noqa: E402
 from backends.mca.models.template import get_template  # noqa: E402

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.mca
 
 from backends.mca.models import layout, sharding  # noqa: E402
 from backends.mca.models.config import McaModelConfig  # noqa: E402
