@@ -21,6 +21,7 @@ import bisect
 import logging
 import itertools
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from roll import IGNORE_INDEX
 from roll.data import formats
@@ -100,9 +101,22 @@ class _Processor:
     file_rows: list[int] | None = None
     """The file's row index of each dataset row (Source.file_rows); None: dataset index = file row."""
 
-    def fail(self, index: int, exc: Exception) -> DataError:
-        row = index if self.file_rows is None else self.file_rows[index]
-        return DataError(f"{self.source}, row {row} (0-based): {exc} [format: {self.fmt}]")
+    def parse(self, batch: dict[str, list], indices: list[int], parse_row: Callable[[dict], Any]) -> list:
+        """``parse_row(row)`` for every row of the batch; a skipped row gives its :class:`Skip` instead.
+
+        A structurally broken row (RowError) stops preprocessing with a DataError naming the file's row.
+        """
+        parsed = []
+        for row, index in zip(_rows(batch), indices):
+            try:
+                parsed.append(parse_row(row))
+            except Skip as skip:
+                parsed.append(skip)
+            except RowError as exc:
+                row_id = index if self.file_rows is None else self.file_rows[index]
+                raise DataError(f"{self.source}, row {row_id} (0-based): {exc} "
+                                f"[format: {self.fmt}]") from None
+        return parsed
 
     @staticmethod
     def empty(out: dict[str, list], reason: str, seq_keys: tuple[str, ...]) -> None:
@@ -126,21 +140,15 @@ class SupervisedProcessor(_Processor):
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         renderer = Renderer.for_tokenizer(self.tokenizer)
         out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
-        parsed: list[list[tuple[str, str, bool]] | str] = []
-        for row, index in zip(_rows(batch), indices):
-            try:
-                parsed.append(renderer.turns(formats.conversation(row, self.fmt), self.train_turns))
-            except Skip as skip:
-                parsed.append(skip.reason)
-            except RowError as exc:
-                raise self.fail(index, exc) from None
-        texts = [text for turns in parsed if not isinstance(turns, str)
+        parsed = self.parse(batch, indices,
+                            lambda row: renderer.turns(formats.conversation(row, self.fmt), self.train_turns))
+        texts = [text for turns in parsed if not isinstance(turns, Skip)
                  for prompt, reply, _ in turns for text in (prompt, reply)]
         token_iter = iter(_tokenize(self.tokenizer, texts))
         checked = False
         for turns in parsed:
-            if isinstance(turns, str):
-                self.empty(out, turns, SEQ)
+            if isinstance(turns, Skip):
+                self.empty(out, turns.reason, SEQ)
                 continue
             tokenized = [(next(token_iter), next(token_iter), trainable) for _, _, trainable in turns]
             if not checked:
@@ -166,19 +174,12 @@ class PairwiseProcessor(_Processor):
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         renderer = Renderer.for_tokenizer(self.tokenizer)
         out: dict[str, list] = {k: [] for k in PAIR_SEQ + META_COLUMNS}
-        parsed: list[tuple[str, str, str] | str] = []
-        for row, index in zip(_rows(batch), indices):
-            try:
-                parsed.append(self._render(renderer, row))
-            except Skip as skip:
-                parsed.append(skip.reason)
-            except RowError as exc:
-                raise self.fail(index, exc) from None
-        texts = [text for item in parsed if not isinstance(item, str) for text in item]
+        parsed = self.parse(batch, indices, lambda row: self._render(renderer, row))
+        texts = [text for item in parsed if not isinstance(item, Skip) for text in item]
         token_iter = iter(_tokenize(self.tokenizer, texts))
         for item in parsed:
-            if isinstance(item, str):
-                self.empty(out, item, PAIR_SEQ)
+            if isinstance(item, Skip):
+                self.empty(out, item.reason, PAIR_SEQ)
                 continue
             prompt, chosen, rejected = next(token_iter), next(token_iter), next(token_iter)
             longest = max(len(chosen), len(rejected))
@@ -219,13 +220,11 @@ class PretrainProcessor(_Processor):
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
         texts = []
-        for row, index in zip(_rows(batch), indices):
-            try:
-                texts.append(formats.text(row))
-            except Skip as skip:
-                self.empty(out, skip.reason, SEQ)
-            except RowError as exc:
-                raise self.fail(index, exc) from None
+        for item in self.parse(batch, indices, formats.text):
+            if isinstance(item, Skip):
+                self.empty(out, item.reason, SEQ)
+            else:
+                texts.append(item)
         eos = [self.tokenizer.eos_token_id]
         docs = [ids + eos for ids in _tokenize(self.tokenizer, texts)]
         chunks = self._per_document(docs) if self.packing else self._concatenated(docs)
