@@ -22,7 +22,7 @@ _HF_FIELDS = frozenset(f.name for f in dataclasses.fields(transformers.TrainingA
 
 
 def read_json_object(path: str, what: str, error: type[RollError] = ConfigError) -> dict:
-    """The JSON object in an existing file; ``error`` naming ``what`` when it is not valid JSON or not an object."""
+    """The JSON object in an existing file; ``error`` naming ``what`` when it is not JSON or not an object."""
     try:
         with open(path, encoding="utf-8") as fh:
             content = json.load(fh)

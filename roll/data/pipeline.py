@@ -138,8 +138,8 @@ def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, 
     fmt = resolve_format(source, data_args.formatting, allowed, stage)
     options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all"},
                "pretrain": {"packing": data_args.packing}}
-    fn = PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt, source=source.name,
-                               file_rows=source.file_rows, **options.get(processor, {}))
+    fn = PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
+                               source=source.name, file_rows=source.file_rows, **options.get(processor, {}))
     ds = source.dataset
     if len(ds) == 0:
         raise DataError(f"{source.name} has no rows.")
