@@ -60,16 +60,16 @@ def expand(spec: str) -> list[str]:
     raise DataError(f"dataset source {spec!r} not found: not a file or directory{hint}")
 
 
-def load_sources(spec: str | None, cache_dir: str | None = None) -> list[Source]:
+def load_sources(spec: str | None) -> list[Source]:
     """Load every file behind a comma-separated ``dataset:`` value."""
     sources = []
     for part in split_sources(spec):
         for path in expand(part):
-            sources.append(Source(name=path, dataset=_load_one(path, cache_dir)))
+            sources.append(Source(name=path, dataset=_load_one(path)))
     return sources
 
 
-def _load_one(path: str, cache_dir: str | None):
+def _load_one(path: str):
     import datasets
 
     if os.path.isdir(path):
@@ -81,10 +81,10 @@ def _load_one(path: str, cache_dir: str | None):
             loaded = loaded["train"]
         return loaded
     if not os.path.exists(path):
-        return datasets.load_dataset(path, split="train", cache_dir=cache_dir)
+        return datasets.load_dataset(path, split="train")
     builder = _builder_for(path)
     try:
-        dataset = datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
+        dataset = datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as exc:  # the arrow error rarely names the row: find it ourselves
         raise DataError(f"cannot read {path}: {diagnose(path, builder) or exc}") from exc
     if builder == "json":
