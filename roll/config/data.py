@@ -32,7 +32,7 @@ class DataArguments:
     """Pack several samples into each cutoff_len row (never splitting one); attention never crosses samples."""
 
     max_samples: int | None = None
-    """Use at most this many rows of each source (after shuffling)."""
+    """Use at most this many rows of each source: a seeded random subset with shuffle, else the first rows."""
 
     val_size: float = 0.0
     """Fraction (0-1) or count (>=1) of training rows held out for evaluation."""
