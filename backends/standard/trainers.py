@@ -41,6 +41,7 @@ class RollTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         pad_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
+        # Kept a tensor until the next log: reading it every micro-step would wait for the GPU each time.
         self._roll_tokens = getattr(self, "_roll_tokens", 0) + _real_tokens(inputs, pad_id)
         return super().training_step(model, inputs, num_items_in_batch)
 
@@ -53,7 +54,7 @@ class RollTrainerMixin:
         """Real tokens per second since the last log, summed over ranks (a collective: every rank logs)."""
         now = time.perf_counter()
         since = getattr(self, "_roll_last_log_time", None) or getattr(self, "_roll_train_start", now)
-        tokens = torch.tensor(float(getattr(self, "_roll_tokens", 0)), device=self.args.device)
+        tokens = torch.as_tensor(getattr(self, "_roll_tokens", 0), dtype=torch.int64, device=self.args.device)
         if self.args.world_size > 1:
             tokens = self.accelerator.reduce(tokens, reduction="sum")
         self._roll_tokens, self._roll_last_log_time = 0, now
@@ -65,15 +66,15 @@ class RollTrainerMixin:
         return super().train(*args, **kwargs)
 
 
-def _real_tokens(inputs: dict[str, Any], pad_id: int | None) -> int:
+def _real_tokens(inputs: dict[str, Any], pad_id: int | None) -> torch.Tensor | int:
     """Non-pad tokens: the attention mask's ones, or (packed rows have none) ids that are not padding."""
     mask = inputs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return int(mask.sum().item())
+        return mask.sum()
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor):
         return 0
-    return int((ids != pad_id).sum().item()) if pad_id is not None else int(ids.numel())
+    return (ids != pad_id).sum() if pad_id is not None else ids.numel()
 
 
 LOG_FILE = "train_log.jsonl"

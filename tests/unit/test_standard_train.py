@@ -327,8 +327,8 @@ def test_throughput_counts_real_tokens_only():
               "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
     packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0]]),
               "position_ids": torch.tensor([[0, 1, 0, 1, 0, 1]])}
-    assert _real_tokens(padded, pad_id=0) == 4
-    assert _real_tokens(packed, pad_id=0) == 4
+    assert int(_real_tokens(padded, pad_id=0)) == 4
+    assert int(_real_tokens(packed, pad_id=0)) == 4
 
 
 def test_preference_batch_docstring_example():
