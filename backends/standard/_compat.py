@@ -128,15 +128,19 @@ def install_clean_exit() -> None:
     after a successful run (a failing rank keeps its non-zero exit code). A script that goes on
     after the run and then dies of an exception still exits 1: Python records the exception in
     ``sys.last_value`` before atexit handlers run (a later ``sys.exit(n)`` is not seen: exit 0).
-    Trainer callbacks (tensorboard, wandb) have finished by then: they close their writers at the
-    end of training. atexit handlers registered earlier than this one are skipped (they run
-    last-in first-out).
+    atexit handlers registered earlier than this one are skipped (they run last-in first-out).
+    HF's TensorBoard callback closes its writer at the end of training; its wandb callback does not
+    finish the run (wandb does that in its own atexit handler), so an open wandb run is finished
+    here.
     """
     if not _inside_launched_worker():
         return
 
     def _exit_now() -> None:
         failed = getattr(sys, "last_value", None) is not None  # its traceback is printed already
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            wandb.finish(exit_code=1 if failed else 0)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

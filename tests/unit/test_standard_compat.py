@@ -22,3 +22,21 @@ def test_clean_exit_keeps_a_later_failure(then, code):
     assert proc.returncode == code, proc.stderr[-2000:]
     if code:
         assert "later step failed" in proc.stderr
+
+
+_OPEN_WANDB_RUN = """
+import sys, types
+from backends.standard._compat import install_clean_exit
+wandb = types.ModuleType("wandb")  # a stand-in: the real wandb finishes a run in an atexit handler of its own
+wandb.run = object()
+wandb.finish = lambda exit_code=0: print("wandb finished", exit_code)
+sys.modules["wandb"] = wandb
+install_clean_exit()
+"""
+
+
+def test_clean_exit_finishes_an_open_wandb_run():
+    """W2: os._exit skips wandb's own atexit handler, so the hook finishes the run itself."""
+    proc = run([sys.executable, "-c", _OPEN_WANDB_RUN], timeout=120, ROLL_LAUNCHED="1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "wandb finished 0" in proc.stdout
