@@ -32,7 +32,8 @@ def single_process_env() -> dict[str, str | None]:
     """W5: give a launcher-less process the env of a 1-rank group; return what to restore later.
 
     Plain ``python`` with a DeepSpeed config otherwise falls back to MPI discovery and fails with
-    ``No module named 'mpi4py'``. DeepSpeed 0.19 behaviour.
+    ``No module named 'mpi4py'``. DeepSpeed 0.19 behaviour; can go once DeepSpeed falls back to
+    a 1-rank group by itself (tests/distributed/test_standard_single_process.py passes without it).
     """
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return {}
@@ -58,6 +59,8 @@ def init_deepspeed_comm() -> None:
     With ZeRO-3, a model loaded after ``TrainingArguments(deepspeed=...)`` goes through
     ``deepspeed.zero.Init``; if deepspeed.comm is not initialised yet it believes world_size=1
     and fails the batch-size check. Initialising first is harmless for ZeRO-0/1/2.
+    Seen with transformers 5.23 / DeepSpeed 0.19; can go once building the arguments initialises
+    deepspeed.comm itself (the 2-process ZeRO-3 tests pass without this call).
     """
     import deepspeed
 
@@ -69,6 +72,7 @@ def drop_hf_deepspeed_config() -> None:
 
     While a ZeRO-3 config is alive, every ``from_pretrained`` enters ``zero.Init`` collectives,
     so a rank-0-only load (merge, reload for export) deadlocks. Call before single-rank work.
+    Needed as long as transformers keeps that config process-global (5.23 does).
     """
     try:
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -83,6 +87,8 @@ def reset_process_state() -> None:
     ``Accelerator`` sets ``ACCELERATE_USE_DEEPSPEED=true`` for good and keeps its plugin in a
     singleton; deepspeed.comm keeps its backend. A later non-DeepSpeed trainer in the same
     process (tests, notebooks) would otherwise try to DeepSpeed-wrap its models.
+    Seen with accelerate 1.15 / DeepSpeed 0.19; can go once that state ends with the trainer
+    (tests/distributed/test_standard_single_process.py passes without it).
     """
     drop_hf_deepspeed_config()
     os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
@@ -124,10 +130,12 @@ def install_clean_exit() -> None:
 
     Even after ``destroy_process_group`` leftover gloo threads make some ranks abort at
     interpreter shutdown ("terminate called without an active exception", SIGABRT), so the
-    launcher reports failure for a run that succeeded. Only installed in launched workers, and only
-    after a successful run (a failing rank keeps its non-zero exit code). A script that goes on
-    after the run and then dies of an exception still exits 1: Python records the exception in
-    ``sys.last_value`` before atexit handlers run (a later ``sys.exit(n)`` is not seen: exit 0).
+    launcher reports failure for a run that succeeded (torch 2.13); can go once the 2-process
+    tests in tests/distributed/test_standard_deepspeed.py exit 0 without it, run after run.
+    Only installed in launched workers, and only after a successful run (a failing rank keeps its
+    non-zero exit code). A script that goes on after the run and then dies of an exception still
+    exits 1: Python records the exception in ``sys.last_value`` before atexit handlers run (a later
+    ``sys.exit(n)`` is not seen: exit 0).
     atexit handlers registered earlier than this one are skipped (they run last-in first-out).
     HF's TensorBoard callback closes its writer at the end of training; its wandb callback does not
     finish the run (wandb does that in its own atexit handler), so an open wandb run is finished
