@@ -187,12 +187,13 @@ def _resume_value(value, output_dir: str) -> str | None:
     """resume_from_checkpoint: 'true' -> the latest checkpoint in output_dir, a path -> that checkpoint."""
     from transformers.trainer_utils import get_last_checkpoint
 
+    from roll.config.coerce import coerce, is_bool_word
     from roll.errors import ConfigError
 
     text = "" if value is None else str(value).strip()
-    if text.lower() in ("", "false", "no", "0", "none"):
+    if text.lower() in ("", "none") or (is_bool_word(text) and not coerce(text, bool)):
         return None
-    if text.lower() in ("true", "yes", "1"):
+    if is_bool_word(text):  # the recipe's boolean words: true/yes/on/1
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
             raise ConfigError(f"resume_from_checkpoint=true but {output_dir!r} holds no checkpoint-N "

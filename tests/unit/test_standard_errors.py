@@ -116,4 +116,6 @@ def test_resume_without_a_checkpoint(tmp_path):
         _resume_value(str(tmp_path / "checkpoint-9"), str(tmp_path))
     (tmp_path / "checkpoint-3").mkdir()
     assert _resume_value("true", str(tmp_path)).endswith("checkpoint-3")
+    assert _resume_value("on", str(tmp_path)).endswith("checkpoint-3")  # the recipe's boolean words
     assert _resume_value(None, str(tmp_path)) is None
+    assert _resume_value("off", str(tmp_path)) is None
