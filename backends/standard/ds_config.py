@@ -78,7 +78,13 @@ def check_combination(ds: DeepSpeedSettings, training) -> None:
                           "choose one (or use \"auto\").")
     for ds_key, recipe_key in _BATCH_KEYS.items():
         value = ds.config.get(ds_key, "auto")
-        if value != "auto" and float(value) != float(getattr(training, recipe_key)):
+        if value == "auto":
+            continue
+        try:
+            agrees = float(value) == float(getattr(training, recipe_key))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: {ds_key} must be a number or \"auto\", got {value!r}.") from None
+        if not agrees:
             raise ConfigError(f"{where}: {ds_key}={value} disagrees with the recipe's {recipe_key}="
                               f"{getattr(training, recipe_key)}; set it to \"auto\" so the recipe decides.")
     if ds.is_zero3:

@@ -70,6 +70,8 @@ def test_recipe_with_missing_deepspeed_file_fails_at_parse_time(tmp_path):
      "both true"),
     ({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4},
      {"per_device_train_batch_size": 2}, "per_device_train_batch_size=2"),
+    ({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "two"}, {},
+     "gradient_accumulation_steps must be a number"),
 ])
 def test_deepspeed_combinations_that_cannot_work(tmp_path, ds, training, message):
     config = _config(deepspeed=_write_json(tmp_path / "ds.json", ds), **training)
