@@ -1,7 +1,7 @@
 """Benchmark and acceptance check of the data pipeline on the shared demo datasets (not a test:
 it needs /work/shared, which a fresh clone does not have).
 
-usage: python scripts/bench_data.py --shared /work/shared [--out bench_data.json]
+usage: python scripts/bench_data.py --shared ../shared   (the shared/ folder beside the repo) [--out bench_data.json]
 
 Runs ``roll-train RECIPE --dry-run --json`` with the real Qwen2.5 tokenizer on:
   - alpaca_en_demo.json (sft, cutoff_len 1024, packing): packing_efficiency >= 0.95 and num_samples
