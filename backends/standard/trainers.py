@@ -154,10 +154,6 @@ def make_dpo_trainer_class():
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # roll.data tokenized it already; TRL's prompt/chosen/rejected path does not apply
 
-        def _set_signature_columns_if_needed(self):
-            if self._signature_columns is None:
-                self._signature_columns = list(self.train_dataset.column_names) + list(_REF_KEYS)
-
         def _precompute_ref_logps(self, dataset, name, batch_size):
             if not self._roll_ref_free:
                 return super()._precompute_ref_logps(dataset, name, batch_size)
