@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from roll.launch import LAUNCHED_ENV, free_port
+from roll.launch import free_port, inside_launcher
 from roll.platform import current_platform
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,9 @@ def install_clean_exit() -> None:
     interpreter shutdown ("terminate called without an active exception", SIGABRT), so the
     launcher reports failure for a run that succeeded (torch 2.13); can go once the 2-process
     tests in tests/distributed/test_standard_deepspeed.py exit 0 without it, run after run.
-    Only installed in launched workers, and only after a successful run (a failing rank keeps its
+    Only installed in launched workers (``roll.launch.inside_launcher``: roll-train's launch,
+    torchrun, or ``deepspeed --module roll.cli`` run by hand), and only after a successful run (a
+    failing rank keeps its
     non-zero exit code). A script that goes on after the run and then dies of an exception still
     exits 1: Python records the exception in ``sys.last_value`` before atexit handlers run (a later
     ``sys.exit(n)`` is not seen: exit 0).
@@ -141,7 +143,7 @@ def install_clean_exit() -> None:
     finish the run (wandb does that in its own atexit handler), so an open wandb run is finished
     here.
     """
-    if not _inside_launched_worker():
+    if not inside_launcher():
         return
 
     def _exit_now() -> None:
@@ -155,7 +157,3 @@ def install_clean_exit() -> None:
         os._exit(1 if failed else 0)
 
     atexit.register(_exit_now)
-
-
-def _inside_launched_worker() -> bool:
-    return LAUNCHED_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ

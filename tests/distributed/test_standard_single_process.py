@@ -25,7 +25,8 @@ def _run(model_dir, out_dir, **extra):
 
 
 def test_zero3_in_one_process_then_plain_dpo(tiny_model_dir, tmp_path):
-    launch_vars = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    # LOCAL_RANK + WORLD_SIZE left behind would also make this process look launched (clean exit, W2)
+    launch_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     before = {key: os.environ.get(key) for key in launch_vars}
     plain = _run(tiny_model_dir, tmp_path / "plain")
     ds = os.path.join(REPO, "recipes", "deepspeed", "ds_z3.json")

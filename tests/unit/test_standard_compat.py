@@ -35,8 +35,13 @@ install_clean_exit()
 """
 
 
-def test_clean_exit_finishes_an_open_wandb_run():
+@pytest.mark.parametrize("launcher_env,installed", [
+    ({"ROLL_LAUNCHED": "1"}, True),  # roll-train's own launch
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "1"}, True),  # deepspeed --module roll.cli by hand sets only these
+    ({}, False),  # plain python: the interpreter exits as usual
+])
+def test_clean_exit_finishes_an_open_wandb_run(launcher_env, installed):
     """W2: os._exit skips wandb's own atexit handler, so the hook finishes the run itself."""
-    proc = run([sys.executable, "-c", _OPEN_WANDB_RUN], timeout=120, ROLL_LAUNCHED="1")
+    proc = run([sys.executable, "-c", _OPEN_WANDB_RUN], timeout=120, **launcher_env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "wandb finished 0" in proc.stdout
+    assert ("wandb finished 0" in proc.stdout) == installed
