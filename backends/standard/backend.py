@@ -16,6 +16,7 @@ import os
 from backends.base import Backend, register_backend
 from backends.standard import _compat
 from backends.standard.ds_config import DeepSpeedSettings, check_combination, load_deepspeed_config
+from backends.standard.hf_args import build_hf_args
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
 from roll.logging import log_rank0, warn_once
@@ -60,16 +61,10 @@ class StandardBackend(Backend):
                 _compat.init_deepspeed_comm()  # W3: before any HF config exists
             elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
                 dist.init_process_group(backend=current_platform().dist_backend)
-            self._hf_args = self._build_hf_args()
+            self._hf_args = build_hf_args(self.config, self._deepspeed)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         return DistributedInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                                dp_rank=rank, dp_size=world)
-
-    def _build_hf_args(self):
-        """The real HF ``TrainingArguments`` (or TRL ``DPOConfig``), from roll's validated fields."""
-        from backends.standard.hf_args import build_hf_args
-
-        return build_hf_args(self.config, self._deepspeed)
 
     # ---- models ---------------------------------------------------------------------------------
 
