@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -82,10 +83,15 @@ def test_deepspeed_combinations_that_cannot_work(tmp_path, ds, training, message
 
 
 def test_shipped_deepspeed_files_pass_the_checks():
-    for name in ("ds_z0", "ds_z2", "ds_z3", "ds_z3_offload"):
-        ds = load_deepspeed_config(os.path.join(REPO, "recipes", "deepspeed", f"{name}.json"))
+    """Every JSON in recipes/deepspeed (the set docs/standard.md lists) passes, with its stage and offload."""
+    expected = {"ds_z0": (0, False), "ds_z2": (2, False), "ds_z3": (3, False), "ds_z3_offload": (3, True)}
+    shipped = glob.glob(os.path.join(REPO, "recipes", "deepspeed", "*.json"))
+    assert {os.path.basename(path)[:-len(".json")] for path in shipped} == set(expected)
+    for path in shipped:
+        ds = load_deepspeed_config(path)
         check_combination(ds, _config().training)
-        assert ds.zero_stage == {"ds_z0": 0, "ds_z2": 2}.get(name, 3)
+        stage, offload = expected[os.path.basename(path)[:-len(".json")]]
+        assert (ds.zero_stage, ds.offload_optimizer, ds.offload_param) == (stage, offload, offload), path
 
 
 def test_lora_target_that_matches_nothing_lists_the_modules(tiny_model_dir):
