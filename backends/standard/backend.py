@@ -119,8 +119,7 @@ class StandardBackend(Backend):
         if job.stage == "dpo":
             dpo_trainer = make_dpo_trainer_class()
             return dpo_trainer(model=models.policy, ref_model=models.ref,
-                               data_collator=PreferenceBatch(job.collator),
-                               ref_free=self.config.finetuning.ref_free, **common)
+                               data_collator=PreferenceBatch(job.collator), **common)
         return RollTrainer(model=models.policy, data_collator=job.collator, **common)
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:

@@ -36,7 +36,7 @@ def build_hf_args(config, deepspeed):
 
         return DPOConfig(**kwargs, beta=finetuning.pref_beta, loss_type=[finetuning.pref_loss],
                          label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
-                         precompute_ref_log_probs=finetuning.ref_free)
+                         precompute_ref_log_probs=finetuning.ref_free)  # RollDPOTrainer fills zeros
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)

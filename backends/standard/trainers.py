@@ -143,20 +143,15 @@ def make_dpo_trainer_class():
     class RollDPOTrainer(RollTrainerMixin, DPOTrainer):
         """TRL's DPO loss and metrics on roll's tokenized pairwise rows (TRL does not re-tokenize).
 
-        ``ref_free``: reference log-probs are 0 (TRL has no reference-free switch in 1.16), which
-        we get by declaring them precomputed and filling the columns with zeros.
+        ``ref_free``: reference log-probs are 0 (TRL has no reference-free switch in 1.16; use its
+        own once it has one), which we get by declaring them precomputed (hf_args sets
+        ``precompute_ref_log_probs`` for ref_free only) and filling the columns with zeros.
         """
-
-        def __init__(self, *args, ref_free: bool = False, **kwargs):
-            self._roll_ref_free = ref_free
-            super().__init__(*args, **kwargs)
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # roll.data tokenized it already; TRL's prompt/chosen/rejected path does not apply
 
         def _precompute_ref_logps(self, dataset, name, batch_size):
-            if not self._roll_ref_free:
-                return super()._precompute_ref_logps(dataset, name, batch_size)
             zeros = [0.0] * len(dataset)
             return dataset.add_column(_REF_KEYS[0], zeros).add_column(_REF_KEYS[1], zeros)
 
