@@ -76,7 +76,7 @@ class StandardBackend(Backend):
         model_args, finetuning, training = self.config.model, self.config.finetuning, self.config.training
         M.check_causal_lm(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
         wants_ref = stage == "dpo" and not finetuning.ref_free and (
-            finetuning.ref_model or finetuning.finetuning_type != "lora")  # lora: base = adapter disabled
+            finetuning.ref_model or finetuning.finetuning_type != "lora")  # lora: TRL's frozen "ref" adapter
         if wants_ref and finetuning.ref_model:
             M.check_causal_lm(finetuning.ref_model, trust_remote_code=model_args.trust_remote_code,
                               what="ref_model")

@@ -242,6 +242,17 @@ def test_lora_trains_only_adapters_and_exports_reload(tiny_model_dir, tmp_path):
     assert os.path.isfile(os.path.join(result.hf_model_dir, "adapter_model.safetensors"))
 
 
+def test_dpo_lora_reference_is_a_frozen_adapter_copy_left_out_of_the_export(tiny_model_dir, tmp_path):
+    _, result, models, _ = train_in_process(tiny_model_dir, tmp_path, stage="dpo", max_steps=2,
+                                            finetuning_type="lora", lora_rank=4, save=True)
+    assert models.ref is None and set(models.policy.peft_config) == {"default", "ref"}
+    assert not any(p.requires_grad for name, p in models.policy.named_parameters() if ".ref." in name)
+    assert result.log_history[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # reference == initial policy
+    assert result.log_history[1]["loss"] != pytest.approx(0.6931, abs=1e-4)  # ...and it stays fixed
+    assert os.path.isfile(os.path.join(result.hf_model_dir, "adapter_model.safetensors"))
+    assert not os.path.exists(os.path.join(result.hf_model_dir, "ref"))
+
+
 def test_lora_target_all_is_every_linear_but_the_head(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
