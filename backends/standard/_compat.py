@@ -134,10 +134,10 @@ def install_clean_exit() -> None:
     tests in tests/distributed/test_standard_deepspeed.py exit 0 without it, run after run.
     Only installed in launched workers (``roll.launch.inside_launcher``: roll-train's launch,
     torchrun, or ``deepspeed --module roll.cli`` run by hand), and only after a successful run (a
-    failing rank keeps its
-    non-zero exit code). A script that goes on after the run and then dies of an exception still
-    exits 1: Python records the exception in ``sys.last_value`` before atexit handlers run (a later
-    ``sys.exit(n)`` is not seen: exit 0).
+    failing rank keeps its non-zero exit code). A script that goes on after the run and then dies
+    of an exception still exits 1: Python records the exception in ``sys.last_value`` before
+    atexit handlers run (a later ``sys.exit(n)`` is not seen: exit 0).
+
     atexit handlers registered earlier than this one are skipped (they run last-in first-out).
     HF's TensorBoard callback closes its writer at the end of training; its wandb callback does not
     finish the run (wandb does that in its own atexit handler), so an open wandb run is finished
