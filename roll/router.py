@@ -64,8 +64,8 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         summary, text = dry_run_report(job, stats)
         out(json.dumps(summary) + "\n" if as_json else text)
         return None
-    backend.setup_distributed()
-    try:
+    try:  # teardown also after a failed set-up: it may have set env vars or a process group
+        backend.setup_distributed()
         job, _ = build_job(config, policy)
         log_rank0(logger, "stage %s on the %s backend", config.finetuning.stage, config.backend_name)
         models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))

@@ -83,6 +83,20 @@ def test_router_calls_backend_in_order(tmp_path, fake_backend, stage):
     assert fake_backend["spec"] is router.STAGES[stage]
 
 
+def test_teardown_runs_when_setup_fails(tmp_path, fake_backend, monkeypatch):
+    def fail(self):
+        self.calls.append("setup_distributed")
+        raise RuntimeError("no process group")
+
+    monkeypatch.setattr(FakeBackend, "setup_distributed", fail)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stage: sft\n")
+    _, config = parse_args([str(recipe)])
+    with pytest.raises(RuntimeError, match="no process group"):
+        router.run(config)
+    assert FakeBackend.last.calls[-2:] == ["setup_distributed", "teardown"]
+
+
 def test_teardown_runs_when_training_fails(tmp_path, fake_backend, monkeypatch):
     monkeypatch.setattr(FakeBackend, "train", lambda self, job, models: (_ for _ in ()).throw(RuntimeError("boom")))
     recipe = tmp_path / "r.yaml"
