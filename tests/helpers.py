@@ -49,3 +49,15 @@ def batch_of(rows: list[dict]) -> dict[str, list]:
     """Rows -> the columnar batch ``datasets.map(batched=True)`` passes (a missing key reads as None)."""
     keys = sorted({k for row in rows for k in row})
     return {k: [row.get(k) for row in rows] for k in keys}
+
+
+def results(stdout: str, marker: str = "RESULT ") -> list[dict]:
+    """Every ``RESULT {json}`` record the ranks printed, in order.
+
+    Ranks share one stdout pipe, so two records can land on the same line; each JSON object is
+    decoded from right after its marker, whatever follows it.
+    """
+    import json
+
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(chunk)[0] for chunk in stdout.split(marker)[1:]]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.helpers import REPO, output_of, torchrun
+from tests.helpers import REPO, output_of, results, torchrun
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
@@ -23,7 +22,7 @@ def test_dist_checkpoint_reshards_tp1_tp2_pp2_vpp(tmp_path):
     """
     proc = torchrun(os.path.join(WORKERS, "platform_checkpoint.py"), str(tmp_path), timeout=240)
     assert proc.returncode == 0, output_of(proc)
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = results(proc.stdout)
     assert len(rows) == 2, output_of(proc)
     res = rows[0]
     loads = {(phase, key): value for phase in ("tp2", "pp2", "vpp2", "back_to_tp1")

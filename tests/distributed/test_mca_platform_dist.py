@@ -3,13 +3,12 @@ RNG streams) and LocalCoreAttention (packed sequences, context parallelism)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 
-from tests.helpers import REPO, output_of, run, torchrun
+from tests.helpers import REPO, output_of, results, run, torchrun
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
@@ -19,7 +18,7 @@ WORKERS = os.path.join(REPO, "tests", "distributed", "_mca_workers")
 
 def results_of(proc) -> dict[int, dict]:
     assert proc.returncode == 0, output_of(proc)
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = results(proc.stdout)
     assert len(rows) == 2, output_of(proc)
     return {row["rank"]: row for row in rows}
 
@@ -73,7 +72,7 @@ def test_local_attention_packed_and_context_parallel(tmp_path):
     proc = run([sys.executable, os.path.join(WORKERS, "platform_attention.py"), "reference", str(tmp_path)],
                timeout=120)
     assert proc.returncode == 0, output_of(proc)
-    reference = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+    reference = results(proc.stdout)[0]
     assert reference["packed_vs_separate"] <= 1e-5
 
     res = results_of(torchrun(os.path.join(WORKERS, "platform_attention.py"), "cp2", str(tmp_path), timeout=180))
@@ -90,7 +89,7 @@ def test_moe_expert_tensor_parallel_on_gloo(tmp_path):
     equals the EP2/TP1 model's after a checkpoint round trip (fp32, tolerance 1e-5; observed 0)."""
     proc = torchrun(os.path.join(WORKERS, "platform_moe.py"), str(tmp_path), nproc=4, timeout=240)
     assert proc.returncode == 0, output_of(proc)
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = results(proc.stdout)
     assert len(rows) == 4, output_of(proc)
     for row in rows:
         assert row["alltoall"] == pytest.approx(row["reference"], abs=1e-5), row

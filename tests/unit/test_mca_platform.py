@@ -4,7 +4,6 @@ initialising patches this process for good)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 
 from roll.errors import ConfigError
 from roll.platform import Platform
-from tests.helpers import REPO, output_of, run
+from tests.helpers import REPO, output_of, results, run
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.mca
@@ -158,7 +157,7 @@ def test_cpu_compat_is_a_no_op_with_an_accelerator(fake_patches, monkeypatch):
 def test_initialize_megatron_single_process_idempotent_and_reproducible():
     proc = run([sys.executable, os.path.join(WORKERS, "platform_init.py"), "single"], timeout=120)
     assert proc.returncode == 0, output_of(proc)
-    result = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+    result = results(proc.stdout)[0]
     assert result["info"] == {"rank": 0, "world_size": 1, "local_rank": 0, "dp_rank": 0, "dp_size": 1}
     assert {"rng_tracker", "current_device", "hardcoded_cuda", "moe_split_sizes"} <= set(result["patches"])
     # Same seed after destroy + re-init: every generator restarts identically.

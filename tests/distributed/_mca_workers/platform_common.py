@@ -1,6 +1,6 @@
 """Shared bits of the PLATFORM torchrun workers: a tiny GPT built through roll's spec, and result output.
 
-Workers print one ``RESULT {json}`` line per rank that the tests parse; a failed check raises, so
+Workers print one ``RESULT {json}`` record per rank that the tests parse (tests.helpers.results); a failed check raises, so
 the process exits non-zero with the reason in stderr.
 """
 
