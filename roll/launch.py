@@ -43,14 +43,13 @@ def launch_command(config: RunConfig, argv: list[str]) -> list[str]:
     if t.nnodes > 1:
         raise ConfigError("nnodes > 1: start roll-train on each node with your cluster launcher "
                           "(torchrun --nnodes ... or deepspeed --hostfile ...); roll-train only spawns local processes.")
-    module = ["-m", "roll.cli"]
     port = str(free_port())
     if not t.use_mca and t.deepspeed:
         # --no_local_rank: roll reads LOCAL_RANK from the environment, not from an injected argument.
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.nproc_per_node),
                 "--master_port", port, "--no_local_rank", "--module", "roll.cli", *argv]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(t.nproc_per_node),
-            "--master_addr", "127.0.0.1", "--master_port", port, *module, *argv]
+            "--master_addr", "127.0.0.1", "--master_port", port, "-m", "roll.cli", *argv]
 
 
 def relaunch(config: RunConfig, argv: list[str]) -> int:

@@ -91,6 +91,9 @@ def _coerce_union(value: Any, arms: tuple) -> Any:
     if type(None) in arms and (value is None or (
             isinstance(value, str) and value.lower() in _NONE_STRINGS and str not in arms)):
         return None  # a string arm keeps 'none' as text: HF's report_to='none' means no reporter
+    if isinstance(value, bool) and str in arms and bool not in arms:
+        return coerce(value, str)  # raises with the advice to quote YAML's no/yes
+
     # Scalars first so '3' for `int | str` becomes 3; str before containers so 'none' for
     # `str | list[str]` stays the string HF expects.
     def rank(arm) -> int:
@@ -100,10 +103,7 @@ def _coerce_union(value: Any, arms: tuple) -> Any:
             return 2
         return 0
 
-    ordered = sorted(arms, key=rank)
-    if isinstance(value, bool) and str in arms and bool not in arms:
-        return coerce(value, str)  # raises with the advice to quote YAML's no/yes
-    for arm in ordered:
+    for arm in sorted(arms, key=rank):
         if arm is type(None):
             continue
         try:
