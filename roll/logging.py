@@ -9,6 +9,10 @@ import sys
 _FORMAT = "[%(asctime)s] [%(levelname)s] [rank%(rank)s] %(name)s: %(message)s"
 _warned: set[str] = set()
 
+TRAIN_LOG_FILE = "train_log.jsonl"
+"""Every log line of a run (loss, lr, grad_norm, tokens/s, ...), one JSON object per line, in output_dir;
+the same file name and keys on both backends."""
+
 
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:

@@ -17,6 +17,7 @@ from backends.base import Backend, register_backend
 from backends.standard import _compat
 from backends.standard.ds_config import DeepSpeedSettings, check_combination, load_deepspeed_config
 from backends.standard.hf_args import build_hf_args
+from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
 from roll.logging import log_rank0, warn_once
@@ -126,7 +127,7 @@ class StandardBackend(Backend):
         from backends.standard.trainers import JsonlLogCallback
 
         self._succeeded = False
-        resume = _resume_value(self.config.training.resume_from_checkpoint, self._hf_args.output_dir)
+        resume = resolve_resume(self.config.training.resume_from_checkpoint, self._hf_args.output_dir)
         self._trainer, self._trainer_job = self._make_trainer(job, models), job
         log_file = JsonlLogCallback(self._hf_args.output_dir, fresh=resume is None)
         self._trainer.add_callback(log_file)
@@ -175,25 +176,3 @@ class StandardBackend(Backend):
         self._restore_env = {}
         if self._succeeded:
             _compat.install_clean_exit()
-
-
-def _resume_value(value, output_dir: str) -> str | None:
-    """resume_from_checkpoint: 'true' -> the latest checkpoint in output_dir, a path -> that checkpoint."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    from roll.config.coerce import coerce, is_bool_word
-    from roll.errors import ConfigError
-
-    text = "" if value is None else str(value).strip()
-    if text.lower() in ("", "none") or (is_bool_word(text) and not coerce(text, bool)):
-        return None
-    if is_bool_word(text):  # the recipe's boolean words: true/yes/on/1
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if last is None:
-            raise ConfigError(f"resume_from_checkpoint=true but {output_dir!r} holds no checkpoint-N "
-                              "directory; train with save_steps first or give the checkpoint path.")
-        return last
-    if not os.path.isdir(text):
-        raise ConfigError(f"resume_from_checkpoint={text!r} is not a checkpoint directory; use true "
-                          "(latest in output_dir) or a path such as OUTPUT_DIR/checkpoint-3.")
-    return text

@@ -28,6 +28,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 
 from roll import IGNORE_INDEX
+from roll.logging import TRAIN_LOG_FILE
 
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -77,15 +78,11 @@ def _real_tokens(inputs: dict[str, Any], pad_id: int | None) -> torch.Tensor | i
     return (ids != pad_id).sum() if pad_id is not None else ids.numel()
 
 
-LOG_FILE = "train_log.jsonl"
-"""Every log line of a run (loss, lr, grad_norm, tokens/s, DPO rewards...), one JSON object per line."""
-
-
 class JsonlLogCallback(TrainerCallback):
     """Rank 0 appends each log to OUTPUT_DIR/train_log.jsonl, for tools and tests (a resumed run appends)."""
 
     def __init__(self, output_dir: str, *, fresh: bool) -> None:
-        self.path = os.path.join(output_dir, LOG_FILE)
+        self.path = os.path.join(output_dir, TRAIN_LOG_FILE)
         self.fresh = fresh
 
     def on_train_begin(self, args, state, control, **kwargs):

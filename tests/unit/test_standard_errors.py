@@ -116,14 +116,17 @@ def test_freeze_more_layers_than_the_model_has(tiny_model_dir):
 
 
 def test_resume_without_a_checkpoint(tmp_path):
-    from backends.standard.backend import _resume_value
+    from roll.checkpoints import resolve_resume, rotate
 
     with pytest.raises(ConfigError, match="holds no checkpoint"):
-        _resume_value("True", str(tmp_path))
+        resolve_resume("True", str(tmp_path))
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
-        _resume_value(str(tmp_path / "checkpoint-9"), str(tmp_path))
-    (tmp_path / "checkpoint-3").mkdir()
-    assert _resume_value("true", str(tmp_path)).endswith("checkpoint-3")
-    assert _resume_value("on", str(tmp_path)).endswith("checkpoint-3")  # the recipe's boolean words
-    assert _resume_value(None, str(tmp_path)) is None
-    assert _resume_value("off", str(tmp_path)) is None
+        resolve_resume(str(tmp_path / "checkpoint-9"), str(tmp_path))
+    for name in ("checkpoint-3", "checkpoint-12", "checkpoint-20.tmp"):  # .tmp: an unfinished save
+        (tmp_path / name).mkdir()
+    assert resolve_resume("true", str(tmp_path)).endswith("checkpoint-12")  # by step, not by name
+    assert resolve_resume("on", str(tmp_path)).endswith("checkpoint-12")  # the recipe's boolean words
+    assert resolve_resume(None, str(tmp_path)) is None
+    assert resolve_resume("off", str(tmp_path)) is None
+    assert rotate(str(tmp_path), 1) == [str(tmp_path / "checkpoint-3")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12", "checkpoint-20.tmp"]
