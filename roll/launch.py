@@ -21,6 +21,11 @@ LAUNCHED_ENV = "ROLL_LAUNCHED"
 """Set in the children so a launched roll-train never launches again."""
 
 
+def local_rank() -> int:
+    """This process's rank on its node (the launcher's ``LOCAL_RANK``; 0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def inside_launcher() -> bool:
     return LAUNCHED_ENV in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 

@@ -20,6 +20,7 @@ from backends.standard.hf_args import build_hf_args
 from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
+from roll.launch import local_rank
 from roll.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class StandardBackend(Backend):
                 dist.init_process_group(backend=current_platform().dist_backend)
             self._hf_args = build_hf_args(self.config, self._deepspeed)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        return DistributedInfo(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        return DistributedInfo(rank=rank, world_size=world, local_rank=local_rank(),
                                dp_rank=rank, dp_size=world)
 
     # ---- models ---------------------------------------------------------------------------------

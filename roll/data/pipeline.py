@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from roll.data.policy import PAIR_PREFIXES
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
 from roll.data.stats import PreprocessStats
 from roll.errors import ConfigError, DataError
+from roll.launch import local_rank
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def local_rank0_first():
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    first = local_rank() == 0
     if distributed and not first:
         dist.barrier()
     try:
