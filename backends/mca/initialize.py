@@ -15,11 +15,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from backends.mca.platform import apply_cpu_compat
+from backends.mca.platform import apply_patches
+from roll import launch
 from roll.config.layout import ParallelLayout
 from roll.contract import DistributedInfo
 from roll.errors import ConfigError
-from roll.launch import free_port
 from roll.logging import log_rank0
 from roll.platform import current_platform
 
@@ -35,7 +35,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
     - torch.distributed from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (torchrun), or a one-process
       group on a free local port when there is no launcher, with the platform's backend
       (nccl / hccl / gloo);
-    - the CPU compat patches when there is no accelerator;
+    - the megatron-core compat patches this process needs (``backends.mca.platform``);
     - ``initialize_model_parallel(tp, pp, vpp, cp, ep, etp)``; DP = world / (tp * pp * cp) is logged;
     - seeds: ``random``, numpy and torch get ``seed`` on every rank (data order and CPU weight
       init must agree across ranks); the tensor-parallel RNG tracker gets ``seed + 2718 + tp_rank``
@@ -48,7 +48,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
         return _state["info"]  # type: ignore[return-value]
 
     platform = current_platform()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch.local_rank()
     if platform.is_accelerator:  # before the process group, so nccl/hccl bind this rank's device
         getattr(torch, platform.device_type).set_device(local_rank)
     owns_group = _init_process_group(platform.dist_backend, timeout_minutes)
@@ -59,7 +59,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
         raise ConfigError(f"the parallel layout expects world_size {layout.world_size} ({layout.describe()}), but "
                           f"torch.distributed has {world} processes. Launch with nproc_per_node * nnodes = "
                           f"{layout.world_size} or change the parallel sizes.")
-    apply_cpu_compat()  # decides itself whether this process needs the patches (no accelerator)
+    apply_patches()  # each patch decides whether this process has its problem (no accelerator, no TE, gloo)
 
     from megatron.core import parallel_state
 
@@ -101,6 +101,11 @@ def is_initialized() -> bool:
     return "layout" in _state
 
 
+def current_layout() -> ParallelLayout | None:
+    """The layout ``initialize_megatron`` brought up in this process, or None."""
+    return _state.get("layout")  # type: ignore[return-value]
+
+
 def destroy_megatron() -> None:
     """Tear down what ``initialize_megatron`` set up (parallel groups, and the process group if it
     created one), so a process can exit cleanly or initialise again with another layout."""
@@ -121,7 +126,7 @@ def _init_process_group(backend: str, timeout_minutes: int) -> bool:
         dist.init_process_group(backend=backend, timeout=timeout)  # env:// (MASTER_ADDR/PORT from the launcher)
     else:
         # A plain `python` run (unit tests, single-process conversion): a one-process group.
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0,
                                 world_size=1, timeout=timeout)
     return True
 

@@ -1,13 +1,17 @@
-"""Megatron-Core on a machine without an accelerator: the one place that patches it.
+"""Megatron-Core where it assumes CUDA and Transformer Engine: the one place that patches it.
 
 megatron-core assumes CUDA in ~175 ``torch.cuda.current_device()`` call sites, ~60 hard-coded
 ``device="cuda"`` tensors (optimizer, clip_grads, schedules, p2p), a CUDA-only RNG tracker, CUDA
 streams in the MoE alltoall dispatcher, and (0.16.x) a ``NameError`` in the MoE router when
-Transformer Engine is absent; without TE/Apex its torch norms also refuse sequence parallelism.
-Each patch below says what it fixes and when it can go. They touch no megatron file, are gated on
-the megatron-core version, and run only when no accelerator is present (``apply_cpu_compat`` is a
-no-op on CUDA/NPU), so the same code runs unpatched on GPUs. They are process-wide and permanent:
-never apply them inside a test runner's own process (tests run Megatron in subprocesses).
+Transformer Engine is absent; without TE/Apex its torch norms also refuse sequence parallelism, and
+gloo refuses the uneven collectives MoE with expert-TP issues.
+
+Each patch says what it fixes, when it can go, and is applied exactly when the condition it fixes
+holds (``_Patch.needed``): the CUDA ones only without an accelerator, the MoE-router one whenever
+megatron's MoE utilities were imported without TE (on any device), the norm one whenever torch
+norms can be built (no Apex; also a GPU running the local spec), the gloo one under gloo. All are
+also gated on the megatron-core version. They touch no megatron file and are process-wide and
+permanent: never apply them inside a test runner's own process (tests run Megatron in subprocesses).
 
 Not patched here, because they are features rather than bugs: context parallelism and packed (THD)
 sequences need TE attention; ``backends.mca.attention.LocalCoreAttention`` covers them on CPU.
@@ -39,6 +43,8 @@ class _Patch:
     apply: Callable[[], None]
     remove_when: str
     """The condition under which the patch can be deleted."""
+    needed: Callable[[], bool]
+    """Whether this process has the problem the patch fixes (no accelerator, no TE, gloo, ...)."""
     fixed_in: Version | None = None
     """First megatron-core version that no longer needs it (it is skipped there)."""
 
@@ -53,28 +59,64 @@ def megatron_core_version() -> Version:
 
 
 def applied_patches() -> tuple[str, ...]:
-    """Names of the patches active in this process (empty on an accelerator)."""
+    """Names of the patches active in this process (empty on a GPU with TE and NCCL)."""
     return tuple(_applied)
 
 
-def apply_cpu_compat() -> None:
-    """Make megatron-core run on CPU. Idempotent; a no-op when an accelerator is present.
+def apply_patches() -> None:
+    """Apply every patch whose condition holds in this process. Idempotent.
 
-    Call it before building a model; ``initialize_megatron`` does.
+    Call it before building a model; ``initialize_megatron`` does (after the process group exists,
+    so the gloo condition is known).
     """
-    if current_platform().is_accelerator or _applied:
+    todo = [p for p in _PATCHES if p.name not in _applied and p.needed()]
+    if not todo:
         return
     version = megatron_core_version()
     low, high = TESTED_VERSIONS
     if not low <= version < high:
-        warn_once(logger, f"megatron-core {version} is outside the range the CPU patches were verified on "
-                          f"([{low}, {high})); CPU runs may fail in new places.")
-    for patch in _PATCHES:
+        warn_once(logger, f"megatron-core {version} is outside the range the compat patches were verified on "
+                          f"([{low}, {high})); CPU and non-TE runs may fail in new places.")
+    new = []
+    for patch in todo:
         if patch.fixed_in is not None and version >= patch.fixed_in:
             continue
         patch.apply()
         _applied.append(patch.name)
-    log_rank0(logger, "megatron-core %s on CPU: applied compat patches %s", version, ", ".join(_applied))
+        new.append(patch.name)
+    if new:
+        log_rank0(logger, "megatron-core %s on %s: applied compat patches %s", version,
+                  current_platform().device_type, ", ".join(new))
+
+
+# --------------------------------------------------------------------------------------------------
+# When each patch is needed
+# --------------------------------------------------------------------------------------------------
+
+def _no_accelerator() -> bool:
+    return not current_platform().is_accelerator
+
+
+def _moe_utils_without_te_gemm() -> bool:
+    """megatron imported its MoE utilities without TE's GEMM (TE missing or broken), on any device."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
+def _torch_norms_possible() -> bool:
+    """Without Apex the local spec builds ``WrappedTorchNorm`` (on a GPU too, with transformer_impl local)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return not getattr(gpt_layer_specs, "HAVE_APEX", False)
+
+
+def _gloo() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_backend() == "gloo"
+    return current_platform().dist_backend == "gloo"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,16 +345,16 @@ def _patch_gloo_uneven_first_dim() -> None:
 _UPSTREAM_CPU = "megatron-core supports CPU-only torch builds (not the case up to 0.19.2)"
 
 _PATCHES: tuple[_Patch, ...] = (
-    _Patch("rng_tracker", _patch_rng_tracker, _UPSTREAM_CPU),
-    _Patch("current_device", _patch_current_device, _UPSTREAM_CPU),
-    _Patch("default_causal_mask", _patch_default_causal_mask, _UPSTREAM_CPU),
-    _Patch("hardcoded_cuda", _patch_hardcoded_cuda, _UPSTREAM_CPU),
+    _Patch("rng_tracker", _patch_rng_tracker, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("current_device", _patch_current_device, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("default_causal_mask", _patch_default_causal_mask, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("hardcoded_cuda", _patch_hardcoded_cuda, _UPSTREAM_CPU, _no_accelerator),
     _Patch("moe_router_without_te", _patch_moe_router_without_te, "megatron-core >= 0.19 is the minimum",
-           fixed_in=Version("0.19")),
-    _Patch("cuda_streams", _patch_cuda_streams, _UPSTREAM_CPU),
-    _Patch("moe_split_sizes", _patch_moe_split_sizes, _UPSTREAM_CPU),
+           _moe_utils_without_te_gemm, fixed_in=Version("0.19")),
+    _Patch("cuda_streams", _patch_cuda_streams, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("moe_split_sizes", _patch_moe_split_sizes, _UPSTREAM_CPU, _no_accelerator),
     _Patch("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel,
-           "WrappedTorchNorm supports sequence parallelism upstream (not as of 0.19.2)"),
+           "WrappedTorchNorm supports sequence parallelism upstream (not as of 0.19.2)", _torch_norms_possible),
     _Patch("gloo_uneven_first_dim", _patch_gloo_uneven_first_dim,
-           "gloo supports uneven all_gather lists and list reduce_scatter"),
+           "gloo supports uneven all_gather lists and list reduce_scatter", _gloo),
 )

@@ -111,7 +111,7 @@ def test_cp_token_index_rejects_unpadded_sequences():
         cp_token_index(torch.tensor([0, 6]), 2, 0)
 
 
-# -- CPU compat gating (fake patches: the real ones would change this process for good) ---------------
+# -- compat patch gating (fake patches: the real ones would change this process for good) -------------
 
 @pytest.fixture
 def fake_patches(monkeypatch):
@@ -120,36 +120,59 @@ def fake_patches(monkeypatch):
     import backends.mca.platform as platform
 
     calls: list[str] = []
-    patches = (platform._Patch("always", lambda: calls.append("always"), "never"),
-               platform._Patch("old_bug", lambda: calls.append("old_bug"), "min 0.19", fixed_in=Version("0.19")))
+    conditions = {"cpu": True, "no_te": True}
+    patches = (platform._Patch("cpu_only", lambda: calls.append("cpu_only"), "never", lambda: conditions["cpu"]),
+               platform._Patch("old_bug", lambda: calls.append("old_bug"), "min 0.19", lambda: conditions["no_te"],
+                               fixed_in=Version("0.19")))
     monkeypatch.setattr(platform, "_PATCHES", patches)
     monkeypatch.setattr(platform, "_applied", [])
-    monkeypatch.setattr(platform, "current_platform", lambda: Platform("cpu", "gloo"))
-    return platform, calls
+    return platform, calls, conditions
 
 
-def test_cpu_compat_is_idempotent_and_version_gated(fake_patches, monkeypatch):
+def test_patches_are_idempotent_and_version_gated(fake_patches, monkeypatch):
     from packaging.version import Version
 
-    platform, calls = fake_patches
+    platform, calls, _ = fake_patches
     monkeypatch.setattr(platform, "megatron_core_version", lambda: Version("0.16.1"))
-    platform.apply_cpu_compat()
-    platform.apply_cpu_compat()
-    assert calls == ["always", "old_bug"]
-    assert platform.applied_patches() == ("always", "old_bug")
+    platform.apply_patches()
+    platform.apply_patches()
+    assert calls == ["cpu_only", "old_bug"]
+    assert platform.applied_patches() == ("cpu_only", "old_bug")
 
     monkeypatch.setattr(platform, "_applied", [])
     calls.clear()
     monkeypatch.setattr(platform, "megatron_core_version", lambda: Version("0.19.2"))
-    platform.apply_cpu_compat()
-    assert calls == ["always"]  # fixed upstream: skipped
+    platform.apply_patches()
+    assert calls == ["cpu_only"]  # fixed upstream: skipped
 
 
-def test_cpu_compat_is_a_no_op_with_an_accelerator(fake_patches, monkeypatch):
-    platform, calls = fake_patches
-    monkeypatch.setattr(platform, "current_platform", lambda: Platform("cuda", "nccl"))
-    platform.apply_cpu_compat()
+def test_each_patch_follows_its_own_condition(fake_patches, monkeypatch):
+    """A GPU without TE gets the no-TE fix but none of the CPU ones; a GPU with TE gets nothing."""
+    from packaging.version import Version
+
+    platform, calls, conditions = fake_patches
+    monkeypatch.setattr(platform, "megatron_core_version", lambda: Version("0.16.1"))
+    conditions.update(cpu=False, no_te=False)
+    platform.apply_patches()
     assert calls == [] and platform.applied_patches() == ()
+    conditions.update(no_te=True)
+    platform.apply_patches()
+    assert calls == ["old_bug"] and platform.applied_patches() == ("old_bug",)
+
+
+def test_real_patch_conditions_on_this_machine(monkeypatch):
+    import backends.mca.platform as platform
+
+    needed = {p.name: p.needed for p in platform._PATCHES}
+    assert set(needed) == {"rng_tracker", "current_device", "default_causal_mask", "hardcoded_cuda",
+                           "moe_router_without_te", "cuda_streams", "moe_split_sizes",
+                           "torch_norm_sequence_parallel", "gloo_uneven_first_dim"}
+    # this CPU machine has no accelerator, no TE and no Apex, and its collectives run on gloo
+    assert all(condition() for condition in needed.values())
+    monkeypatch.setattr(platform, "current_platform", lambda: Platform("cuda", "nccl"))
+    on_gpu = {name for name, condition in needed.items() if condition()}
+    # a GPU without TE/Apex still needs the MoE-router and torch-norm fixes, none of the CPU ones
+    assert on_gpu == {"moe_router_without_te", "torch_norm_sequence_parallel"}
 
 
 # -- initialize_megatron (one process, no launcher) ---------------------------------------------------

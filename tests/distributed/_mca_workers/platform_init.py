@@ -13,7 +13,7 @@ import torch.distributed as dist
 from platform_common import build_gpt, batch, emit, tiny_config  # noqa: E402 (sets sys.path)
 
 from backends.mca.initialize import destroy_megatron, initialize_megatron
-from backends.mca.platform import applied_patches, apply_cpu_compat
+from backends.mca.platform import applied_patches, apply_patches
 from roll.config.layout import ParallelLayout
 from roll.errors import ConfigError
 
@@ -37,9 +37,9 @@ def single() -> None:
     assert initialize_megatron(layout, seed=5) is info, "second initialize_megatron call was not a no-op"
     same = ParallelLayout(world_size=1, etp=1, vpp=1)  # defaults spelled out: the same layout
     assert initialize_megatron(same, seed=5) is info, "an equivalent layout was treated as a different one"
-    apply_cpu_compat()
+    apply_patches()
     assert applied_patches() == patches and len(torch.overrides._get_current_function_mode_stack()) == modes, \
-        "apply_cpu_compat is not idempotent"
+        "apply_patches is not idempotent"
     try:
         initialize_megatron(ParallelLayout(world_size=2, tp=2), seed=5)
         raise AssertionError("re-initialising with another layout did not raise")
