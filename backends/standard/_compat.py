@@ -2,20 +2,47 @@
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
 research notes (W1-W6), so users and tests need no tricks of their own. Each says what it fixes
-and when it can go.
+and when it can go, and checks (``_verified``) that the installed packages are the versions it was
+verified with: outside that range it still runs, with one warning per package.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import logging
 import os
 import sys
 
+from packaging.version import Version
+
 from roll.launch import free_port, inside_launcher
+from roll.logging import warn_once
 from roll.platform import current_platform
 
 logger = logging.getLogger(__name__)
+
+VERIFIED_VERSIONS = {
+    "torch": ("2.13", "2.14"),          # W2
+    "transformers": ("5.23", "5.24"),   # W3, W4
+    "accelerate": ("1.15", "1.16"),     # W1, W6
+    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6
+}
+"""Per package, the [low, high) release range the workarounds below were verified on (constraints.txt pins)."""
+
+
+def _verified(workaround: str, *packages: str) -> None:
+    """Warn once per package that is installed outside ``VERIFIED_VERSIONS`` (the fix may be unneeded or insufficient)."""
+    for name in packages:
+        try:
+            version = Version(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        low, high = VERIFIED_VERSIONS[name]
+        if not Version(low) <= version < Version(high):
+            warn_once(logger, f"{name} {version} is outside the versions the standard backend's workarounds were "
+                              f"verified with ([{low}, {high}), first needed by {workaround}); if training misbehaves, "
+                              "install the versions in constraints.txt.")
 
 
 def cpu_training_kwargs() -> dict:
@@ -25,6 +52,7 @@ def cpu_training_kwargs() -> dict:
     DeepSpeed then fails its batch-size check (``train_batch_size != micro * gas * world``).
     Needed as long as accelerate only starts MULTI_CPU with use_cpu (accelerate 1.15).
     """
+    _verified("W1", "accelerate")
     return {} if current_platform().is_accelerator else {"use_cpu": True}
 
 
@@ -35,6 +63,7 @@ def single_process_env() -> dict[str, str | None]:
     ``No module named 'mpi4py'``. DeepSpeed 0.19 behaviour; can go once DeepSpeed falls back to
     a 1-rank group by itself (tests/distributed/test_standard_single_process.py passes without it).
     """
+    _verified("W5", "deepspeed")
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return {}
     values = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -62,6 +91,7 @@ def init_deepspeed_comm() -> None:
     Seen with transformers 5.23 / DeepSpeed 0.19; can go once building the arguments initialises
     deepspeed.comm itself (the 2-process ZeRO-3 tests pass without this call).
     """
+    _verified("W3", "transformers", "deepspeed")
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=current_platform().dist_backend)
@@ -74,6 +104,7 @@ def drop_hf_deepspeed_config() -> None:
     so a rank-0-only load (merge, reload for export) deadlocks. Call before single-rank work.
     Needed as long as transformers keeps that config process-global (5.23 does).
     """
+    _verified("W4", "transformers")
     try:
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
     except ImportError:  # pragma: no cover - transformers without the integration
@@ -90,6 +121,7 @@ def reset_process_state() -> None:
     Seen with accelerate 1.15 / DeepSpeed 0.19; can go once that state ends with the trainer
     (tests/distributed/test_standard_single_process.py passes without it).
     """
+    _verified("W6", "accelerate", "deepspeed")
     drop_hf_deepspeed_config()
     os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     try:
@@ -145,6 +177,7 @@ def install_clean_exit() -> None:
     """
     if not inside_launcher():
         return
+    _verified("W2", "torch")
 
     def _exit_now() -> None:
         failed = getattr(sys, "last_value", None) is not None  # its traceback is printed already

@@ -45,3 +45,18 @@ def test_clean_exit_finishes_an_open_wandb_run(launcher_env, installed):
     proc = run([sys.executable, "-c", _OPEN_WANDB_RUN], timeout=120, **launcher_env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ("wandb finished 0" in proc.stdout) == installed
+
+
+def test_workarounds_warn_once_outside_their_verified_versions(monkeypatch, roll_warnings):
+    import importlib.metadata
+
+    from backends.standard import _compat
+
+    installed = {"accelerate": "1.15.0", "deepspeed": "0.21.0"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed[name])
+    _compat._verified("W6", "accelerate", "deepspeed")
+    _compat._verified("W6", "accelerate", "deepspeed")
+    assert roll_warnings.text.count("deepspeed 0.21.0 is outside the versions") == 1
+    assert "[0.19, 0.20)" in roll_warnings.text and "W6" in roll_warnings.text
+    assert "accelerate" not in roll_warnings.text  # 1.15.0 is the verified version
+    assert set(_compat.VERIFIED_VERSIONS) == {"torch", "transformers", "accelerate", "deepspeed"}
