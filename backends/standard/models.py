@@ -12,6 +12,7 @@ import os
 import torch
 from torch import nn
 
+from roll.data.loading import hub_offline
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
 
@@ -28,8 +29,7 @@ def check_causal_lm(path: str | None, *, trust_remote_code: bool = False,
 
     if not path:
         raise ModelError(f"{what} is not set: point it at a Hugging Face causal LM directory.")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-    if not os.path.exists(path) and (offline or path.startswith((".", "/"))):
+    if not os.path.exists(path) and (hub_offline() or path.startswith((".", "/"))):
         raise ModelError(f"{what}={path!r} does not exist (and the hub is offline). Create a tiny model with "
                          "`python scripts/make_tiny_model.py --out DIR` or point it at a model directory.")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):

@@ -54,9 +54,9 @@ def expand(spec: str) -> list[str]:
             raise DataError(f"dataset directory {spec} has no {'/'.join(BUILDERS)} files and is not a "
                             "saved dataset.")
         return files
-    if _looks_like_hub_name(spec) and not _offline():
+    if _looks_like_hub_name(spec) and not hub_offline():
         return [spec]
-    hint = " (hub names need network; HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)." if _offline() else "."
+    hint = f" (hub names need network; one of {', '.join(OFFLINE_ENV)} is set)." if hub_offline() else "."
     raise DataError(f"dataset source {spec!r} not found: not a file or directory{hint}")
 
 
@@ -171,6 +171,10 @@ def _looks_like_hub_name(spec: str) -> bool:
     return spec.count("/") <= 1 and not spec.startswith((".", "/")) and os.path.splitext(spec)[1] == ""
 
 
-def _offline() -> bool:
-    return any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face Hub is switched off (any of ``OFFLINE_ENV`` set to 1/true/yes/on, as HF reads
+    them). The one check for both data sources and models."""
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in OFFLINE_ENV)

@@ -203,3 +203,16 @@ def test_dpo_with_packing_is_refused(bpe, tmp_path):
     path = write_json(tmp_path / "p.json", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
     with pytest.raises(ConfigError, match="packing"):
         build(bpe, stage="dpo", processor_formats=("pairwise", ("pairwise",)), dataset=path, packing=True)
+
+
+@pytest.mark.parametrize("env, offline", [({}, False), ({"HF_HUB_OFFLINE": "1"}, True), ({"HF_HUB_OFFLINE": "0"}, False),
+                                          ({"HF_DATASETS_OFFLINE": "yes"}, True), ({"TRANSFORMERS_OFFLINE": "ON"}, True),
+                                          ({"HF_HUB_OFFLINE": "false"}, False)])
+def test_hub_offline_reads_the_hf_switches_like_hf(monkeypatch, env, offline):
+    from roll.data.loading import OFFLINE_ENV, hub_offline
+
+    for name in OFFLINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert hub_offline() is offline
