@@ -1,6 +1,7 @@
 """Stage router: builds the shared data pieces for a stage and hands them to the chosen backend.
 
-This module is the only place that knows the stage table.
+This module is the only place that knows the stage table. It drives a backend through the whole
+``Backend`` interface: set-up, load, fine-tuning, train, evaluate (when there is an eval set), save.
 """
 
 from __future__ import annotations
@@ -65,14 +66,23 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         out(json.dumps(summary) + "\n" if as_json else text)
         return None
     try:  # teardown also after a failed set-up: it may have set env vars or a process group
-        backend.setup_distributed()
+        info = backend.setup_distributed()
         job, _ = build_job(config, policy)
-        log_rank0(logger, "stage %s on the %s backend", config.finetuning.stage, config.backend_name)
+        log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",
+                  config.finetuning.stage, config.backend_name, info.world_size, info.dp_size)
         models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))
         result = backend.train(job, models)
+        if job.eval_dataset is not None:
+            metrics = backend.evaluate(job, models)
+            result.metrics.update(metrics)
+            log_rank0(logger, "evaluation: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())))
         if config.training.save_hf_model:
             result.hf_model_dir = backend.save(models, job.tokenizer, config.training.output_dir)
             log_rank0(logger, "final model (HF format) written to %s", result.hf_model_dir)
         return result
     finally:
         backend.teardown()
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -45,7 +45,8 @@ class FakeBackend(Backend):
         return TrainResult(log_history=[{"loss": 1.0}])
 
     def evaluate(self, job, models):
-        return {}
+        self.calls.append("evaluate")
+        return {"eval_loss": 0.5}
 
     def save(self, models, tokenizer, output_dir):
         self.calls.append("save")
@@ -63,7 +64,8 @@ def fake_backend(monkeypatch):
         seen["policy"] = policy
         spec = router.STAGES[config.finetuning.stage]
         seen["spec"] = spec
-        return TrainJob(stage=config.finetuning.stage, tokenizer=None, train_dataset=[], collator=list), None
+        return TrainJob(stage=config.finetuning.stage, tokenizer=None, train_dataset=[], collator=list,
+                        eval_dataset=seen.get("eval_dataset")), None
 
     monkeypatch.setattr(router, "build_job", fake_build_job)
     monkeypatch.setattr(router, "get_backend_class", lambda name: FakeBackend)
@@ -81,6 +83,17 @@ def test_router_calls_backend_in_order(tmp_path, fake_backend, stage):
     assert result.hf_model_dir == str(tmp_path / "out")
     assert fake_backend["policy"].pad_to_multiple_of == 4  # the backend's policy reaches the data side
     assert fake_backend["spec"] is router.STAGES[stage]
+
+
+def test_router_evaluates_when_there_is_an_eval_set(tmp_path, fake_backend):
+    fake_backend["eval_dataset"] = [{"input_ids": [1, 2]}]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"stage": "sft", "output_dir": str(tmp_path / "out")}))
+    _, config = parse_args([str(recipe)])
+    result = router.run(config)
+    assert FakeBackend.last.calls == ["padding_policy:sft", "setup_distributed", "load_models", "apply_finetuning",
+                                      "train:sft", "evaluate", "save", "teardown"]
+    assert result.metrics == {"eval_loss": 0.5}
 
 
 def test_teardown_runs_when_setup_fails(tmp_path, fake_backend, monkeypatch):

@@ -5,6 +5,7 @@ should, exports reload, and a resumed run reproduces the uninterrupted one."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -324,10 +325,12 @@ def test_demo_recipe_learns(tiny_model_dir, tmp_path):
     recipe = os.path.join(REPO, "recipes", "demo", "tiny_sft.yaml")
     data = os.path.join(REPO, "recipes", "demo", "data", "arithmetic_sft.json")
     _, config = parse_args([recipe, f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path}",
-                            "max_steps=20", "disable_tqdm=true", f"dataset={data}"])
+                            "max_steps=20", "disable_tqdm=true", f"dataset={data}", "val_size=0.1"])
     result = router.run(config)
     losses = _losses(result)
     assert losses[-1] < 0.7 * losses[0], losses
+    # the router evaluates the held-out rows after training, with the training loss definition
+    assert math.isfinite(result.metrics["eval_loss"]) and result.metrics["eval_loss"] < losses[0]
     AutoModelForCausalLM.from_pretrained(result.hf_model_dir)
 
 
