@@ -1,11 +1,11 @@
 """McaBackend: Megatron-Core behind the Backend interface.
 
 What is here today is the model side: the padding policy Megatron needs, distributed and
-model-parallel initialisation, loading (HF converted on the fly, or a Megatron checkpoint at any
-layout), and export back to HF format. The training loop (Megatron DDP, distributed optimizer,
-pipeline schedules, per-token loss) is the next piece of work; until it lands, a training run on
-this backend stops with a clear message before anything is loaded. ``--dry-run`` works already and
-shows exactly what the Megatron collator feeds the model.
+model-parallel initialisation (``setup_distributed``), loading (HF converted on the fly, or a
+Megatron checkpoint at any layout), and export back to HF format. The training loop (Megatron DDP,
+distributed optimizer, pipeline schedules, per-token loss) is the next piece of work; until it
+lands, ``train`` stops with a clear message (after set-up and loading). ``--dry-run`` works already
+and shows exactly what the Megatron collator feeds the model.
 """
 
 from __future__ import annotations
@@ -28,18 +28,12 @@ class McaBackend(Backend):
     supported_finetuning_types = frozenset({"full"})
 
     def padding_policy(self, stage: str) -> PaddingPolicy:
-        t, d = self.config.training, self.config.data
+        assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"
         return PaddingPolicy.for_megatron(
-            cutoff_len=d.cutoff_len, tp=t.tensor_model_parallel_size, cp=t.context_parallel_size,
-            ep=t.expert_model_parallel_size, sequence_parallel=t.sequence_parallel,
-            moe_token_dispatcher=t.moe_token_dispatcher_type, packing=d.packing)
+            self.config.layout, cutoff_len=self.config.data.cutoff_len,
+            moe_token_dispatcher=self.config.megatron.moe_token_dispatcher_type, packing=self.config.data.packing)
 
     def setup_distributed(self) -> DistributedInfo:
-        # The first step of every real run: stop here, before minutes of model loading, while the
-        # training loop is missing (see module docstring).
-        raise RollError(_NO_TRAINER)
-
-    def initialize(self) -> DistributedInfo:
         """Torch.distributed + Megatron parallel groups + seeds for the validated layout (idempotent)."""
         from backends.mca.initialize import initialize_megatron
 
@@ -50,11 +44,13 @@ class McaBackend(Backend):
         """Policy chunks (and, for dpo, frozen reference chunks) from the configured checkpoints."""
         from backends.mca.models.auto import AutoModel
 
-        model_args, ft = self.config.model, self.config.finetuning
-        policy = AutoModel.from_pretrained(model_args.model_name_or_path, self.config.training)
+        model_args, ft, t = self.config.model, self.config.finetuning, self.config.training
+        precision = dict(bf16=t.bf16, fp16=t.fp16)
+        policy = AutoModel.from_pretrained(model_args.model_name_or_path, self.config.megatron, **precision)
         ref = None
         if stage == "dpo" and not ft.ref_free:
-            ref = AutoModel.from_pretrained(ft.ref_model or model_args.model_name_or_path, self.config.training)
+            ref = AutoModel.from_pretrained(ft.ref_model or model_args.model_name_or_path, self.config.megatron,
+                                            **precision)
             for chunk in ref:
                 chunk.requires_grad_(False).eval()
         return ModelBundle(policy=policy, ref=ref)
@@ -72,9 +68,7 @@ class McaBackend(Backend):
         """Gather the chunks and write standard HF safetensors + config + tokenizer (collective)."""
         from backends.mca.models.export import save_hf
 
-        chunks = models.policy
-        config = chunks[0].config
-        save_hf(chunks, config, output_dir, tokenizer_dir=self.config.model.tokenizer_name_or_path
+        save_hf(models.policy, output_dir, tokenizer_dir=self.config.model.tokenizer_name_or_path
                 or self.config.model.model_name_or_path)
         return output_dir
 

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from backends.mca.models.unwrap import unwrap_model
 from roll.errors import ModelError
 from roll.logging import log_rank0
 
@@ -36,11 +37,13 @@ def sharded_model_state_dict(model_chunks: Sequence[nn.Module]) -> dict:
     """The chunks' sharded state dicts under ``model`` (one chunk) or ``model0..N`` (virtual pipeline).
 
     The nesting key is only a container: tensors are matched by their global sharded keys (global
-    layer numbers), so a VPP checkpoint loads without VPP and the other way round.
+    layer numbers), so a VPP checkpoint loads without VPP and the other way round. Wrapped chunks
+    (DDP, Float16Module, PEFT) are read through the bare model, so wrapping never changes a key.
     """
-    if len(model_chunks) == 1:
-        return {"model": model_chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+    bare = [unwrap_model(chunk) for chunk in model_chunks]  # DDP/Float16Module/PEFT would prefix every key
+    if len(bare) == 1:
+        return {"model": bare[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(bare)}
 
 
 def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
@@ -81,7 +84,7 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
         raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
                          f"{sorted(not_in_checkpoint)[:5]}. Was it saved from another architecture or config?")
     for name, chunk in zip(sharded, model_chunks):
-        result = chunk.load_state_dict(state[name], strict=False)
+        result = unwrap_model(chunk).load_state_dict(state[name], strict=False)
         # `_extra_state` entries (FP8 metadata; None for local modules) are not always checkpointed.
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:

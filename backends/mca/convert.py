@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,41 +17,49 @@ from backends.mca.models.auto import AutoModel, has_hf_config, save_mca
 from backends.mca.models.config import McaModelConfig
 from backends.mca.models.export import save_hf
 from backends.mca.models.gpt import model_device
+from roll.config.layout import ParallelLayout
+from roll.config.megatron import MegatronArguments
 from roll.errors import ModelError
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The parallel sizes a conversion runs at (the world size comes from the launcher)."""
+def megatron_settings(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+                      etp: int | None = None) -> tuple[MegatronArguments, ParallelLayout]:
+    """The Megatron settings of a conversion and its one ParallelLayout (world size from the launcher).
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    ep: int = 1
-    etp: int | None = None
-
-    def overrides(self) -> dict:
-        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                    virtual_pipeline_model_parallel_size=self.vpp, expert_model_parallel_size=self.ep,
-                    expert_tensor_parallel_size=self.etp)
+    Built once per command (``roll-convert`` does it from ``--tp/--pp/--vpp/--ep/--etp``) and passed
+    to every function below, as a training run passes ``RunConfig.megatron`` and ``RunConfig.layout``.
+    """
+    megatron = MegatronArguments(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
+    return megatron, megatron.build_layout(int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def hf_to_mca(hf_dir: str, out_dir: str, layout: Layout = Layout()) -> McaModelConfig:
+def load_chunks(path: str, megatron: MegatronArguments, layout: ParallelLayout) -> list[torch.nn.Module]:
+    """Initialise Megatron for ``layout`` (idempotent) and load ``path`` (HF or Megatron) at it."""
+    from backends.mca.initialize import initialize_megatron
+
+    initialize_megatron(layout)
+    return AutoModel.from_pretrained(path, megatron)
+
+
+def hf_to_mca(hf_dir: str, out_dir: str, megatron: MegatronArguments, layout: ParallelLayout) -> McaModelConfig:
     """Convert an HF checkpoint to a Megatron (torch_dist) checkpoint with ``mca_config.json``."""
-    chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
+    chunks = load_chunks(hf_dir, megatron, layout)
     config = chunks[0].config
     save_mca(chunks, config, out_dir, tokenizer_dir=hf_dir)
     log_rank0(logger, "wrote Megatron checkpoint to %s", out_dir)
     return config
 
 
-def mca_to_hf(mca_dir: str, out_dir: str, layout: Layout = Layout(), max_shard_bytes: int = 2 * 1024**3) -> None:
+def mca_to_hf(mca_dir: str, out_dir: str, megatron: MegatronArguments, layout: ParallelLayout,
+              max_shard_bytes: int = 2 * 1024**3) -> None:
     """Export a Megatron checkpoint (any saved layout, loaded at ``layout``) as a standard HF checkpoint."""
-    chunks = AutoModel.from_pretrained(mca_dir, **layout.overrides())
-    save_hf(chunks, chunks[0].config, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_dir=mca_dir)
+    chunks = load_chunks(mca_dir, megatron, layout)
+    save_hf(chunks, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_dir=mca_dir)
 
 
 def sample_input_ids(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 1234) -> torch.Tensor:
@@ -101,12 +108,12 @@ def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
         return model.eval()(input_ids=input_ids).logits
 
 
-def check_parity(hf_dir: str, layout: Layout = Layout(), seq_len: int = 16) -> float:
+def check_parity(hf_dir: str, megatron: MegatronArguments, layout: ParallelLayout, seq_len: int = 16) -> float:
     """Max |HF logits - Megatron logits| (fp32) over a fixed random batch, the same on every rank."""
     if os.path.isdir(hf_dir) and not has_hf_config(hf_dir):  # checked before minutes of Megatron loading
         raise ModelError(f"{hf_dir!r} has no HF config.json: the check needs an HF checkpoint to compare with "
                          "(export a Megatron checkpoint with `roll-convert mca2hf` first).")
-    chunks = AutoModel.from_pretrained(hf_dir, **layout.overrides())
+    chunks = load_chunks(hf_dir, megatron, layout)
     config = chunks[0].config
     input_ids = sample_input_ids(config.vocab_size, seq_len=seq_len)
     logits = megatron_logits(chunks, config, input_ids)

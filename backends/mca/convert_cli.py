@@ -55,15 +55,16 @@ def run(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from backends.mca import convert
 
-    layout = convert.Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    # The one ParallelLayout of this command (and the settings it came from), as a training run builds it.
+    megatron, layout = convert.megatron_settings(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if args.command == "hf2mca":
-        convert.hf_to_mca(args.input, args.output, layout)
+        convert.hf_to_mca(args.input, args.output, megatron, layout)
         return 0
     if args.command == "mca2hf":
-        convert.mca_to_hf(args.input, args.output, layout, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+        convert.mca_to_hf(args.input, args.output, megatron, layout, max_shard_bytes=int(args.max_shard_gb * 1024**3))
         return 0
-    diff = convert.check_parity(args.input, layout, seq_len=args.seq_len)
+    diff = convert.check_parity(args.input, megatron, layout, seq_len=args.seq_len)
     ok = diff <= args.tolerance
     if rank0:
         print(f"max |HF - Megatron| logit difference: {diff:.3e} (tolerance {args.tolerance:.1e}, tp {args.tp} "

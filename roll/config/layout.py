@@ -12,7 +12,10 @@ class ParallelLayout:
     """How ``world_size`` ranks split into tensor/pipeline/context/data (and expert) groups.
 
     Megatron-Core's rules: ``world = tp * pp * cp * dp``; the expert layout re-folds the same
-    ranks, so ``etp * ep`` must divide ``tp * cp * dp``.
+    ranks, so ``etp * ep`` must divide ``tp * cp * dp``. ``sequence_parallel`` is the requested
+    value with Megatron's rule applied (this is the one place that applies it): forced on with
+    TP>1 and EP>1, off at TP1 (Megatron refuses it there). Build it once per run
+    (``MegatronArguments.build_layout``) and pass the object on.
     """
 
     world_size: int
@@ -22,6 +25,7 @@ class ParallelLayout:
     cp: int = 1
     ep: int = 1
     etp: int | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep"):
@@ -46,6 +50,7 @@ class ParallelLayout:
                 f"etp({self.expert_tp}) * ep({self.ep}) = {expert} does not divide tp({self.tp}) * cp({self.cp}) * "
                 f"dp({self.dp}) = {self.tp * self.cp * self.dp} (world_size {self.world_size}, pp {self.pp})."
             )
+        object.__setattr__(self, "sequence_parallel", self.tp > 1 and (self.sequence_parallel or self.ep > 1))
 
     @staticmethod
     def _field_key(name: str) -> str:
@@ -68,13 +73,19 @@ class ParallelLayout:
 
     def describe(self) -> str:
         return (f"tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * dp({self.dp}) = world_size({self.world_size}), "
-                f"vpp {self.vpp_size}, ep {self.ep}, etp {self.expert_tp}")
+                f"vpp {self.vpp_size}, ep {self.ep}, etp {self.expert_tp}, sp {'on' if self.sequence_parallel else 'off'}")
 
     def check_num_layers(self, num_layers: int) -> None:
         """Every (virtual) pipeline stage must get the same number of layers."""
-        stages = self.pp * self.vpp_size
-        if num_layers % stages:
-            raise ConfigError(
-                f"num_layers({num_layers}) is not divisible by pp({self.pp}) * vpp({self.vpp_size}) = {stages}. "
-                "Change pipeline_model_parallel_size or virtual_pipeline_model_parallel_size."
-            )
+        check_num_layers(num_layers, self.pp, self.vpp)
+
+
+def check_num_layers(num_layers: int, pp: int, vpp: int | None) -> None:
+    """Every (virtual) pipeline stage must get the same number of layers (also checked by the
+    Megatron model config, which may be built without a layout, e.g. from ``mca_config.json``)."""
+    stages = pp * (vpp or 1)
+    if num_layers % stages:
+        raise ConfigError(
+            f"num_layers({num_layers}) is not divisible by pp({pp}) * vpp({vpp or 1}) = {stages}. "
+            "Change pipeline_model_parallel_size or virtual_pipeline_model_parallel_size."
+        )

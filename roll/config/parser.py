@@ -44,8 +44,11 @@ def _field_index() -> dict[str, _FieldRef]:
     for group, cls in GROUPS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.init and f.name not in index:
-                index[f.name] = _FieldRef(group, cls, f.name, hints.get(f.name, Any))
+            if not f.init:
+                continue
+            # Recipes are flat: a key must name exactly one field of one group.
+            assert f.name not in index, f"key {f.name!r} is in groups {index[f.name].group!r} and {group!r}"
+            index[f.name] = _FieldRef(group, cls, f.name, hints.get(f.name, Any))
     return index
 
 

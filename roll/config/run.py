@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from roll.config.data import DataArguments
 from roll.config.finetuning import FinetuningArguments
 from roll.config.layout import ParallelLayout
+from roll.config.megatron import MegatronArguments
 from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments, read_json_object
 from roll.errors import ConfigError, ModelError
-from roll.logging import log_rank0, warn_once
+from roll.logging import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ GROUPS = {
     "data": DataArguments,
     "finetuning": FinetuningArguments,
     "training": TrainingArguments,
+    "megatron": MegatronArguments,
 }
 """Argument groups in --help / --print-config order. Keys are unique across groups (flat recipes)."""
 
@@ -33,11 +35,13 @@ class RunConfig:
     data: DataArguments
     finetuning: FinetuningArguments
     training: TrainingArguments
+    megatron: MegatronArguments = field(default_factory=MegatronArguments)
+    """Megatron-Core settings (read by the mca backend only)."""
     recipe_path: str | None = None
     explicit_keys: frozenset[str] = frozenset()
     """Keys set by the recipe or command line (the rest are defaults)."""
     layout: ParallelLayout | None = field(default=None, init=False)
-    """The Megatron parallel layout; set by validate() when use_mca is on."""
+    """The Megatron parallel layout, built once from ``megatron`` by validate() when use_mca is on."""
 
     @property
     def backend_name(self) -> str:
@@ -53,23 +57,15 @@ class RunConfig:
             self._validate_mca()
         else:
             self._validate_standard()
+        if self.finetuning.stage == "dpo" and self.data.packing:
+            raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
+                              "set packing: false.")
         if self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
             warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
 
     def _validate_mca(self) -> None:
-        t = self.training
-        self.layout = ParallelLayout(
-            world_size=t.world_size_from_launch, tp=t.tensor_model_parallel_size,
-            pp=t.pipeline_model_parallel_size, vpp=t.virtual_pipeline_model_parallel_size,
-            cp=t.context_parallel_size, ep=t.expert_model_parallel_size, etp=t.expert_tensor_parallel_size,
-        )
-        if t.tensor_model_parallel_size > 1 and t.expert_model_parallel_size > 1 and not t.sequence_parallel:
-            t.sequence_parallel = True
-            log_rank0(logger, "sequence_parallel turned on: Megatron-Core requires it with TP>1 and EP>1.")
-        if t.tensor_model_parallel_size == 1 and t.sequence_parallel:
-            t.sequence_parallel = False
-            warn_once(logger, "sequence_parallel ignored: it only applies with tensor_model_parallel_size > 1.")
-        if t.deepspeed:
+        self.layout = self.megatron.build_layout(self.training.world_size_from_launch)
+        if self.training.deepspeed:
             warn_once(logger, "deepspeed config ignored: the mca backend shards with Megatron-Core "
                               "(use_distributed_optimizer for ZeRO-1 style optimizer sharding).")
         num_layers = self.model_num_layers()
@@ -77,15 +73,13 @@ class RunConfig:
             self.layout.check_num_layers(num_layers)
 
     def _validate_standard(self) -> None:
-        t = self.training
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
-        ignored = [name for name in t.mca_field_names if getattr(t, name) != defaults[name]]
-        if ignored:
-            warn_once(logger, "standard backend: ignoring Megatron-only settings "
-                              + ", ".join(f"{n}={getattr(t, n)}" for n in ignored) + " (they apply with --use-mca).")
-        if not t.calculate_per_token_loss:
+        if not self.megatron.calculate_per_token_loss:
             raise ConfigError("calculate_per_token_loss=false is only available with use_mca=true; the standard "
                               "backend always uses the per-token mean over the global batch.")
+        ignored = self.megatron.non_defaults()
+        if ignored:
+            warn_once(logger, "standard backend: ignoring Megatron-only settings "
+                              + ", ".join(f"{n}={v}" for n, v in ignored.items()) + " (they apply with --use-mca).")
 
     def model_num_layers(self) -> int | None:
         """num_hidden_layers from a local model's config.json, or None when not known yet."""

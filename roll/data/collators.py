@@ -173,18 +173,6 @@ class PairwiseCollator:
         return SequenceCollator(self.pad_token_id, self.policy)(rows)
 
 
-@dataclass
-class LabelShiftCollator:
-    """Wraps any collator and applies :func:`shift_labels` to its output (for collators that do not obey
-    ``policy.shift_labels`` themselves). The roll collators shift on their own; do not wrap them."""
-
-    inner: Callable[[list[dict]], dict]
-    keys: tuple[str, ...] = SEQUENCE_KEYS
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        return shift_labels(self.inner(features), self.keys)
-
-
 def _get(feature: dict[str, Any], key: str, default: Callable[[int], list[int]]):
     """feature[key], or default(len(input_ids)) when the row has no such key (e.g. unpacked eval rows)."""
     value = feature.get(key)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # roll.data does not import roll.config at run time (it pulls in transformers)
+    from roll.config.layout import ParallelLayout
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 """Per-token keys of a sample; pairwise rows carry them with the PAIR_PREFIXES."""
@@ -40,18 +43,19 @@ class PaddingPolicy:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
 
     @classmethod
-    def for_megatron(cls, *, cutoff_len: int, tp: int = 1, cp: int = 1, ep: int = 1,
-                     sequence_parallel: bool = False, moe_token_dispatcher: str = "allgather",
+    def for_megatron(cls, layout: ParallelLayout, *, cutoff_len: int, moe_token_dispatcher: str = "alltoall",
                      packing: bool = False) -> "PaddingPolicy":
-        """The Megatron backend's policy for a layout (DESIGN.md section 4).
+        """The Megatron backend's policy for ``layout`` (DESIGN.md section 4).
 
         - labels are shifted in the collator (Megatron's GPT model does not shift);
-        - sequence parallelism splits the sequence over TP ranks: length a multiple of TP;
+        - sequence parallelism (``layout.sequence_parallel``, already resolved by the layout's rule)
+          splits the sequence over TP ranks: length a multiple of TP;
         - context parallelism splits it into 2 * CP chunks (load balancing): a multiple of 2 * CP;
         - expert parallelism with the allgather dispatcher needs equal token counts on every rank of
-          the EP group: pad to cutoff_len (alltoall does not).
+          the EP group: pad to cutoff_len (alltoall does not). The default dispatcher is the recipe
+          default (``MegatronArguments.moe_token_dispatcher_type``; a unit test keeps them equal).
         """
-        multiple = math.lcm(tp if sequence_parallel else 1, 2 * cp if cp > 1 else 1)
-        equal_lengths = ep > 1 and moe_token_dispatcher == "allgather"
+        multiple = math.lcm(layout.tp if layout.sequence_parallel else 1, 2 * layout.cp if layout.cp > 1 else 1)
+        equal_lengths = layout.ep > 1 and moe_token_dispatcher == "allgather"
         return cls(pad_to="max_length" if equal_lengths else "longest", max_length=cutoff_len,
                    pad_to_multiple_of=multiple, shift_labels=True, packing=packing)

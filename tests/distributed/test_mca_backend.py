@@ -13,7 +13,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "_mca_workers", "backend_roundt
 
 
 @pytest.mark.mca
-def test_load_at_tp2_and_export_is_bit_exact(tiny_model_factory, tmp_path):
+def test_load_at_tp2_and_export_is_bit_exact_also_from_ddp_wrapped_chunks(tiny_model_factory, tmp_path):
     pytest.importorskip("megatron.core")  # the only test here that builds a Megatron model
     import torch
     from transformers import AutoModelForCausalLM
@@ -23,11 +23,12 @@ def test_load_at_tp2_and_export_is_bit_exact(tiny_model_factory, tmp_path):
     proc = torchrun(WORKER, model_dir, out, "tensor_model_parallel_size=2", timeout=300)
     assert proc.returncode == 0, output_of(proc)
     original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
-    assert original.keys() == exported.keys()
-    for name, tensor in original.items():
-        assert torch.equal(tensor, exported[name]), name
-    assert os.path.isfile(os.path.join(out, "tokenizer_config.json"))
+    for exported_dir in (out, out + "_ddp"):
+        exported = AutoModelForCausalLM.from_pretrained(exported_dir).state_dict()
+        assert original.keys() == exported.keys(), exported_dir
+        for name, tensor in original.items():
+            assert torch.equal(tensor, exported[name]), (exported_dir, name)
+        assert os.path.isfile(os.path.join(exported_dir, "tokenizer_config.json"))
 
 
 def test_dry_run_shows_megatron_batch(tiny_model_dir, tmp_path):
@@ -50,7 +51,10 @@ def test_dry_run_shows_megatron_batch(tiny_model_dir, tmp_path):
     assert mca_shapes["labels"] == mca_shapes["input_ids"], mca_shapes
 
 
+@pytest.mark.mca
 def test_training_run_stops_early_with_a_clear_message(tiny_model_dir, tmp_path):
+    """setup_distributed brings Megatron up and the model loads; train() then says it is not there yet."""
+    pytest.importorskip("megatron.core")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model_name_or_path: {tiny_model_dir}\nstage: sft\n"
                       "dataset: recipes/demo/data/arithmetic_sft.json\ncutoff_len: 64\nuse_mca: true\n")
@@ -70,6 +74,7 @@ def test_lora_is_refused_at_config_time(tmp_path):
     (dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(pad_to="longest", pad_to_multiple_of=2)),
     (dict(context_parallel_size=2), dict(pad_to="longest", pad_to_multiple_of=4)),
     (dict(expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"), dict(pad_to="max_length")),
+    (dict(expert_model_parallel_size=2), dict(pad_to="longest")),  # the recipe default: alltoall
 ])
 def test_padding_policy_follows_the_layout(tmp_path, layout, expected):
     from backends.mca.backend import McaBackend

@@ -17,8 +17,12 @@ def test_help_lists_fields_with_docs():
     proc = roll_train("--help", timeout=120)
     assert proc.returncode == 0, proc.stderr
     for text in ("--learning_rate", "The initial learning rate", "--tensor_model_parallel_size",
-                 "[mca] Tensor parallel size", "--stage", "one of pt, sft, dpo", "--cutoff_len"):
+                 "[mca] Tensor parallel size", "--stage", "one of pt, sft, dpo", "--cutoff_len",
+                 "megatron arguments (MegatronArguments):", "--make_vocab_size_divisible_by"):
         assert text in proc.stdout
+    # the Megatron keys are listed in their own group, after the training group
+    assert proc.stdout.index("training arguments") < proc.stdout.index("megatron arguments") \
+        < proc.stdout.index("--tensor_model_parallel_size")
 
 
 def test_console_script_installed():
@@ -33,7 +37,8 @@ def test_print_config_shows_overrides():
     assert proc.returncode == 0, proc.stderr
     resolved = yaml.safe_load(proc.stdout)
     assert resolved["training"]["use_mca"] is True
-    assert resolved["training"]["tensor_model_parallel_size"] == 4
+    assert resolved["megatron"]["tensor_model_parallel_size"] == 4
+    assert "tensor_model_parallel_size" not in resolved["training"]
     assert resolved["model"]["model_name_or_path"] == "Qwen/Qwen2.5-7B-Instruct"
 
 

@@ -50,8 +50,10 @@ def test_yaml_booleans_for_text_keys(recipe):
 def test_optional_and_literal_values(recipe):
     _, config = parse_args([recipe(recompute_granularity="full"), "virtual_pipeline_model_parallel_size=null",
                             "report_to=none", "--use-mca"])
-    assert config.training.recompute_granularity == "full"
-    assert config.training.virtual_pipeline_model_parallel_size is None
+    assert config.megatron.recompute_granularity == "full"
+    # Megatron needs a method and a layer count with full recompute: every layer, unless the recipe says otherwise
+    assert (config.megatron.recompute_method, config.megatron.recompute_num_layers) == ("uniform", 1)
+    assert config.megatron.virtual_pipeline_model_parallel_size is None
     assert config.training.report_to == "none"  # a str-typed field keeps 'none' as text
 
 
@@ -66,6 +68,11 @@ def test_optional_and_literal_values(recipe):
     (["bf16=true", "fp16=true"], ["bf16 and fp16"]),
     (["lora_rank=0"], ["lora_rank"]),
     (["--use-mca", "tensor_model_parallel_size=0"], ["tensor_model_parallel_size must be >= 1"]),
+    (["make_vocab_size_divisible_by=0"], ["make_vocab_size_divisible_by must be >= 1"]),
+    (["overlap_param_gather=true"], ["overlap_param_gather=true needs use_distributed_optimizer=true"]),
+    (["recompute_method=block"], ["recompute_method only apply with recompute_granularity: full"]),
+    (["recompute_granularity=selective", "recompute_num_layers=2"], ["recompute_num_layers only applies"]),
+    (["stage=dpo", "packing=true"], ["packing is not supported for stage dpo"]),
     (["deepspeed=/no/such/ds.json"], ["/no/such/ds.json", "does not exist"]),
     (["--use-mca", "finetuning_type=freeze"], ["freeze", "mca backend"]),
     (["--max_steps"], ["--max_steps", "needs a value"]),
@@ -128,12 +135,37 @@ def test_layout_derives_dp_and_checks_layers():
         layout.check_num_layers(6)
 
 
+def test_layout_applies_the_sequence_parallel_rule():
+    assert ParallelLayout(world_size=4, tp=2, ep=2).sequence_parallel is True  # forced on: TP>1 and EP>1
+    assert ParallelLayout(world_size=2, tp=2, sequence_parallel=True).sequence_parallel is True
+    assert ParallelLayout(world_size=2, tp=2).sequence_parallel is False
+    assert ParallelLayout(world_size=2, ep=2, sequence_parallel=True).sequence_parallel is False  # TP1: off
+    assert ParallelLayout(world_size=2, sequence_parallel=True) == ParallelLayout(world_size=2)
+
+
+def test_megatron_arguments_check_choices_set_in_code():
+    from roll.config import MegatronArguments
+
+    with pytest.raises(ConfigError, match="moe_token_dispatcher_type must be one of allgather, alltoall; got 'a2a'"):
+        MegatronArguments(moe_token_dispatcher_type="a2a")
+    with pytest.raises(ConfigError, match="recompute_granularity must be one of full, selective; got 'all'"):
+        MegatronArguments(recompute_granularity="all")
+    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size must be >= 1"):
+        MegatronArguments(virtual_pipeline_model_parallel_size=0)
+    args = MegatronArguments(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    layout = args.build_layout(world_size=4)
+    assert layout.sequence_parallel and args.sequence_parallel  # written back: model config and policy agree
+
+
 def test_mca_cross_field_rules(recipe, tiny_model_dir):
     # SP is forced on with TP>1 and EP>1; the layer count comes from the local model's config.json.
     _, config = parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "nproc_per_node=4",
                             "tensor_model_parallel_size=2", "expert_model_parallel_size=2"])
-    assert config.training.sequence_parallel is True
-    assert config.layout.dp == 2
+    assert config.megatron.sequence_parallel is True and config.layout.sequence_parallel is True
+    assert config.layout.dp == 2 and (config.layout.tp, config.layout.ep) == (2, 2)
+    # ... and turned off at TP1 (Megatron refuses it there), in the group and the layout alike.
+    _, config = parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "sequence_parallel=true"])
+    assert config.megatron.sequence_parallel is False and config.layout.sequence_parallel is False
     with pytest.raises(ConfigError, match=r"num_layers\(2\) is not divisible by pp\(2\) \* vpp\(2\)"):
         parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "nproc_per_node=2",
                     "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from roll import IGNORE_INDEX
-from roll.data.collators import (LabelShiftCollator, PairwiseCollator, SequenceCollator,
-                                 cu_seqlens_from_positions, shift_labels, target_length)
+from roll.data.collators import (PairwiseCollator, SequenceCollator, cu_seqlens_from_positions, shift_labels,
+                                 target_length)
 from roll.data.policy import PaddingPolicy
 
 X = IGNORE_INDEX
@@ -143,13 +143,10 @@ def test_packing_policy_synthesises_positions_for_unpacked_rows():
     assert batch["cu_seqlens"].tolist() == [0, 3, 5, 6]
 
 
-def test_label_shift_wrapper_over_a_foreign_collator():
-    def inner(features):
-        return {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[X, 2, 3]]),
-                "rejected_labels": torch.tensor([[X, 4, 5]])}
-
-    out = LabelShiftCollator(inner)([{}])
-    assert _lists(out) == {"input_ids": [[1, 2]], "labels": [[2, 3]], "rejected_labels": [[4, 5]]}
+def test_shift_labels_on_a_tensor_batch_with_pair_keys():
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[X, 2, 3]]),
+             "rejected_labels": torch.tensor([[X, 4, 5]])}
+    assert _lists(shift_labels(batch)) == {"input_ids": [[1, 2]], "labels": [[2, 3]], "rejected_labels": [[4, 5]]}
 
 
 def test_tensor_rows_collate_like_list_rows():
@@ -168,23 +165,39 @@ def test_packed_rows_with_packing_off_are_refused():
         SequenceCollator(pad_token_id=0)([row])
 
 
-@pytest.mark.parametrize("layout,expected", [
-    (dict(), ("longest", 1)),
-    (dict(tp=2), ("longest", 1)),                            # no SP: TP does not split the sequence
-    (dict(tp=2, sequence_parallel=True), ("longest", 2)),
-    (dict(cp=2), ("longest", 4)),
-    (dict(tp=4, sequence_parallel=True, cp=3), ("longest", 12)),
-    (dict(ep=2), ("max_length", 1)),
-    (dict(ep=2, moe_token_dispatcher="alltoall"), ("longest", 1)),
+@pytest.mark.parametrize("layout,dispatcher,expected", [
+    (dict(), "alltoall", ("longest", 1)),
+    (dict(tp=2), "alltoall", ("longest", 1)),                   # no SP: TP does not split the sequence
+    (dict(tp=2, sequence_parallel=True), "alltoall", ("longest", 2)),
+    (dict(cp=2), "alltoall", ("longest", 4)),
+    (dict(tp=4, sequence_parallel=True, cp=3), "alltoall", ("longest", 12)),
+    (dict(tp=2, ep=2), "alltoall", ("longest", 2)),             # SP forced on by the layout: TP multiple
+    (dict(ep=2), "allgather", ("max_length", 1)),
+    (dict(ep=2), "alltoall", ("longest", 1)),
 ])
-def test_megatron_policy_from_layout(layout, expected):
-    policy = PaddingPolicy.for_megatron(cutoff_len=64, **layout)
+def test_megatron_policy_from_layout(layout, dispatcher, expected):
+    from roll.config.layout import ParallelLayout
+
+    world = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("ep", 1)
+    policy = PaddingPolicy.for_megatron(ParallelLayout(world_size=world, **layout), cutoff_len=64,
+                                        moe_token_dispatcher=dispatcher)
     assert (policy.pad_to, policy.pad_to_multiple_of) == expected
     assert policy.shift_labels and policy.max_length == 64
     # whatever the layout, the shifted batch has a length the policy accepts
     batch = SequenceCollator(pad_token_id=0, policy=policy)(SFT_ROWS)
     length = batch["input_ids"].shape[1]
     assert length % policy.pad_to_multiple_of == 0 and (policy.pad_to == "longest" or length == 64)
+
+
+def test_megatron_policy_default_dispatcher_is_the_recipe_default():
+    import inspect
+
+    from roll.config import MegatronArguments
+    from roll.config.layout import ParallelLayout
+
+    default = inspect.signature(PaddingPolicy.for_megatron).parameters["moe_token_dispatcher"].default
+    assert default == MegatronArguments().moe_token_dispatcher_type == "alltoall"
+    assert PaddingPolicy.for_megatron(ParallelLayout(world_size=2, ep=2), cutoff_len=64).pad_to == "longest"
 
 
 def test_pad_segments_docstring_example():
@@ -199,7 +212,9 @@ def test_packed_samples_all_multiples_for_context_parallel(shift):
     """CP=2 (multiple 4): every segment of every row, the padding tails included, is a multiple of 4 long."""
     rows = [{"input_ids": list(range(1, 8)), "labels": [X] * 7, "position_ids": [0, 1, 2, 0, 1, 0, 1]},
             {"input_ids": [9, 9], "labels": [X, 9], "position_ids": [0, 1]}]
-    policy = PaddingPolicy.for_megatron(cutoff_len=64, cp=2, packing=True) if shift else \
+    from roll.config.layout import ParallelLayout
+
+    policy = PaddingPolicy.for_megatron(ParallelLayout(world_size=2, cp=2), cutoff_len=64, packing=True) if shift else \
         PaddingPolicy(pad_to_multiple_of=4, packing=True)
     batch = SequenceCollator(pad_token_id=0, policy=policy)(rows)
     cu = batch["cu_seqlens"].tolist()

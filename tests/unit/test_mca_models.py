@@ -57,10 +57,20 @@ def test_layers_not_divisible_by_pp_vpp_names_the_numbers():
         McaModelConfig.from_hf(_hf("qwen2"), pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 
 
-def test_sp_forced_with_tp_and_ep_and_vocab_padded_to_tp():
+def test_sp_rule_is_checked_not_rederived_and_vocab_padded_to_tp():
+    # ParallelLayout applies the rule once; a config built by hand must already obey it.
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size\(2\) > 1 with expert_model_parallel_size\(2\)"):
+        McaModelConfig.from_hf(_hf("qwen3_moe", vocab_size=511), tensor_model_parallel_size=2,
+                               expert_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="sequence_parallel=true needs tensor_model_parallel_size > 1"):
+        McaModelConfig.from_hf(_hf("qwen3_moe"), sequence_parallel=True)
     config = McaModelConfig.from_hf(_hf("qwen3_moe", vocab_size=511), tensor_model_parallel_size=2,
-                                    expert_model_parallel_size=2)
+                                    expert_model_parallel_size=2, sequence_parallel=True)
     assert config.sequence_parallel and config.padded_vocab_size == 512 and config.vocab_size == 511
+    assert McaModelConfig.from_hf(_hf("qwen2", vocab_size=511), tensor_model_parallel_size=2,
+                                  make_vocab_size_divisible_by=128).padded_vocab_size == 512
+    assert McaModelConfig.from_hf(_hf("qwen2", vocab_size=600), tensor_model_parallel_size=2,
+                                  make_vocab_size_divisible_by=128).padded_vocab_size == 768
 
 
 def test_mca_config_json_round_trip_and_layout_match(tmp_path):
@@ -69,8 +79,8 @@ def test_mca_config_json_round_trip_and_layout_match(tmp_path):
     loaded = McaModelConfig.from_pretrained(str(tmp_path))
     assert loaded.to_dict() == config.to_dict()
     assert loaded.distribute_config_match(config)
-    assert not loaded.distribute_config_match(loaded.with_layout(expert_model_parallel_size=1,
-                                                                 expert_tensor_parallel_size=None))
+    other = McaModelConfig.from_dict(loaded.to_dict(), expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    assert not loaded.distribute_config_match(other)
 
 
 def test_hf_config_restored_on_export():
@@ -80,32 +90,24 @@ def test_hf_config_restored_on_export():
     assert restored == hf
 
 
-def test_mla_variant_is_an_mla_config_and_round_trips():
-    from megatron.core.transformer import MLATransformerConfig
-
-    from backends.mca.models.config import MLAMcaModelConfig
-
-    config = MLAMcaModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
-                               qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, vocab_size=100,
-                               hf_model_type="deepseek_v3")
-    assert isinstance(config, MLATransformerConfig) and config.multi_latent_attention
-    loaded = McaModelConfig.from_dict(config.to_dict())
-    assert type(loaded) is MLAMcaModelConfig and loaded.to_dict() == config.to_dict()
-    with pytest.raises(ConfigError, match=r"num_layers\(2\)"):
-        MLAMcaModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=4)
-
-
-def test_auto_config_takes_layout_and_precision_from_training_args(tiny_model_dir, tmp_path):
+def test_auto_config_takes_megatron_settings_and_precision(tiny_model_dir, tmp_path):
     import torch
 
     from backends.mca.models.auto import AutoConfig
-    from roll.config.training import TrainingArguments
+    from roll.config import MegatronArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                             bf16=True)
-    config = AutoConfig.from_pretrained(tiny_model_dir, args)
+    args = MegatronArguments(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                             make_vocab_size_divisible_by=64, recompute_granularity="full",
+                             moe_token_dispatcher_type="allgather")
+    config = AutoConfig.from_pretrained(tiny_model_dir, args, bf16=True)
     assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (2, 2)
+    assert config.make_vocab_size_divisible_by == 64 and config.padded_vocab_size % 128 == 0
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform", 1)
+    assert config.moe_token_dispatcher_type == "allgather" and config.calculate_per_token_loss
     assert config.params_dtype == torch.bfloat16 and config.transformer_impl == "local"  # no GPU here
+    default = AutoConfig.from_pretrained(tiny_model_dir)  # None: MegatronArguments() defaults
+    assert (default.tensor_model_parallel_size, default.params_dtype) == (1, torch.float32)
+    assert default.moe_token_dispatcher_type == "alltoall" and not default.sequence_parallel
     assert config.hf_model_type == "qwen2" and config.add_qkv_bias
     with pytest.raises(ModelError, match="neither mca_config.json nor config.json"):
         AutoConfig.from_pretrained(str(tmp_path))

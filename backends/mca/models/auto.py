@@ -1,6 +1,6 @@
 """AutoConfig / AutoModel: Megatron model chunks from an HF or a roll Megatron checkpoint directory.
 
-``AutoModel.from_pretrained(path, training_args)`` decides how to load:
+``AutoModel.from_pretrained(path, megatron_args, bf16=..., fp16=...)`` decides how to load:
 
 - ``mca_config.json`` present and its layout equals the requested one -> load the Megatron
   checkpoint directly;
@@ -8,7 +8,9 @@
   or, when it has no weights, convert from the HF ``config.json`` + safetensors next to it;
 - only an HF ``config.json`` -> convert the HF weights on the fly (streaming, per rank).
 
-It returns the list of model chunks, one per virtual pipeline stage.
+It returns the list of model chunks, one per virtual pipeline stage. Megatron must be initialised
+first for the run's ParallelLayout (``initialize_megatron``; ``McaBackend.setup_distributed`` and
+``roll-convert`` do), and ``megatron_args`` must be the settings that layout was built from.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +27,9 @@ from backends.mca.models.gpt import build_model_chunks
 from backends.mca.models.loader import load_hf_weights
 from roll.errors import ModelError
 from roll.logging import log_rank0
+
+if TYPE_CHECKING:
+    from roll.config.megatron import MegatronArguments
 
 logger = logging.getLogger(__name__)
 HF_CONFIG_NAME = "config.json"
@@ -52,14 +57,15 @@ def read_hf_config(path: str) -> dict:
 
 class AutoConfig:
     @staticmethod
-    def from_pretrained(path: str, training_args: Any = None, **overrides: Any) -> McaModelConfig:
-        """The model config for ``path`` with the layout/precision of ``training_args`` applied."""
-        _check_dir(path)
-        kwargs = {**parallel_overrides(training_args), **overrides}
-        if "transformer_impl" not in kwargs:  # TE when usable on a GPU, else the local spec
-            from backends.mca.spec import resolve_transformer_impl
+    def from_pretrained(path: str, megatron_args: MegatronArguments | None = None, *, bf16: bool = False,
+                        fp16: bool = False, **overrides: Any) -> McaModelConfig:
+        """The model config for ``path`` with the run's Megatron settings and precision applied.
 
-            kwargs["transformer_impl"] = resolve_transformer_impl("auto")
+        ``megatron_args`` None means ``MegatronArguments()`` (TP1, PP1, ..., transformer_impl auto);
+        ``overrides`` are McaModelConfig fields and win over both.
+        """
+        _check_dir(path)
+        kwargs = {**parallel_overrides(megatron_args, bf16=bf16, fp16=fp16), **overrides}
         if has_mca_config(path):
             return McaModelConfig.from_pretrained(path, **kwargs)
         return McaModelConfig.from_hf(read_hf_config(path), **kwargs)
@@ -67,14 +73,11 @@ class AutoConfig:
 
 class AutoModel:
     @staticmethod
-    def from_config(config: McaModelConfig, seed: int = 42) -> list[torch.nn.Module]:
-        """Freshly initialised chunks (initialises Megatron for the config's layout if needed)."""
-        return build_model_chunks(config, seed)
-
-    @staticmethod
-    def from_pretrained(path: str, training_args: Any = None, **overrides: Any) -> list[torch.nn.Module]:
+    def from_pretrained(path: str, megatron_args: MegatronArguments | None, *, bf16: bool = False,
+                        fp16: bool = False, **overrides: Any) -> list[torch.nn.Module]:
+        """This rank's model chunks for ``path`` (see the module docstring), weights loaded."""
         _check_dir(path)
-        config = AutoConfig.from_pretrained(path, training_args, **overrides)
+        config = AutoConfig.from_pretrained(path, megatron_args, bf16=bf16, fp16=fp16, **overrides)
         chunks = _build_uninitialised(config)
         if has_mca_config(path) and has_megatron_weights(path):
             saved = McaModelConfig.from_pretrained(path)

@@ -13,14 +13,18 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer import TransformerConfig
 
+from roll.config.layout import check_num_layers
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
+
+if TYPE_CHECKING:
+    from roll.config.megatron import MegatronArguments
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +76,6 @@ class McaModelConfig(TransformerConfig):
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ConfigError(f"transformer_impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}.")
         self._check_layout()
-        if self.tensor_model_parallel_size > 1 and self.expert_model_parallel_size > 1 and not self.sequence_parallel:
-            log_rank0(logger, "sequence_parallel forced on: Megatron needs it with TP>1 and EP>1.")
-            self.sequence_parallel = True
-        if self.tensor_model_parallel_size == 1:
-            self.sequence_parallel = False
         if self.variable_seq_lengths and self.num_moe_experts and self.moe_token_dispatcher_type == "allgather":
             log_rank0(logger, "moe_token_dispatcher_type set to 'alltoall': allgather cannot handle varying lengths.")
             self.moe_token_dispatcher_type = "alltoall"
@@ -87,11 +86,7 @@ class McaModelConfig(TransformerConfig):
     def _check_layout(self) -> None:
         """The architecture/layout rules, checked before Megatron's less specific asserts."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        vpp = self.virtual_pipeline_model_parallel_size or 1
-        if self.num_layers % (pp * vpp):
-            raise ConfigError(
-                f"num_layers({self.num_layers}) is not divisible by pipeline_model_parallel_size({pp}) * "
-                f"virtual_pipeline_model_parallel_size({vpp}) = {pp * vpp}. Change PP or VPP.")
+        check_num_layers(self.num_layers, pp, self.virtual_pipeline_model_parallel_size)
         groups = self.num_query_groups or self.num_attention_heads
         for name, value in (("num_attention_heads", self.num_attention_heads), ("num_query_groups", groups)):
             if value % tp:
@@ -102,6 +97,13 @@ class McaModelConfig(TransformerConfig):
             raise ConfigError(f"expert_model_parallel_size({ep}) > 1 but the model has no experts. Set it to 1.")
         if experts and experts % ep:
             raise ConfigError(f"expert_model_parallel_size({ep}) does not divide num_moe_experts({experts}).")
+        # The sequence-parallel rule is applied once, by ParallelLayout (parallel_overrides passes the
+        # resolved value); here a config built by hand must already obey it.
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("sequence_parallel=true needs tensor_model_parallel_size > 1 (Megatron refuses it at TP1).")
+        if tp > 1 and ep > 1 and not self.sequence_parallel:
+            raise ConfigError(f"tensor_model_parallel_size({tp}) > 1 with expert_model_parallel_size({ep}) > 1 needs "
+                              "sequence_parallel=true (ParallelLayout turns it on for a run).")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -137,15 +139,18 @@ class McaModelConfig(TransformerConfig):
     @classmethod
     def from_dict(cls, data: dict[str, Any], **overrides: Any) -> McaModelConfig:
         data = {**data, **overrides}
-        klass = MLAMcaModelConfig if data.pop("config_class", cls.__name__) == "MLAMcaModelConfig" else cls
-        names = {f.name: f for f in dataclasses.fields(klass)}
+        config_class = data.pop("config_class", cls.__name__)
+        if config_class != cls.__name__:
+            raise ModelError(f"{MCA_CONFIG_NAME} was written for {config_class}; this version of roll only builds "
+                             f"{cls.__name__}.")
+        names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(names))
         if unknown:
-            raise ModelError(f"{MCA_CONFIG_NAME} has keys {unknown} that this version of {klass.__name__} does not know.")
+            raise ModelError(f"{MCA_CONFIG_NAME} has keys {unknown} that this version of {cls.__name__} does not know.")
         for key in ("params_dtype", "pipeline_dtype", "autocast_dtype"):
             if isinstance(data.get(key), str):
                 data[key] = getattr(torch, data[key])
-        return klass(**data)
+        return cls(**data)
 
     def save_pretrained(self, out_dir: str) -> str:
         os.makedirs(out_dir, exist_ok=True)
@@ -177,44 +182,31 @@ class McaModelConfig(TransformerConfig):
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    def with_layout(self, **parallel: Any) -> McaModelConfig:
-        """A copy with other parallel sizes (validated again)."""
-        unknown = set(parallel) - set(_PARALLEL_FIELDS) - {"transformer_impl"}
-        if unknown:
-            raise ValueError(f"not parallel-layout fields: {sorted(unknown)}")
-        return type(self).from_dict(self.to_dict(), **parallel)
 
+def parallel_overrides(megatron: MegatronArguments | None = None, *, bf16: bool = False,
+                       fp16: bool = False) -> dict[str, Any]:
+    """The McaModelConfig fields a run sets: layout, vocab padding, recompute, MoE, loss, precision.
 
-@dataclass
-class MLAMcaModelConfig(McaModelConfig, MLATransformerConfig):
-    """McaModelConfig for DeepSeek-style multi-latent attention (q/kv low-rank projections).
-
-    McaModelConfig.__post_init__ validates, then ``super()`` reaches MLATransformerConfig's checks.
-    Fields both parents define take McaModelConfig's defaults, so MLA's own are restated here.
+    ``megatron`` is the run's ``MegatronArguments`` (None: its defaults, TP1 ... on the resolved
+    transformer_impl). Its ``sequence_parallel`` must be the value the run's ParallelLayout resolved
+    (``MegatronArguments.build_layout`` writes it back). ``bf16``/``fp16`` are the training precision flags.
     """
+    from backends.mca.spec import resolve_transformer_impl
+    from roll.config.megatron import MegatronArguments
 
-    multi_latent_attention: bool = True
-    normalization: str = "RMSNorm"
-
-
-def parallel_overrides(training_args: Any) -> dict[str, Any]:
-    """The layout and precision fields of ``roll.config.TrainingArguments`` (or any object with them)."""
-    if training_args is None:
-        return {}
-    out = {name: getattr(training_args, name) for name in _PARALLEL_FIELDS if hasattr(training_args, name)}
-    impl = getattr(training_args, "transformer_impl", None)
-    if impl is not None:
-        from backends.mca.spec import resolve_transformer_impl
-
-        out["transformer_impl"] = resolve_transformer_impl(impl)
-    if getattr(training_args, "bf16", False):
+    m = megatron if megatron is not None else MegatronArguments()
+    out: dict[str, Any] = {name: getattr(m, name) for name in _PARALLEL_FIELDS}
+    out.update(transformer_impl=resolve_transformer_impl(m.transformer_impl),
+               make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+               moe_token_dispatcher_type=m.moe_token_dispatcher_type, moe_grouped_gemm=m.moe_grouped_gemm,
+               calculate_per_token_loss=m.calculate_per_token_loss)
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_aux_loss_coeff"):
+        if getattr(m, name) is not None:  # None: keep the model config's value
+            out[name] = getattr(m, name)
+    if bf16:
         out.update(bf16=True, params_dtype=torch.bfloat16)
-    elif getattr(training_args, "fp16", False):
+    elif fp16:
         out.update(fp16=True, params_dtype=torch.float16)
-    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_token_dispatcher_type",
-                 "moe_grouped_gemm", "moe_aux_loss_coeff", "calculate_per_token_loss"):
-        if getattr(training_args, name, None) is not None:  # None: keep the model config's value
-            out[name] = getattr(training_args, name)
     return out
 
 

@@ -21,6 +21,7 @@ from backends.mca.models import sharding
 from backends.mca.models.gpt import canonical_tensors
 from backends.mca.models.loader import INDEX_NAME
 from backends.mca.models.template import get_template
+from backends.mca.models.unwrap import unwrap_model
 from roll.logging import log_rank0
 
 if TYPE_CHECKING:
@@ -33,16 +34,22 @@ _PRE = "embedding."
 _POST = ("decoder.final_layernorm.", "output_layer.")
 
 
-def save_hf(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str, *,
-            max_shard_bytes: int = 2 * 1024**3, tokenizer_dir: str | None = None) -> None:
-    """Write the full model in HF format to ``out_dir`` (collective: every rank must call it)."""
+def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int = 2 * 1024**3,
+            tokenizer_dir: str | None = None) -> None:
+    """Write the full model in HF format to ``out_dir`` (collective: every rank must call it).
+
+    ``chunks`` may be wrapped for training (Megatron DDP, Float16Module, PEFT): names and the model
+    config come from the bare model (``unwrap_model``), placements from Megatron's parameter tags.
+    """
+    config: McaModelConfig = unwrap_model(chunks[0]).config
     template = get_template(config.hf_model_type)
-    local = {name: tensor.detach() for name, tensor in canonical_tensors(chunks, config)}
+    local = {name: (tensor, sharding.param_tp_kind(name, tensor, config))
+             for name, tensor in canonical_tensors(chunks, config)}
     writer = _ShardWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
     units = ["pre", *range(config.num_layers), "post"]
     for unit in units:
         mine = {name: t for name, t in local.items() if _unit_of(name) == unit}
-        gathered = _gather_unit(mine, config)
+        gathered = _gather_unit(mine)
         if writer is not None:
             full = {name: sharding.unpad_vocab(name, t, config) for name, t in gathered.items()}
             if config.tie_embeddings_and_output_weights:
@@ -65,7 +72,7 @@ def _unit_of(name: str) -> str | int:
     return int(name.split(".")[2])  # decoder.layers.<n>.
 
 
-def _gather_unit(mine: dict[str, torch.Tensor], config: McaModelConfig) -> dict[str, torch.Tensor]:
+def _gather_unit(mine: dict[str, tuple[torch.Tensor, sharding.Kind]]) -> dict[str, torch.Tensor]:
     """All-gather TP shards inside the owning group, then collect one copy of each tensor on rank 0."""
     from megatron.core import parallel_state as ps
 
@@ -73,8 +80,8 @@ def _gather_unit(mine: dict[str, torch.Tensor], config: McaModelConfig) -> dict[
     for name in sorted(mine):
         expert = sharding.is_expert(name)
         group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-        kind = sharding.tp_kind(name, config)
-        tensor = mine[name]
+        tensor, kind = mine[name]
+        tensor = tensor.detach()
         if kind != "replicated" and dist.get_world_size(group) > 1:
             shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
             dist.all_gather(shards, tensor.contiguous(), group=group)

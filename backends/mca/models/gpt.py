@@ -3,38 +3,52 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Iterator
 
 import torch
-import torch.distributed as dist
 
 from backends.mca.models.layout import Placement, from_impl_name, placement
+from backends.mca.models.sharding import tag_tensor_parallel
+from backends.mca.models.unwrap import unwrap_model
 from roll.errors import ModelError
+from roll.launch import local_rank
 from roll.platform import current_platform
 
 if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
+    from roll.config.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
 
-def ensure_initialized(config: McaModelConfig, seed: int = 42) -> None:
-    """Initialise Megatron for ``config``'s layout if nobody has (idempotent; a mismatch is an error)."""
-    from backends.mca.initialize import initialize_megatron
-    from roll.config.layout import ParallelLayout
+def ensure_initialized(config: McaModelConfig) -> ParallelLayout:
+    """The ParallelLayout Megatron was initialised with; ``config``'s parallel sizes must match it.
 
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    layout = ParallelLayout(world_size=world, tp=config.tensor_model_parallel_size,
-                            pp=config.pipeline_model_parallel_size, vpp=config.virtual_pipeline_model_parallel_size,
-                            cp=config.context_parallel_size, ep=config.expert_model_parallel_size,
-                            etp=config.expert_tensor_parallel_size)
-    initialize_megatron(layout, seed=seed)
+    The layout is built once per run (``MegatronArguments.build_layout``) and brought up with
+    ``initialize_megatron`` by ``McaBackend.setup_distributed`` or ``roll-convert``; a model is
+    never built for a layout of its own.
+    """
+    from backends.mca.initialize import current_layout
+
+    layout = current_layout()
+    if layout is None:
+        raise ModelError("Megatron is not initialised: call backends.mca.initialize.initialize_megatron(layout) "
+                         "before building a model (McaBackend.setup_distributed and roll-convert do).")
+    model = {"tp": config.tensor_model_parallel_size, "pp": config.pipeline_model_parallel_size,
+             "vpp": config.virtual_pipeline_model_parallel_size or 1, "cp": config.context_parallel_size,
+             "ep": config.expert_model_parallel_size,
+             "etp": config.expert_tensor_parallel_size or config.tensor_model_parallel_size}
+    initialised = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp_size, "cp": layout.cp, "ep": layout.ep,
+                   "etp": layout.expert_tp}
+    if model != initialised:
+        raise ModelError(f"the model config's parallel sizes {model} differ from the layout Megatron was initialised "
+                         f"with ({layout.describe()}): build the model from the run's MegatronArguments.")
+    return layout
 
 
 def model_device() -> torch.device:
     """Where this rank's chunks live: its accelerator, or the CPU."""
-    return current_platform().device(int(os.environ.get("LOCAL_RANK", "0")))
+    return current_platform().device(local_rank())
 
 
 def rank_coordinates() -> dict[str, int]:
@@ -56,21 +70,25 @@ def canonical_tensors(chunks: list[torch.nn.Module], config: McaModelConfig,
                       placements: list[Placement] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical global name, tensor) for every weight of this rank's chunks, in the naming the
     templates use (local spec, global layer/expert indices). The tensors are the chunks' own
-    parameters and buffers, not copies. ``placements`` default to this rank's."""
+    parameters and buffers (with Megatron's tensor-parallel tags), not copies; wrapped chunks
+    (DDP, Float16Module, PEFT) give the same names. ``placements`` default to this rank's."""
     placements = placements if placements is not None else chunk_placements(config)
     for chunk, place in zip(chunks, placements, strict=True):
-        for name, tensor in chunk.state_dict(keep_vars=True).items():
+        for name, tensor in unwrap_model(chunk).state_dict(keep_vars=True).items():
             if not name.endswith("_extra_state"):  # TE's FP8 metadata (None in local modules): no weight
                 yield place.to_global(from_impl_name(name, config)), tensor
 
 
-def build_model_chunks(config: McaModelConfig, seed: int = 42) -> list[torch.nn.Module]:
-    """Fresh (randomly initialised) GPTModel chunks of this rank, one per virtual pipeline stage."""
+def build_model_chunks(config: McaModelConfig) -> list[torch.nn.Module]:
+    """Fresh (randomly initialised) GPTModel chunks of this rank, one per virtual pipeline stage.
+
+    Megatron must be initialised for a layout that matches ``config`` (see ``ensure_initialized``).
+    """
     from megatron.core.models.gpt import GPTModel
 
     from backends.mca.spec import gpt_layer_spec
 
-    ensure_initialized(config, seed)
+    ensure_initialized(config)
     spec = gpt_layer_spec(config, config.transformer_impl)
     chunks: list[torch.nn.Module] = []
     vpp = config.virtual_pipeline_model_parallel_size
@@ -85,6 +103,7 @@ def build_model_chunks(config: McaModelConfig, seed: int = 42) -> list[torch.nn.
             rope_scaling_factor=config.rope_scaling_factor, vp_stage=stage if vpp else None)
         _check_offset(model, place, stage)
         chunks.append(model.to(model_device()))  # built on the CPU (use_cpu_initialization), then moved
+    tag_tensor_parallel(chunks)  # export reads them; without weight init Megatron leaves them unset
     return chunks
 
 

@@ -70,10 +70,6 @@ class Placement:
         name = _shift(_LAYER, name, self.layer_offset, "decoder.layers.{}.")
         return _shift_expert(name, self.expert_offset)
 
-    def to_local(self, name: str) -> str:
-        name = _shift(_LAYER, name, -self.layer_offset, "decoder.layers.{}.")
-        return _shift_expert(name, -self.expert_offset)
-
 
 def placement(config: McaModelConfig, pp_rank: int, vpp_stage: int, ep_rank: int) -> Placement:
     """Uniform split: chunk (vpp_stage, pp_rank) holds layers [(v * pp + p) * n, ... + n)."""
@@ -84,13 +80,6 @@ def placement(config: McaModelConfig, pp_rank: int, vpp_stage: int, ep_rank: int
                      expert_offset=ep_rank * experts_per_rank,
                      pre_process=pp_rank == 0 and vpp_stage == 0,
                      post_process=pp_rank == pp - 1 and vpp_stage == vpp - 1)
-
-
-def layer_owner(config: McaModelConfig, layer: int) -> tuple[int, int]:
-    """(pp_rank, vpp_stage) of global layer ``layer``."""
-    chunk = layer // config.num_layers_per_chunk
-    pp = config.pipeline_model_parallel_size
-    return chunk % pp, chunk // pp
 
 
 def _shift(regex: re.Pattern, name: str, offset: int, fmt: str) -> str:

@@ -1,10 +1,15 @@
 """Tensor-parallel split/merge of global Megatron tensors, shared by every family.
 
-Which way a parameter splits follows from its Megatron module, i.e. its canonical name:
-column-parallel linears split their output dim (0), row-parallel ones their input dim (1), the
-fused SwiGLU ``linear_fc1`` splits gate and up *separately* (each rank holds [gate_r; up_r]),
-and norms/routers/gates are replicated. Expert weights use the expert-TP group (ETP).
-The vocab dim of embeddings and the output layer is padded before splitting and unpadded after merging.
+Which way a parameter splits follows from its Megatron module: column-parallel linears split
+their output dim (0), row-parallel ones their input dim (1), the fused SwiGLU ``linear_fc1``
+splits gate and up *separately* (each rank holds [gate_r; up_r]), and norms/routers/gates are
+replicated. Expert weights use the expert-TP group (ETP). The vocab dim of embeddings and the
+output layer is padded before splitting and unpadded after merging.
+
+Export reads the placement from Megatron's own tags on the live parameter (``param_tp_kind``:
+``tensor_model_parallel``, ``partition_dim``); the HF -> Megatron loader, which converts a
+global HF tensor before it touches a parameter, uses the canonical-name table (``tp_kind``).
+Both raise on a parameter they cannot place instead of treating it as replicated.
 """
 
 from __future__ import annotations
@@ -13,24 +18,82 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from roll.errors import ModelError
+
 if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
 
 Kind = Literal["column", "row", "swiglu", "replicated"]
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.bias")
+_SWIGLU = ".linear_fc1.weight"
 _ROW = (".linear_proj.weight", ".linear_fc2.weight")
+_REPLICATED = ("layernorm.weight", "layernorm.bias", ".mlp.router.weight", ".mlp.router.expert_bias",
+               ".shared_experts.gate_weight", ".linear_proj.bias", ".linear_fc2.bias")
+"""Parameters Megatron keeps whole on every TP rank (and leaves untagged): norms, router, the
+shared-expert gate, and the biases of row-parallel linears (added after the reduce)."""
 
 
 def tp_kind(name: str, config: McaModelConfig) -> Kind:
     """How the canonical Megatron parameter ``name`` is split across (expert-)tensor-parallel ranks."""
     if name in _VOCAB or name.endswith(_COLUMN):
         return "column"
-    if name.endswith(".linear_fc1.weight"):
+    if name.endswith(_SWIGLU):
         return "swiglu" if config.gated_linear_unit else "column"
     if name.endswith(_ROW):
         return "row"
-    return "replicated"
+    if name.endswith(_REPLICATED):
+        return "replicated"
+    raise ModelError(f"Megatron parameter {name!r} has no known tensor-parallel placement. Known patterns: "
+                     f"column {', '.join(_VOCAB + _COLUMN)}; swiglu *{_SWIGLU}; row *{', *'.join(_ROW)}; "
+                     f"replicated *{', *'.join(_REPLICATED)}.")
+
+
+def param_tp_kind(name: str, param: torch.Tensor, config: McaModelConfig) -> Kind:
+    """How the live parameter ``param`` (canonical name ``name``) is split, from Megatron's tags.
+
+    ``tensor_model_parallel`` + ``partition_dim`` 0 / 1 is column / row (the fused SwiGLU fc1,
+    tagged column, keeps gate and up apart). An untagged parameter is replicated only if it is one
+    Megatron keeps whole (norms, router, ...); anything else, e.g. an adapter weight nobody tagged,
+    is an error: gathering it as replicated would silently write one rank's shard.
+    """
+    if getattr(param, "tensor_model_parallel", False):
+        dim = getattr(param, "partition_dim", None)
+        if dim == 1:
+            return "row"
+        if dim == 0:
+            return "swiglu" if name.endswith(_SWIGLU) and config.gated_linear_unit else "column"
+        raise ModelError(f"parameter {name!r} is tagged tensor-parallel with partition_dim {dim!r}; only 0 (column) "
+                         "and 1 (row) are supported.")
+    if name.endswith(_REPLICATED):
+        return "replicated"
+    raise ModelError(f"parameter {name!r} has no tensor-parallel tag (tensor_model_parallel / partition_dim) and is "
+                     f"not one Megatron keeps replicated (*{', *'.join(_REPLICATED)}): cannot tell how its "
+                     "tensor-parallel shards combine. Tag it with "
+                     "megatron.core.tensor_parallel.set_tensor_model_parallel_attributes.")
+
+
+def tag_tensor_parallel(chunks: list[torch.nn.Module]) -> None:
+    """Tag the weights of Megatron's parallel layers the way its weight initialisation does.
+
+    Megatron sets ``tensor_model_parallel``/``partition_dim`` on a weight only while initialising it,
+    so chunks built with ``perform_initialization=False`` (the loaders overwrite every weight) lack
+    them; this restores exactly those tags, from the module types. Tags already present are kept.
+    """
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                dim = 0
+            elif isinstance(module, RowParallelLinear):
+                dim = 1
+            else:
+                continue
+            weight = getattr(module, "weight", None)
+            if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def is_expert(name: str) -> bool:

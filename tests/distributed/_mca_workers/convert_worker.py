@@ -27,18 +27,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def _layout(case: dict):
-    from backends.mca.convert import Layout
+def _settings(case: dict):
+    """(MegatronArguments, ParallelLayout) of a case, built the way roll-convert builds them."""
+    from backends.mca.convert import megatron_settings
 
-    return Layout(tp=case.get("tp", 1), pp=case.get("pp", 1), vpp=case.get("vpp"), ep=case.get("ep", 1),
-                  etp=case.get("etp"))
+    return megatron_settings(tp=case.get("tp", 1), pp=case.get("pp", 1), vpp=case.get("vpp"), ep=case.get("ep", 1),
+                             etp=case.get("etp"))
 
 
 def _logits(case: dict) -> dict:
-    from backends.mca.convert import megatron_logits, sample_input_ids
-    from backends.mca.models.auto import AutoModel
+    from backends.mca.convert import load_chunks, megatron_logits, sample_input_ids
 
-    chunks = AutoModel.from_pretrained(case["dir"], **_layout(case).overrides())
+    chunks = load_chunks(case["dir"], *_settings(case))
     config = chunks[0].config
     logits = megatron_logits(chunks, config, sample_input_ids(config.vocab_size))
     if logits is not None and case.get("save_to") and dist.get_rank() == dist.get_world_size() - 1:
@@ -51,11 +51,14 @@ def _logits(case: dict) -> dict:
 
 
 def _stream(case: dict) -> dict:
+    from backends.mca.initialize import initialize_megatron
     from backends.mca.models.auto import AutoConfig
     from backends.mca.models.gpt import build_model_chunks
     from backends.mca.models.loader import load_hf_weights
 
-    config = AutoConfig.from_pretrained(case["dir"], **_layout(case).overrides())
+    megatron, layout = _settings(case)
+    initialize_megatron(layout)
+    config = AutoConfig.from_pretrained(case["dir"], megatron)
     report = load_hf_weights(build_model_chunks(config), config, case["dir"])
     return {"files_read": report.files_read, "tensors_read": report.tensors_read,
             "tensors_in_checkpoint": report.tensors_in_checkpoint}
@@ -66,12 +69,12 @@ def run_case(case: dict) -> dict:
 
     kind = case["kind"]
     if kind == "check":
-        return {"diff": convert.check_parity(case["dir"], _layout(case), seq_len=case.get("seq_len", 16))}
+        return {"diff": convert.check_parity(case["dir"], *_settings(case), seq_len=case.get("seq_len", 16))}
     if kind == "hf2mca":
-        convert.hf_to_mca(case["dir"], case["out"], _layout(case))
+        convert.hf_to_mca(case["dir"], case["out"], *_settings(case))
         return {}
     if kind == "mca2hf":
-        convert.mca_to_hf(case["dir"], case["out"], _layout(case), max_shard_bytes=case.get("max_shard_bytes", 2**31))
+        convert.mca_to_hf(case["dir"], case["out"], *_settings(case), max_shard_bytes=case.get("max_shard_bytes", 2**31))
         return {}
     if kind == "logits":
         return _logits(case)
