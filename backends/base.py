@@ -2,7 +2,8 @@
 
 The router (roll/router.py) drives a backend through these steps, in order::
 
-    padding_policy -> setup_distributed -> load_models -> apply_finetuning -> train -> save -> teardown
+    padding_policy -> setup_distributed -> load_models -> apply_finetuning -> train
+    -> evaluate (when there is an eval set) -> save -> teardown
 
 ``padding_policy`` comes first because ``--dry-run`` needs it without starting any process group;
 it must depend on the config only. ``teardown`` runs even when a step after setup_distributed raised.
@@ -50,6 +51,11 @@ class Backend(abc.ABC):
             supported = ", ".join(sorted(cls.supported_finetuning_types)) or "none yet"
             raise ConfigError(f"finetuning_type {finetuning_type!r} is not supported by the {cls.name} backend "
                               f"(supported: {supported}).")
+
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        """Raise ConfigError for settings this backend cannot honour (after check_support, at config
+        time, so ``--print-config`` reports them too). Must not import heavy dependencies."""
 
     @abc.abstractmethod
     def setup_distributed(self) -> DistributedInfo:

@@ -1,11 +1,11 @@
 """McaBackend: Megatron-Core behind the Backend interface.
 
-What is here today is the model side: the padding policy Megatron needs, distributed and
-model-parallel initialisation (``setup_distributed``), loading (HF converted on the fly, or a
-Megatron checkpoint at any layout), and export back to HF format. The training loop (Megatron DDP,
-distributed optimizer, pipeline schedules, per-token loss) is the next piece of work; until it
-lands, ``train`` stops with a clear message (after set-up and loading). ``--dry-run`` works already
-and shows exactly what the Megatron collator feeds the model.
+``padding_policy`` follows the layout (shifted labels; lengths a multiple of TP under sequence
+parallelism, of 2 * CP under context parallelism); ``setup_distributed`` brings up torch.distributed
+and the model-parallel groups; ``load_models`` converts an HF checkpoint on the fly (or loads a
+Megatron checkpoint at any layout); ``train`` / ``evaluate`` run ``trainer.MegatronTrainer`` (Megatron
+DDP, distributed optimizer, pipeline schedules, per-token loss, checkpoints); ``save`` exports the
+final model in HF format.
 """
 
 from __future__ import annotations
@@ -13,19 +13,28 @@ from __future__ import annotations
 from backends.base import Backend, register_backend
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
-from roll.errors import RollError
-
-_NO_TRAINER = ("training on the mca backend is not available in this version: the Megatron training loop is "
-               "the next milestone. Available now with --use-mca: --print-config, --dry-run, and "
-               "HF <-> Megatron conversion with `roll-convert` (hf2mca / mca2hf / check). "
-               "Train with the standard backend (drop --use-mca) in the meantime.")
+from roll.errors import ConfigError
 
 
 @register_backend("mca")
 class McaBackend(Backend):
-    supported_stages = frozenset({"pt", "sft", "dpo"})
-    # LoRA on Megatron comes with the training loop; refusing it here fails at config time.
+    # DPO and LoRA on Megatron are the next milestones; refusing them here fails at config time.
+    supported_stages = frozenset({"pt", "sft"})
     supported_finetuning_types = frozenset({"full"})
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._trainer = None
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        from backends.mca.trainer.optim import schedule_name
+
+        schedule_name(config.training.lr_scheduler_type)  # the curves the Megatron loop implements
+        strategy = str(getattr(config.training.save_strategy, "value", config.training.save_strategy))
+        if strategy not in ("no", "steps", "epoch"):
+            raise ConfigError(f"save_strategy {strategy!r} is not available on the mca backend; use steps, epoch or "
+                              "no.")
 
     def padding_policy(self, stage: str) -> PaddingPolicy:
         assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"
@@ -59,10 +68,21 @@ class McaBackend(Backend):
         return models  # full fine-tuning: every parameter of every chunk trains
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
-        raise RollError(_NO_TRAINER)
+        """pt/sft with Megatron's schedules, DDP and optimizer; checkpoints and logs in output_dir."""
+        from backends.mca.trainer.loop import MegatronTrainer, resume_path
+
+        resume = resume_path(self.config.training)  # a wrong path fails here, before any work
+        self._trainer = MegatronTrainer(models.policy, self.config.training, self.config.megatron, self.config.layout,
+                                        pad_token_id=job.tokenizer.pad_token_id)
+        return self._trainer.train(job.train_dataset, job.collator, resume_from=resume)
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
-        raise RollError(_NO_TRAINER)
+        """``eval_loss`` on job.eval_dataset with the training loss definition (after train)."""
+        if job.eval_dataset is None:
+            return {}
+        if self._trainer is None:
+            raise RuntimeError("McaBackend.evaluate() needs train() first: it evaluates the trained chunks")
+        return self._trainer.evaluate(job.eval_dataset, job.collator)
 
     def save(self, models: ModelBundle, tokenizer, output_dir: str) -> str:
         """Gather the chunks and write standard HF safetensors + config + tokenizer (collective)."""

@@ -111,6 +111,13 @@ def _torch_norms_possible() -> bool:
     return not getattr(gpt_layer_specs, "HAVE_APEX", False)
 
 
+def _torch_adam_fallback() -> bool:
+    """Without TE and Apex, Megatron's optimizers wrap torch's AdamW (on any device)."""
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+
+    return not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+
+
 def _gloo() -> bool:
     import torch.distributed as dist
 
@@ -342,6 +349,31 @@ def _patch_gloo_uneven_first_dim() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
+def _patch_distopt_step_on_load() -> None:
+    """Resuming the distributed optimizer from a ``fully_reshardable`` checkpoint with torch's AdamW
+    (no TE/Apex) fails with ``KeyError: 'step'`` in megatron-core 0.16.1: the loader restores AdamW's
+    per-parameter ``step`` from the param groups and leaves it out of the tensors it hands to
+    ``_set_main_param_and_optimizer_states``, which then copies every destination key, ``step``
+    included. And the restored ``step`` is one tensor shared by every parameter, which AdamW's
+    foreach update then increments once per parameter. Give each parameter its own copy and hand
+    it to that method (copied onto itself)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                state["step"] = state["step"].detach().clone()
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
 _UPSTREAM_CPU = "megatron-core supports CPU-only torch builds (not the case up to 0.19.2)"
 
 _PATCHES: tuple[_Patch, ...] = (
@@ -357,4 +389,7 @@ _PATCHES: tuple[_Patch, ...] = (
            "WrappedTorchNorm supports sequence parallelism upstream (not as of 0.19.2)", _torch_norms_possible),
     _Patch("gloo_uneven_first_dim", _patch_gloo_uneven_first_dim,
            "gloo supports uneven all_gather lists and list reduce_scatter", _gloo),
+    _Patch("distopt_step_on_load", _patch_distopt_step_on_load,
+           "DistributedOptimizer loads fully_reshardable checkpoints with torch's AdamW (not in 0.16.1)",
+           _torch_adam_fallback),
 )

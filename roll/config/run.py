@@ -57,6 +57,7 @@ class RunConfig:
             self._validate_mca()
         else:
             self._validate_standard()
+        backend_cls.check_config(self)
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
@@ -71,6 +72,12 @@ class RunConfig:
         num_layers = self.model_num_layers()
         if num_layers is not None:
             self.layout.check_num_layers(num_layers)
+        micro_batches, pp = self.training.gradient_accumulation_steps, self.layout.pp
+        if self.layout.vpp_size > 1 and micro_batches < pp:
+            raise ConfigError(f"the interleaved (virtual) pipeline needs at least pipeline_model_parallel_size({pp}) "
+                              f"micro-batches per step; gradient_accumulation_steps is {micro_batches}. Raise "
+                              f"gradient_accumulation_steps to >= {pp} (lower per_device_train_batch_size to keep "
+                              "the global batch) or drop virtual_pipeline_model_parallel_size.")
 
     def _validate_standard(self) -> None:
         if not self.megatron.calculate_per_token_loss:

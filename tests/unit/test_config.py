@@ -189,7 +189,13 @@ def test_every_shipped_recipe_parses():
 
     recipes = sorted(glob.glob("recipes/**/*.yaml", recursive=True))
     assert "recipes/qwen_sft.yaml" in recipes
+    from backends.mca.backend import McaBackend
+
     for path in recipes:
-        for extra in ([], ["--use-mca"]):
-            _, config = parse_args([path, *extra])
-            assert config.finetuning.stage in ("pt", "sft", "dpo"), path
+        _, config = parse_args([path])
+        assert config.finetuning.stage in ("pt", "sft", "dpo"), path
+        if config.finetuning.stage in McaBackend.supported_stages:
+            parse_args([path, "--use-mca"])
+        else:  # dpo on Megatron is not built yet: refused at config time, by name
+            with pytest.raises(ConfigError, match=f"stage '{config.finetuning.stage}' is not supported by the mca"):
+                parse_args([path, "--use-mca"])

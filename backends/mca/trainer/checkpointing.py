@@ -1,0 +1,168 @@
+"""``OUTPUT_DIR/checkpoint-N``: everything a Megatron run needs to continue as if never stopped.
+
+A checkpoint holds, in one directory:
+
+- model and optimizer state in Megatron's distributed format (every rank writes its shards). The
+  optimizer is always saved ``fully_reshardable``, so a run can resume at another TP/PP/DP layout;
+- ``trainer_state.json``: steps done, samples consumed, skipped steps, global batch size, layout;
+- ``rng/rank_R.pt``: each rank's Python / NumPy / torch / accelerator generators and Megatron's
+  model-parallel RNG tracker, restored only when resuming at the same layout;
+- ``mca_config.json``: the model config, so the directory also loads as a Megatron model.
+
+The learning-rate schedule is a function of the step count (``optim.LRSchedule``), so the trainer
+state restores it. Writes go to ``checkpoint-N.tmp`` and are renamed into place by rank 0 after
+every rank finished, so ``checkpoint-N`` always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backends.mca.checkpoint import sharded_model_state_dict
+from roll import checkpoints
+from roll.errors import ConfigError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+@dataclass
+class TrainerState:
+    """The loop's position; saved as JSON next to the weights."""
+
+    global_step: int = 0
+    consumed_samples: int = 0
+    skipped_steps: int = 0
+    global_batch_size: int = 0
+    layout: dict = field(default_factory=dict)
+    """tp/pp/vpp/cp/ep/etp/dp of the run that wrote it (RNG states only fit the same layout)."""
+    distributed_optimizer: bool = False
+    """The optimizer's checkpoint format differs with use_distributed_optimizer."""
+
+
+def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: TrainerState, model_config,
+         keep: int | None = None) -> str:
+    """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``."""
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
+    tmp = final + ".tmp"
+    start = time.perf_counter()
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died earlier
+        os.makedirs(tmp)  # empty: dist_checkpointing treats a non-empty directory as a broken checkpoint
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
+            json.dump(dataclasses.asdict(state), fh, indent=2)
+        model_config.save_pretrained(tmp)
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)  # an older checkpoint of the same step (a rerun)
+        os.replace(tmp, final)
+        for path in checkpoints.rotate(output_dir, keep):
+            logger.info("deleted old checkpoint %s (save_total_limit %s)", path, keep)
+    dist.barrier()
+    log_rank0(logger, "saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
+    return final
+
+
+def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: TrainerState) -> TrainerState:
+    """Restore model, optimizer, trainer state (and RNG at the same layout) from ``ckpt_dir``.
+
+    ``expected`` is this run's fresh state: its batch size and optimizer kind must match the checkpoint's.
+    """
+    from megatron.core import dist_checkpointing
+
+    state_file = os.path.join(ckpt_dir, STATE_FILE)
+    if not os.path.isfile(state_file):
+        raise ConfigError(f"{ckpt_dir} has no {STATE_FILE}: it is not a checkpoint of a Megatron (--use-mca) run. "
+                          "Point resume_from_checkpoint at an OUTPUT_DIR/checkpoint-N written with --use-mca.")
+    with open(state_file, encoding="utf-8") as fh:
+        state = TrainerState(**json.load(fh))
+    if state.global_batch_size != expected.global_batch_size:
+        raise ConfigError(f"{ckpt_dir} was trained with a global batch of {state.global_batch_size} samples, this run "
+                          f"uses {expected.global_batch_size} (per_device_train_batch_size * gradient_accumulation_steps"
+                          " * data-parallel size); the sample order would not continue. Keep the global batch size.")
+    if state.distributed_optimizer != expected.distributed_optimizer:
+        raise ConfigError(f"{ckpt_dir} was saved with use_distributed_optimizer={state.distributed_optimizer}; resume "
+                          f"with the same setting (the optimizer state is stored differently).")
+    start = time.perf_counter()
+    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), ckpt_dir)
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        chunk.load_state_dict(loaded[key], strict=False)
+    with torch.no_grad():  # fp32 main params are views of leaf parameters
+        optimizer.load_state_dict(loaded["optimizer"])
+    if state.layout == expected.layout:
+        _set_rng_state(torch.load(os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank()}.pt"), weights_only=True))
+    else:
+        log_rank0(logger, "resuming at another layout (%s, saved at %s): RNG states start fresh", expected.layout,
+                  state.layout)
+    log_rank0(logger, "resumed from %s (step %d, %d samples consumed) in %.1fs", ckpt_dir, state.global_step,
+              state.consumed_samples, time.perf_counter() - start)
+    return state
+
+
+def _model_keys(chunks: list[torch.nn.Module]) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _sharded_state(chunks: list[torch.nn.Module], optimizer, *, is_loading: bool) -> dict:
+    if is_loading:
+        _materialize_optimizer_state(optimizer)
+    state = sharded_model_state_dict(chunks)
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
+    return state
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a not-yet-stepped distributed optimizer its Adam state before a load.
+
+    Without TE/Apex, Megatron falls back to torch's AdamW, which creates its state (and ``step``)
+    lazily; megatron-core 0.16.1's ``DistributedOptimizer.state_dict`` then asserts on the empty
+    state when building the sharded dict to load into. Megatron's own dummy step fills it (the
+    values are overwritten by the load).
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(inner, "_init_optimizer_states_with_dummy_values") and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
+             "torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,131 @@
+"""The one shared sample order (DESIGN.md section 3), sharded over data-parallel ranks as micro-batches.
+
+The dataset arrives already shuffled once with the seed; both backends read it in order as one
+stream (epoch after epoch), global step ``k`` consuming samples ``[k*B, (k+1)*B)`` with
+``B = micro_batch * grad_accum * dp``. Inside a step, micro-batch ``j`` of data-parallel rank ``r``
+is slice ``j * dp + r`` of those samples: the same split accelerate makes on the standard backend,
+so both backends also pad the same rows together. Position in the stream is the only state, so a
+resumed run continues from ``step * B`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from roll import IGNORE_INDEX
+from roll.data.collators import cu_seqlens_from_positions
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's samples are split into this rank's micro-batches."""
+
+    micro_batch_size: int
+    grad_accum: int
+    dp_size: int = 1
+    dp_rank: int = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.dp_size
+
+    def micro_batch_indices(self, step: int, num_samples: int) -> list[list[int]]:
+        """Dataset indices of this rank's micro-batches in global step ``step`` (0-based).
+
+        Example: micro_batch_size 2, grad_accum 2, dp 2, dp_rank 1, 10 samples::
+
+            micro_batch_indices(0, 10) -> [[2, 3], [6, 7]]
+            micro_batch_indices(1, 10) -> [[0, 1], [4, 5]]     (the stream wraps: 10, 11 -> 0, 1)
+        """
+        start = step * self.global_batch_size
+        out = []
+        for j in range(self.grad_accum):
+            first = start + (j * self.dp_size + self.dp_rank) * self.micro_batch_size
+            out.append([(first + i) % num_samples for i in range(self.micro_batch_size)])
+        return out
+
+    def total_steps(self, max_steps: int, num_train_epochs: float, num_samples: int) -> int:
+        """``max_steps`` when positive, else ``num_train_epochs`` passes over the data (a partial last
+        batch counts as a step, as on the standard backend; it is filled from the next epoch)."""
+        if max_steps > 0:
+            return max_steps
+        per_epoch = math.ceil(num_samples / self.global_batch_size)
+        return max(1, math.ceil(num_train_epochs * per_epoch))
+
+
+def collate_step(dataset, collator: Callable[[list[dict]], dict], indices: list[list[int]]) -> list[dict]:
+    """Collate each micro-batch of ``indices`` from ``dataset`` with the shared collator."""
+    return [collator([dataset[i] for i in micro]) for micro in indices]
+
+
+def pad_to_length(batch: dict[str, torch.Tensor], length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad every ``[B, L]`` key of a collated batch to ``length`` (the padding trains nothing).
+
+    Pipeline parallelism sends activations of one fixed shape per step, so every micro-batch of a
+    step gets the same length. A packed batch's padding tail restarts its positions at 0 (a segment
+    of its own) and its ``cu_seqlens`` are rebuilt.
+    """
+    current = batch["input_ids"].shape[-1]
+    if current == length:
+        return batch
+    extra = length - current
+    fill = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+    out = dict(batch)
+    for key, value in fill.items():
+        if key in batch:
+            out[key] = torch.nn.functional.pad(batch[key], (0, extra), value=value)
+    if "position_ids" in batch:
+        tail = torch.arange(extra).expand(batch["position_ids"].shape[0], -1)
+        out["position_ids"] = torch.cat([batch["position_ids"], tail], dim=-1)
+    if "cu_seqlens" in batch:
+        out["cu_seqlens"] = cu_seqlens_from_positions(out["position_ids"])
+    return out
+
+
+def real_tokens(batch: dict[str, torch.Tensor], pad_token_id: int | None) -> int:
+    """Non-padding tokens of a collated batch (for tokens_per_second)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    ids = batch["input_ids"]
+    return int((ids != pad_token_id).sum()) if pad_token_id is not None else ids.numel()
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: int = 1,
+                 cp_rank: int = 0) -> dict[str, Any]:
+    """A collated (shifted) batch -> GPTModel keyword inputs for this context-parallel rank.
+
+    - plain rows ``[B, L]``: causal attention needs no mask (right padding is never attended to by
+      a real token); positions ``0..L-1``;
+    - packed rows (``cu_seqlens``): the batch becomes one THD stream ``[1, B*L]`` with
+      ``PackedSeqParams`` (every packed sample its own causal segment);
+    - context parallelism: every sequence (every packed segment) is cut into ``2 * cp`` chunks and
+      this rank keeps chunks ``cp_rank`` and ``2*cp-1-cp_rank`` (Megatron's load balancing).
+    """
+    from backends.mca.attention import cp_token_index
+
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    params = None
+    if "cu_seqlens" in batch:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = batch["cu_seqlens"].to(torch.int32)
+        input_ids, labels = input_ids.reshape(1, -1), labels.reshape(1, -1)
+        position_ids = batch["position_ids"].reshape(1, -1)
+        longest = int((cu[1:] - cu[:-1]).max())
+        cu_dev = cu.to(device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev,
+                                 cu_seqlens_q_padded=cu_dev, cu_seqlens_kv_padded=cu_dev,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+    else:
+        length = input_ids.shape[-1]
+        position_ids = torch.arange(length).expand(input_ids.shape[0], -1)
+        cu = torch.tensor([0, length])
+    if cp_size > 1:
+        index = cp_token_index(cu.long(), cp_size, cp_rank)
+        input_ids, labels, position_ids = input_ids[:, index], labels[:, index], position_ids[:, index]
+    return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "attention_mask": None,
+            "labels": labels.to(device), "packed_seq_params": params}

@@ -1,0 +1,240 @@
+"""MegatronTrainer: the pt/sft training loop on Megatron-Core model chunks.
+
+One optimizer step: this rank's micro-batches of the global batch (``data.BatchPlan``) go through
+``get_forward_backward_func()`` (no pipelining, 1F1B, or interleaved with a virtual pipeline: one
+iterator per chunk over the same micro-batches); ``finalize_model_grads`` reduces the gradients and
+divides them by the global batch's token count; the optimizer steps with the learning rate of the
+schedule. A step whose loss is not finite is skipped (no update) and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from backends.mca.models.gpt import model_device
+from backends.mca.trainer import checkpointing
+from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
+from backends.mca.trainer.loss import lm_loss_func
+from backends.mca.trainer.metrics import MetricsWriter
+from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_name, wrap_ddp
+from roll import checkpoints
+from roll.contract import TrainResult
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """One step's numbers, summed over the ranks that own them (see ``_reduce``)."""
+
+    loss: float
+    tokens: int
+    real_tokens: int
+    grad_norm: float | None
+    learning_rate: float
+    skipped: bool
+
+
+class MegatronTrainer:
+    """Trains this rank's model chunks on the shared dataset with the recipe's HF keys.
+
+    ``training`` is roll's TrainingArguments (batch sizes, optimizer, schedule, logging, saving);
+    ``megatron_args`` the Megatron group (DDP / distributed optimizer settings); ``layout`` the
+    validated ParallelLayout.
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], training, megatron_args, layout, pad_token_id: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.training, self.layout, self.pad_token_id = training, layout, pad_token_id
+        self.model_config = chunks[0].config
+        if len(chunks) > 1:
+            # The interleaved schedule posts a forward and a backward transfer to the same peer in one
+            # call (PP2 is a ring). Batched, both match in posting order and swap when their shapes
+            # agree; unbatched, Megatron sends each direction on its own group (as Megatron-LM's
+            # overlap_p2p_comm default does).
+            self.model_config.batch_p2p_comm = False
+        self.vocab_size = self.model_config.vocab_size
+        self.chunks = wrap_ddp(chunks, megatron_args, fp16=training.fp16, bf16=training.bf16)
+        self.optimizer = build_optimizer(self.chunks, training, megatron_args)
+        install_hooks(self.chunks, self.optimizer, megatron_args)
+        self.plan = BatchPlan(training.per_device_train_batch_size, training.gradient_accumulation_steps,
+                              ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+        self.device = model_device()
+        self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        # Ranks whose numbers enter the logged sums: the last pipeline stage, one TP rank (TP ranks
+        # hold the same loss); real tokens are counted before the CP split, so on CP rank 0 only.
+        self._owns_loss = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+        self._owns_tokens = self._owns_loss and self.cp_rank == 0
+        self.state = checkpointing.TrainerState(global_batch_size=self.plan.global_batch_size,
+                                                layout=self._layout_dict(),
+                                                distributed_optimizer=megatron_args.use_distributed_optimizer)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def train(self, dataset, collator, resume_from: str | None = None) -> TrainResult:
+        t = self.training
+        total = self.plan.total_steps(t.max_steps, t.num_train_epochs, len(dataset))
+        schedule = LRSchedule(t.learning_rate, schedule_name(t.lr_scheduler_type), total, t.warmup_steps)
+        if resume_from:
+            self.state = checkpointing.load(resume_from, self.chunks, self.optimizer, self.state)
+        log_rank0(logger, "training %d steps of %d samples (micro-batch %d x grad-accum %d x dp %d), %d samples in "
+                  "the dataset", total, self.plan.global_batch_size, self.plan.micro_batch_size,
+                  self.plan.grad_accum, self.plan.dp_size, len(dataset))
+        writer = MetricsWriter(t.output_dir, total, initial_step=self.state.global_step, fresh=resume_from is None,
+                               report_to=t.report_to)
+        window: list[StepStats] = []
+        window_start = time.perf_counter()
+        try:
+            for chunk in self.chunks:
+                chunk.train()
+            while self.state.global_step < total:
+                stats = self._train_step(dataset, collator, schedule)
+                window.append(stats)
+                writer.step_done()
+                step = self.state.global_step
+                if step % max(1, int(t.logging_steps)) == 0 or step == total:
+                    writer.log(step, self._log_record(window, time.perf_counter() - window_start, len(dataset)))
+                    window, window_start = [], time.perf_counter()
+                if self._should_save(step, total, len(dataset)):
+                    checkpointing.save(t.output_dir, self.chunks, self.optimizer, self.state, self.model_config,
+                                       keep=t.save_total_limit)
+        finally:
+            writer.close()
+        losses = [entry["loss"] for entry in writer.history if "loss" in entry]
+        if losses:
+            log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); logs in %s",
+                      losses[0], losses[-1], self.state.global_step, writer.path)
+        return TrainResult(log_history=writer.history, output_dir=t.output_dir,
+                           metrics={"skipped_steps": self.state.skipped_steps})
+
+    def _train_step(self, dataset, collator, schedule: LRSchedule) -> StepStats:
+        indices = self.plan.micro_batch_indices(self.state.global_step, len(dataset))
+        batches = collate_step(dataset, collator, indices)
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = schedule.apply(self.optimizer, self.state.global_step)
+        outputs = self._forward_backward(batches, forward_only=False)
+        loss, tokens, real = self._reduce(outputs, batches)
+        skipped = not math.isfinite(loss)
+        grad_norm = None
+        if not skipped:
+            updated, grad_norm, _ = self.optimizer.step()
+            skipped = not updated  # fp16: the grad scaler found inf/nan
+        if skipped:
+            self.state.skipped_steps += 1
+            logger.warning("step %d skipped: loss %s (skipped so far: %d)", self.state.global_step + 1, loss,
+                           self.state.skipped_steps)
+        self.state.global_step += 1
+        self.state.consumed_samples += self.plan.global_batch_size
+        return StepStats(loss, tokens, real, None if grad_norm is None else float(grad_norm), lr, skipped)
+
+    # ---- forward / backward ---------------------------------------------------------------------
+
+    def _forward_backward(self, batches: list[dict], forward_only: bool) -> list[dict]:
+        """Run the schedule over ``batches`` (this rank's micro-batches); the loss reports of the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if self.layout.pp > 1:  # the pipeline sends one activation shape per step
+            length = max(batch["input_ids"].shape[-1] for batch in batches)
+            batches = [pad_to_length(batch, length, self.pad_token_id) for batch in batches]
+        micro = [model_inputs(batch, self.device, self.cp_size, self.cp_rank) for batch in batches]
+        rows, length = micro[0]["input_ids"].shape
+        data = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=data, model=self.chunks,
+            num_microbatches=len(micro), seq_length=length * self.cp_size, micro_batch_size=rows,
+            forward_only=forward_only)
+
+    def _forward_step(self, data_iterator, model):
+        inputs = dict(next(data_iterator))  # every virtual stage reads the same micro-batch dicts
+        labels = inputs.pop("labels")
+        output = model(**inputs)
+        return output, lm_loss_func(labels, self.vocab_size)
+
+    def _reduce(self, outputs: list[dict], batches: list[dict]) -> tuple[float, int, int]:
+        """(per-token mean loss over the global batch, trainable tokens, real tokens): one all-reduce."""
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if self._owns_loss:
+            for out in outputs:
+                sums[:2] += out["lm loss"].to(sums)
+        if self._owns_tokens:
+            sums[2] = sum(real_tokens(batch, self.pad_token_id) for batch in batches)
+        dist.all_reduce(sums)
+        loss_sum, tokens, real = sums.tolist()
+        return loss_sum / max(tokens, 1.0), int(tokens), int(real)
+
+    # ---- evaluation -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, dataset, collator) -> dict[str, float]:
+        """``eval_loss``: the training loss definition (per-token mean) over the whole eval set."""
+        from roll import IGNORE_INDEX
+
+        plan = BatchPlan(self.training.per_device_eval_batch_size, 1, self.plan.dp_size, self.plan.dp_rank)
+        per_round = plan.global_batch_size
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for chunk in self.chunks:
+            chunk.eval()
+        rounds = math.ceil(len(dataset) / per_round)
+        micro_batches: list[dict] = []
+        for index in range(rounds):  # one micro-batch per round and rank; rows past the end train nothing
+            first = (index * plan.dp_size + plan.dp_rank) * plan.micro_batch_size
+            rows = [first + i for i in range(plan.micro_batch_size)]
+            batch = collator([dataset[r % len(dataset)] for r in rows])
+            batch["labels"][torch.tensor([r >= len(dataset) for r in rows])] = IGNORE_INDEX
+            micro_batches.append(batch)
+        outputs = self._forward_backward(micro_batches, forward_only=True)
+        if self._owns_loss:
+            for out in outputs:
+                totals += out["lm loss"].to(totals)
+        dist.all_reduce(totals)
+        for chunk in self.chunks:
+            chunk.train()
+        metrics = {"eval_loss": totals[0].item() / max(totals[1].item(), 1.0)}
+        log_rank0(logger, "eval_loss %.4f over %d samples", metrics["eval_loss"], len(dataset))
+        return metrics
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+
+    def _log_record(self, window: list[StepStats], seconds: float, num_samples: int) -> dict[str, float]:
+        done = [s for s in window if not s.skipped] or window
+        record = {"loss": sum(s.loss for s in done) / len(done)}
+        if window[-1].grad_norm is not None:
+            record["grad_norm"] = window[-1].grad_norm
+        record["learning_rate"] = window[-1].learning_rate
+        record["tokens_per_second"] = round(sum(s.real_tokens for s in window) / max(seconds, 1e-9), 2)
+        record["epoch"] = round(self.state.consumed_samples / num_samples, 4)
+        if self.state.skipped_steps:
+            record["skipped_steps"] = self.state.skipped_steps
+        return record
+
+    def _should_save(self, step: int, total: int, num_samples: int) -> bool:
+        strategy = str(getattr(self.training.save_strategy, "value", self.training.save_strategy))
+        if strategy == "steps":
+            every = self.training.save_steps
+            every = int(every) if every >= 1 else max(1, math.ceil(total * every))  # HF: < 1 is a ratio
+            return step % every == 0 or step == total
+        if strategy == "epoch":
+            per_epoch = math.ceil(num_samples / self.plan.global_batch_size)
+            return step % per_epoch == 0 or step == total
+        return False
+
+    def _layout_dict(self) -> dict:
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp_size, "cp": lay.cp, "ep": lay.ep, "etp": lay.expert_tp,
+                "dp": lay.dp}
+
+
+def resume_path(training) -> str | None:
+    """The checkpoint ``resume_from_checkpoint`` names (the standard backend's rule)."""
+    return checkpoints.resolve_resume(training.resume_from_checkpoint, training.output_dir)
+

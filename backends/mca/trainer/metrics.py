@@ -1,0 +1,87 @@
+"""What a Megatron run reports, on global rank 0, with the standard backend's names and places.
+
+- a progress bar (steps, with the last logged loss);
+- ``OUTPUT_DIR/train_log.jsonl``: one JSON object per logging step: ``step``, ``loss`` (mean of the
+  step losses since the previous log, as HF Trainer logs it), ``grad_norm`` (last step),
+  ``learning_rate`` (the one the last update used), ``tokens_per_second`` (real tokens, all ranks),
+  ``epoch``, plus ``moe_aux_loss`` for MoE models and ``skipped_steps`` once a step was skipped;
+  evaluation records carry ``eval_loss``;
+- TensorBoard scalars (``train/loss``, ...) with ``report_to: tensorboard``, under ``TENSORBOARD_LOGGING_DIR``
+  or ``OUTPUT_DIR/runs`` (as Hugging Face's TensorBoard callback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from roll.logging import TRAIN_LOG_FILE, is_rank0, warn_once
+
+logger = logging.getLogger(__name__)
+
+
+def report_targets(report_to) -> set[str]:
+    """HF's ``report_to`` (a name, a list, 'all' or 'none') as a set of names."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    names = {str(n).strip().lower() for n in names}
+    if "all" in names:
+        names = {"tensorboard"}
+    return names - {"none", ""}
+
+
+class MetricsWriter:
+    """Progress bar, JSONL log and TensorBoard of one run; a no-op on ranks other than 0."""
+
+    def __init__(self, output_dir: str, total_steps: int, *, initial_step: int = 0, fresh: bool = True,
+                 report_to=None) -> None:
+        self.enabled = is_rank0()
+        self.path = os.path.join(output_dir, TRAIN_LOG_FILE)
+        self.history: list[dict] = []
+        self._bar = self._tensorboard = None
+        if not self.enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if fresh:
+            open(self.path, "w", encoding="utf-8").close()
+        if "tensorboard" in report_targets(report_to):
+            log_dir = os.path.expanduser(os.environ.get("TENSORBOARD_LOGGING_DIR") or os.path.join(output_dir, "runs"))
+            self._tensorboard = _tensorboard_writer(log_dir)
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="training", unit="step", dynamic_ncols=True)
+
+    def step_done(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def log(self, step: int, record: dict[str, float]) -> None:
+        """Append ``{"step": step, **record}`` to the log (rank 0), TensorBoard and the bar."""
+        entry = {"step": step, **record}
+        self.history.append(entry)
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                self._tensorboard.add_scalar(f"train/{key}" if not key.startswith("eval_") else
+                                             f"eval/{key[5:]}", value, step)
+        if self._bar is not None and "loss" in record:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warn_once(logger, "report_to: tensorboard needs the tensorboard package (pip install tensorboard); "
+                          "logging to train_log.jsonl only.")
+        return None
+    return SummaryWriter(log_dir=log_dir)
