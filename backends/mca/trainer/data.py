@@ -1,11 +1,13 @@
 """The one shared sample order (DESIGN.md section 3), sharded over data-parallel ranks as micro-batches.
 
-The dataset arrives already shuffled once with the seed; both backends read it in order as one
-stream (epoch after epoch), global step ``k`` consuming samples ``[k*B, (k+1)*B)`` with
-``B = micro_batch * grad_accum * dp``. Inside a step, micro-batch ``j`` of data-parallel rank ``r``
-is slice ``j * dp + r`` of those samples: the same split accelerate makes on the standard backend,
-so both backends also pad the same rows together. Position in the stream is the only state, so a
-resumed run continues from ``step * B`` exactly.
+The dataset arrives already shuffled once with the seed; both backends read it in that order, epoch
+after epoch. An epoch is ``ceil(N / B)`` optimizer steps with ``B = micro_batch * grad_accum * dp``;
+its step ``j`` consumes samples ``[j*B, (j+1)*B)`` (the last step of an epoch takes what is left, as
+Hugging Face's Trainer does without ``dataloader_drop_last``). Inside a step, micro-batch ``m`` of
+data-parallel rank ``r`` is slice ``m * dp + r`` of those samples: the split accelerate makes on the
+standard backend, so both backends also pad the same rows together. Slots past the end of the data
+are filled with a two-token row that trains nothing, so every rank runs the same number of
+micro-batches. The step number is the only state, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from roll import IGNORE_INDEX
 from roll.data.collators import cu_seqlens_from_positions
+from roll.data.policy import PAIR_PREFIXES
 
 
 @dataclass(frozen=True)
@@ -33,33 +36,65 @@ class BatchPlan:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.grad_accum * self.dp_size
 
-    def micro_batch_indices(self, step: int, num_samples: int) -> list[list[int]]:
-        """Dataset indices of this rank's micro-batches in global step ``step`` (0-based).
+    def steps_per_epoch(self, num_samples: int) -> int:
+        return max(1, math.ceil(num_samples / self.global_batch_size))
 
-        Example: micro_batch_size 2, grad_accum 2, dp 2, dp_rank 1, 10 samples::
+    def micro_batch_indices(self, step: int, num_samples: int) -> list[list[int | None]]:
+        """Dataset indices of this rank's micro-batches in global step ``step`` (0-based); None marks
+        a slot past the end of the epoch.
+
+        Example: micro_batch_size 2, grad_accum 2, dp 2, dp_rank 1, 10 samples (3 steps an epoch)::
 
             micro_batch_indices(0, 10) -> [[2, 3], [6, 7]]
-            micro_batch_indices(1, 10) -> [[0, 1], [4, 5]]     (the stream wraps: 10, 11 -> 0, 1)
+            micro_batch_indices(2, 10) -> [[None, None], [None, None]]   (samples 8, 9 are rank 0's)
+            micro_batch_indices(3, 10) -> [[2, 3], [6, 7]]               (the next epoch)
         """
-        start = step * self.global_batch_size
+        start = (step % self.steps_per_epoch(num_samples)) * self.global_batch_size
         out = []
-        for j in range(self.grad_accum):
-            first = start + (j * self.dp_size + self.dp_rank) * self.micro_batch_size
-            out.append([(first + i) % num_samples for i in range(self.micro_batch_size)])
+        for m in range(self.grad_accum):
+            first = start + (m * self.dp_size + self.dp_rank) * self.micro_batch_size
+            out.append([i if i < num_samples else None for i in range(first, first + self.micro_batch_size)])
         return out
 
+    def samples_in_step(self, step: int, num_samples: int) -> int:
+        """Real samples global step ``step`` consumes on all ranks (fewer at an epoch's end)."""
+        start = (step % self.steps_per_epoch(num_samples)) * self.global_batch_size
+        return min(self.global_batch_size, num_samples - start)
+
     def total_steps(self, max_steps: int, num_train_epochs: float, num_samples: int) -> int:
-        """``max_steps`` when positive, else ``num_train_epochs`` passes over the data (a partial last
-        batch counts as a step, as on the standard backend; it is filled from the next epoch)."""
+        """``max_steps`` when positive, else ``num_train_epochs`` epochs."""
         if max_steps > 0:
             return max_steps
-        per_epoch = math.ceil(num_samples / self.global_batch_size)
-        return max(1, math.ceil(num_train_epochs * per_epoch))
+        return max(1, math.ceil(num_train_epochs * self.steps_per_epoch(num_samples)))
 
 
-def collate_step(dataset, collator: Callable[[list[dict]], dict], indices: list[list[int]]) -> list[dict]:
-    """Collate each micro-batch of ``indices`` from ``dataset`` with the shared collator."""
-    return [collator([dataset[i] for i in micro]) for micro in indices]
+def filler_row(example: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
+    """A two-token row shaped like ``example`` that trains nothing (all labels IGNORE_INDEX, no attention).
+
+    Example (``pad_token_id=0``)::
+
+        filler_row({"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [-100, 6, 7]}, 0)
+        -> {"input_ids": [0, 0], "attention_mask": [0, 0], "labels": [-100, -100]}
+    """
+    fill = {"input_ids": [pad_token_id] * 2, "attention_mask": [0, 0], "labels": [IGNORE_INDEX] * 2,
+            "position_ids": [0, 1]}
+    out = {}
+    for key, value in example.items():
+        base = next((key[len(p):] for p in PAIR_PREFIXES if key.startswith(p)), key)
+        if base in fill:
+            out[key] = fill[base]
+        elif key == "seq_lens":  # packed rows list their samples' lengths
+            out[key] = None if value is None else [2]
+        else:
+            out[key] = value
+    return out
+
+
+def collate_step(dataset, collator: Callable[[list[dict]], dict], indices: list[list[int | None]],
+                 pad_token_id: int) -> list[dict]:
+    """Collate each micro-batch of ``indices`` from ``dataset``; None slots become filler rows."""
+    filler = filler_row(dataset[0], pad_token_id)
+    return [collator([dataset[i] if i is not None else filler for i in micro]) for micro in indices]
 
 
 def pad_to_length(batch: dict[str, torch.Tensor], length: int, pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
 from backends.mca.trainer.loss import lm_loss_func
-from backends.mca.trainer.metrics import MetricsWriter
+from backends.mca.trainer.metrics import MetricsWriter, append_log
 from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_name, wrap_ddp
 from roll import checkpoints
 from roll.contract import TrainResult
@@ -40,6 +40,7 @@ class StepStats:
     grad_norm: float | None
     learning_rate: float
     skipped: bool
+    moe_aux_loss: float | None = None
 
 
 class MegatronTrainer:
@@ -117,13 +118,14 @@ class MegatronTrainer:
 
     def _train_step(self, dataset, collator, schedule: LRSchedule) -> StepStats:
         indices = self.plan.micro_batch_indices(self.state.global_step, len(dataset))
-        batches = collate_step(dataset, collator, indices)
+        batches = collate_step(dataset, collator, indices, self.pad_token_id)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = schedule.apply(self.optimizer, self.state.global_step)
         outputs = self._forward_backward(batches, forward_only=False)
         loss, tokens, real = self._reduce(outputs, batches)
+        aux_loss = moe_aux_loss(self.model_config, len(batches))
         skipped = not math.isfinite(loss)
         grad_norm = None
         if not skipped:
@@ -133,9 +135,9 @@ class MegatronTrainer:
             self.state.skipped_steps += 1
             logger.warning("step %d skipped: loss %s (skipped so far: %d)", self.state.global_step + 1, loss,
                            self.state.skipped_steps)
+        self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
         self.state.global_step += 1
-        self.state.consumed_samples += self.plan.global_batch_size
-        return StepStats(loss, tokens, real, None if grad_norm is None else float(grad_norm), lr, skipped)
+        return StepStats(loss, tokens, real, None if grad_norm is None else float(grad_norm), lr, skipped, aux_loss)
 
     # ---- forward / backward ---------------------------------------------------------------------
 
@@ -176,22 +178,17 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def evaluate(self, dataset, collator) -> dict[str, float]:
-        """``eval_loss``: the training loss definition (per-token mean) over the whole eval set."""
-        from roll import IGNORE_INDEX
-
-        plan = BatchPlan(self.training.per_device_eval_batch_size, 1, self.plan.dp_size, self.plan.dp_rank)
-        per_round = plan.global_batch_size
+        """``eval_loss``: the training loss definition (per-token mean) over the whole eval set; also
+        appended to train_log.jsonl at the current step."""
+        mbs = self.training.per_device_eval_batch_size
+        rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
+        if self.layout.vpp_size > 1:
+            rounds = max(rounds, self.layout.pp)  # the interleaved schedule needs >= PP micro-batches
+        plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
+        micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for chunk in self.chunks:
             chunk.eval()
-        rounds = math.ceil(len(dataset) / per_round)
-        micro_batches: list[dict] = []
-        for index in range(rounds):  # one micro-batch per round and rank; rows past the end train nothing
-            first = (index * plan.dp_size + plan.dp_rank) * plan.micro_batch_size
-            rows = [first + i for i in range(plan.micro_batch_size)]
-            batch = collator([dataset[r % len(dataset)] for r in rows])
-            batch["labels"][torch.tensor([r >= len(dataset) for r in rows])] = IGNORE_INDEX
-            micro_batches.append(batch)
         outputs = self._forward_backward(micro_batches, forward_only=True)
         if self._owns_loss:
             for out in outputs:
@@ -201,6 +198,7 @@ class MegatronTrainer:
             chunk.train()
         metrics = {"eval_loss": totals[0].item() / max(totals[1].item(), 1.0)}
         log_rank0(logger, "eval_loss %.4f over %d samples", metrics["eval_loss"], len(dataset))
+        append_log(self.training.output_dir, {"step": self.state.global_step, **metrics})
         return metrics
 
     # ---- bookkeeping ----------------------------------------------------------------------------
@@ -212,7 +210,10 @@ class MegatronTrainer:
             record["grad_norm"] = window[-1].grad_norm
         record["learning_rate"] = window[-1].learning_rate
         record["tokens_per_second"] = round(sum(s.real_tokens for s in window) / max(seconds, 1e-9), 2)
-        record["epoch"] = round(self.state.consumed_samples / num_samples, 4)
+        record["epoch"] = round(self.state.global_step / self.plan.steps_per_epoch(num_samples), 4)
+        aux = [s.moe_aux_loss for s in window if s.moe_aux_loss is not None]
+        if aux:
+            record["moe_aux_loss"] = sum(aux) / len(aux)
         if self.state.skipped_steps:
             record["skipped_steps"] = self.state.skipped_steps
         return record
@@ -224,14 +225,32 @@ class MegatronTrainer:
             every = int(every) if every >= 1 else max(1, math.ceil(total * every))  # HF: < 1 is a ratio
             return step % every == 0 or step == total
         if strategy == "epoch":
-            per_epoch = math.ceil(num_samples / self.plan.global_batch_size)
-            return step % per_epoch == 0 or step == total
+            return step % self.plan.steps_per_epoch(num_samples) == 0 or step == total
         return False
 
     def _layout_dict(self) -> dict:
         lay = self.layout
         return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp_size, "cp": lay.cp, "ep": lay.ep, "etp": lay.expert_tp,
                 "dp": lay.dp}
+
+
+def moe_aux_loss(config, num_microbatches: int) -> float | None:
+    """The MoE load-balancing loss of the last step as Megatron tracks it (before its coefficient),
+    averaged over MoE layers and micro-batches, all ranks reduced; None for dense models. Collective."""
+    if not config.num_moe_experts:
+        return None
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker, reduce_aux_losses_tracker_across_ranks)
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if "load_balancing_loss" not in tracker:  # moe_aux_loss_coeff 0: nothing computed
+        return None
+    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+    freq = config.moe_layer_freq
+    moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, config.num_layers, freq))
+    value = tracker["load_balancing_loss"]["values"].sum().item() / (moe_layers * num_microbatches)
+    clear_aux_losses_tracker()
+    return value
 
 
 def resume_path(training) -> str | None:

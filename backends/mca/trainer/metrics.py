@@ -61,8 +61,7 @@ class MetricsWriter:
         self.history.append(entry)
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry) + "\n")
+        append_log(os.path.dirname(self.path), entry)
         if self._tensorboard is not None:
             for key, value in record.items():
                 self._tensorboard.add_scalar(f"train/{key}" if not key.startswith("eval_") else
@@ -75,6 +74,14 @@ class MetricsWriter:
             self._bar.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def append_log(output_dir: str, entry: dict) -> None:
+    """Append one record to OUTPUT_DIR/train_log.jsonl (global rank 0 only)."""
+    if is_rank0():
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, TRAIN_LOG_FILE), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
 
 
 def _tensorboard_writer(log_dir: str):

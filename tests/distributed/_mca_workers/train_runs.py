@@ -1,0 +1,52 @@
+"""Worker: several real training runs (roll.router.run, the production path) in one torchrun job.
+
+usage: torchrun --nproc_per_node=N train_runs.py SPEC.json RESULT.json
+
+SPEC.json: {"base": {recipe keys}, "runs": [{"name": str, "overrides": {key: value}}, ...]}. Every
+run starts from ``base`` + its overrides (``use_mca`` and ``nproc_per_node`` are set from the
+launch) and trains in this process; Megatron is torn down and brought up again between runs, the
+process group is kept (it is this worker's). Rank 0 writes {name: {"losses": [...], "grad_norms":
+[...], "log": [...]}} to RESULT.json. Starting the interpreter and importing Megatron once for all
+runs keeps a layout matrix affordable on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, REPO)
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from roll.config.parser import resolve
+    from roll.logging import setup_logging
+    from roll.router import run
+
+    spec_file, result_file = sys.argv[1:]
+    with open(spec_file, encoding="utf-8") as fh:
+        spec = json.load(fh)
+    setup_logging("WARNING")
+    dist.init_process_group("gloo")
+    results = {}
+    for item in spec["runs"]:
+        recipe = {**spec["base"], "use_mca": True, "nproc_per_node": dist.get_world_size()}
+        overrides = {key: str(value) for key, value in item.get("overrides", {}).items()}
+        result = run(resolve(recipe, overrides, None))
+        log = [entry for entry in result.log_history if "loss" in entry]
+        results[item["name"]] = {"losses": [entry["loss"] for entry in log],
+                                 "grad_norms": [entry.get("grad_norm") for entry in log], "log": log,
+                                 "metrics": result.metrics}
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(result_file, "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
