@@ -103,3 +103,48 @@ def test_backend_parity_sft_and_pt(tiny_model_dir, tmp_path):
         reference = standard[name.split("_")[0]]
         assert_close(result["losses"][:1], reference[:1], 1e-5, f"{name} step 1")
         assert_close(result["losses"], reference, 1e-3, name)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """A run resumed from its step-3 checkpoint repeats steps 4-6 exactly at the same layout, and within
+    1e-4 at another TP / PP / DP layout; the distributed optimizer too (resumed from step 4, with
+    save_total_limit keeping the newest two checkpoints)."""
+    full, dist_opt = tmp_path / "full", tmp_path / "dist_opt"
+    base = {**SFT, "model_name_or_path": tiny_model_dir, "max_steps": 6, "output_dir": str(full),
+            "tensor_model_parallel_size": 2, "gradient_accumulation_steps": 2}
+    resume = {"resume_from_checkpoint": str(full / "checkpoint-3")}
+    dp2 = {"tensor_model_parallel_size": 1, "gradient_accumulation_steps": 1}
+    result = train_runs(tmp_path, base, [
+        {"name": "full", "overrides": {"save_strategy": "steps", "save_steps": 3}},
+        {"name": "same_layout", "overrides": {**resume, "output_dir": str(tmp_path / "same")}},
+        {"name": "pp2", "overrides": {**resume, "output_dir": str(tmp_path / "pp2"), "tensor_model_parallel_size": 1,
+                                      "pipeline_model_parallel_size": 2}},
+        {"name": "dp2", "overrides": {**resume, **dp2, "output_dir": str(tmp_path / "dp2")}},
+        {"name": "dist_opt", "overrides": {**dp2, "use_distributed_optimizer": True, "output_dir": str(dist_opt),
+                                           "save_strategy": "steps", "save_steps": 2, "save_total_limit": 2}},
+        {"name": "dist_opt_resumed", "overrides": {**dp2, "use_distributed_optimizer": True,
+                                                   "output_dir": str(tmp_path / "dist_opt_resumed"),
+                                                   "resume_from_checkpoint": str(dist_opt / "checkpoint-4")}},
+    ])
+    uninterrupted = result["full"]["losses"]
+    assert result["same_layout"]["losses"] == uninterrupted[3:]
+    for name in ("pp2", "dp2"):
+        assert_close(result[name]["losses"], uninterrupted[3:], 1e-4, name)
+    assert result["dist_opt_resumed"]["losses"] == result["dist_opt"]["losses"][4:]
+    assert sorted(os.listdir(full)) == ["checkpoint-3", "checkpoint-6", "train_log.jsonl"]
+    assert sorted(p for p in os.listdir(dist_opt) if p.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-6"]
+    state = json.loads((full / "checkpoint-3" / "trainer_state.json").read_text())
+    assert (state["global_step"], state["consumed_samples"], state["global_batch_size"]) == (3, 24, 8)
+
+
+@pytest.mark.parametrize("layout", [[], ["context_parallel_size=2"]], ids=["tp1", "cp2"])
+def test_packed_equals_unpacked_on_the_same_samples(tiny_model_dir, tmp_path, layout):
+    """THD packing (PackedSeqParams, per-sample causal attention and RoPE) trains exactly like the same
+    samples unpacked; with context parallelism every packed sample is split into 2 x CP chunks."""
+    result = tmp_path / "result.json"
+    proc = torchrun(os.path.join(WORKERS, "packed_runs.py"), tiny_model_dir, str(result), *layout,
+                    nproc=2 if layout else 1, timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    losses = json.loads(result.read_text())
+    assert len(losses["packed"]) == 5
+    assert_close(losses["packed"], losses["unpacked"], 1e-5, "packed")

@@ -76,6 +76,11 @@ def test_optional_and_literal_values(recipe):
     (["deepspeed=/no/such/ds.json"], ["/no/such/ds.json", "does not exist"]),
     (["--use-mca", "finetuning_type=freeze"], ["freeze", "mca backend"]),
     (["--max_steps"], ["--max_steps", "needs a value"]),
+    (["--use-mca", "lr_scheduler_type=polynomial"], ["'polynomial'", "mca backend", "constant_with_warmup, linear"]),
+    (["--use-mca", "save_strategy=best"], ["save_strategy 'best'", "steps, epoch or no"]),
+    (["--use-mca", "stage=dpo"], ["stage 'dpo' is not supported by the mca backend"]),
+    (["--use-mca", "nproc_per_node=2", "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"],
+     ["at least pipeline_model_parallel_size(2) micro-batches", "gradient_accumulation_steps is 1"]),
 ])
 def test_bad_values_name_the_key(recipe, argv, fragments):
     with pytest.raises(ConfigError) as info:

@@ -43,11 +43,11 @@ class BatchPlan:
         """Dataset indices of this rank's micro-batches in global step ``step`` (0-based); None marks
         a slot past the end of the epoch.
 
-        Example: micro_batch_size 2, grad_accum 2, dp 2, dp_rank 1, 10 samples (3 steps an epoch)::
+        Example: micro_batch_size 2, grad_accum 2, dp 2, dp_rank 1, 10 samples (2 steps an epoch)::
 
             micro_batch_indices(0, 10) -> [[2, 3], [6, 7]]
-            micro_batch_indices(2, 10) -> [[None, None], [None, None]]   (samples 8, 9 are rank 0's)
-            micro_batch_indices(3, 10) -> [[2, 3], [6, 7]]               (the next epoch)
+            micro_batch_indices(1, 10) -> [[None, None], [None, None]]   (samples 8, 9 are rank 0's)
+            micro_batch_indices(2, 10) -> [[2, 3], [6, 7]]               (the next epoch)
         """
         start = (step % self.steps_per_epoch(num_samples)) * self.global_batch_size
         out = []

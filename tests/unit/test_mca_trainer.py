@@ -1,0 +1,116 @@
+"""The Megatron loop's pure pieces: sample order, filler rows, LR curves, batch shaping, vocab masking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roll import IGNORE_INDEX
+
+pytest.importorskip("megatron.core")
+
+from backends.mca.trainer.data import BatchPlan, filler_row, model_inputs, pad_to_length  # noqa: E402
+from backends.mca.trainer.metrics import report_targets  # noqa: E402
+from backends.mca.trainer.optim import LR_SCHEDULES, LRSchedule, schedule_name  # noqa: E402
+from roll.errors import ConfigError  # noqa: E402
+
+
+def test_batch_plan_docstring_example():
+    plan = BatchPlan(micro_batch_size=2, grad_accum=2, dp_size=2, dp_rank=1)
+    assert plan.micro_batch_indices(0, 10) == [[2, 3], [6, 7]]
+    assert plan.micro_batch_indices(1, 10) == [[None, None], [None, None]]  # samples 8, 9 are rank 0's
+    assert plan.micro_batch_indices(2, 10) == [[2, 3], [6, 7]]  # the next epoch
+    assert [plan.samples_in_step(k, 10) for k in range(4)] == [8, 2, 8, 2]
+
+
+def test_batch_plan_covers_every_sample_once_per_epoch():
+    """All ranks together read each sample exactly once per epoch, in the shared order."""
+    num_samples, steps = 23, 3
+    seen = []
+    for step in range(steps):
+        for rank in range(2):
+            plan = BatchPlan(micro_batch_size=2, grad_accum=3, dp_size=2, dp_rank=rank)
+            seen += [i for micro in plan.micro_batch_indices(step, num_samples) for i in micro if i is not None]
+    assert BatchPlan(2, 3, 2).steps_per_epoch(num_samples) == 2
+    assert sorted(seen) == sorted(list(range(num_samples)) + list(range(12)))  # epoch 2 starts over
+    plan = BatchPlan(2, 3, 2)
+    assert [plan.samples_in_step(k, num_samples) for k in range(3)] == [12, 11, 12]
+    assert plan.total_steps(-1, 2.0, num_samples) == 4 and plan.total_steps(7, 2.0, num_samples) == 7
+
+
+def test_filler_row_docstring_example_and_pairs():
+    assert filler_row({"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [-100, 6, 7]}, 0) == {
+        "input_ids": [0, 0], "attention_mask": [0, 0], "labels": [-100, -100]}
+    packed = filler_row({"input_ids": [5], "labels": [5], "position_ids": [0], "seq_lens": [1]}, 9)
+    assert packed == {"input_ids": [9, 9], "labels": [-100, -100], "position_ids": [0, 1], "seq_lens": [2]}
+    pair = filler_row({"chosen_labels": [1], "rejected_input_ids": [2]}, 0)
+    assert pair == {"chosen_labels": [-100, -100], "rejected_input_ids": [0, 0]}
+
+
+@pytest.mark.parametrize("name", LR_SCHEDULES)
+@pytest.mark.parametrize("warmup", [0, 3, 0.25])
+def test_lr_schedule_equals_transformers(name, warmup):
+    """Both backends apply the same learning rate at every step."""
+    from transformers import get_scheduler
+
+    total, base = 12, 0.1
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+    warmup_steps = warmup if warmup >= 1 else int(-(-total * warmup // 1))
+    hf = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total)
+    ours = LRSchedule(base, name, total, warmup)
+    for step in range(total):
+        assert ours.lr(step) == pytest.approx(hf.get_last_lr()[0], abs=1e-12), (name, warmup, step)
+        optimizer.step()
+        hf.step()
+
+
+def test_unknown_lr_schedule_names_the_choices():
+    with pytest.raises(ConfigError, match="polynomial.*constant, constant_with_warmup, linear, cosine"):
+        schedule_name("polynomial")
+    assert schedule_name("cosine") == "cosine"
+
+
+def test_pad_to_length_rebuilds_packed_boundaries():
+    from roll.data.collators import cu_seqlens_from_positions
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[-100, 6, 7]]),
+             "position_ids": torch.tensor([[0, 1, 0]])}
+    batch["cu_seqlens"] = cu_seqlens_from_positions(batch["position_ids"])
+    out = pad_to_length(batch, 5, pad_token_id=0)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 0, 0]]
+    assert out["labels"].tolist() == [[-100, 6, 7, IGNORE_INDEX, IGNORE_INDEX]]
+    assert out["position_ids"].tolist() == [[0, 1, 0, 0, 1]]
+    assert out["cu_seqlens"].tolist() == [0, 2, 3, 5]  # the padding tail is a segment of its own
+
+
+def test_model_inputs_thd_and_context_parallel_slices():
+    batch = {"input_ids": torch.arange(16).reshape(2, 8), "labels": torch.arange(16).reshape(2, 8),
+             "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)}
+    batch["cu_seqlens"] = torch.tensor([0, 4, 8, 12, 16], dtype=torch.int32)
+    packed = model_inputs(batch, torch.device("cpu"))
+    assert packed["input_ids"].shape == (1, 16) and packed["attention_mask"] is None
+    assert packed["packed_seq_params"].qkv_format == "thd"
+    assert packed["packed_seq_params"].cu_seqlens_q.tolist() == [0, 4, 8, 12, 16]
+    cp = model_inputs(batch, torch.device("cpu"), cp_size=2, cp_rank=1)  # chunks 1 and 2 of every sample
+    assert cp["input_ids"].tolist() == [[1, 2, 5, 6, 9, 10, 13, 14]]
+    plain = model_inputs({"input_ids": torch.arange(8).reshape(1, 8), "labels": torch.zeros(1, 8)},
+                         torch.device("cpu"), cp_size=2, cp_rank=0)
+    assert plain["input_ids"].tolist() == [[0, 1, 6, 7]] and plain["packed_seq_params"] is None
+
+
+def test_padded_vocabulary_columns_are_minus_infinity(monkeypatch):
+    from megatron.core import parallel_state
+
+    from backends.mca.trainer.loss import mask_padded_vocab
+
+    logits = torch.zeros(2, 8)  # this rank's slice of a 16-column (padded) vocabulary of 10 tokens
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    masked = mask_padded_vocab(logits, vocab_size=10)
+    assert torch.isfinite(masked[:, :2]).all() and torch.isinf(masked[:, 2:]).all()
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    assert mask_padded_vocab(logits, vocab_size=10) is logits  # no padded column on rank 0
+
+
+def test_report_to_names():
+    assert report_targets("none") == set() and report_targets(None) == set()
+    assert report_targets(["tensorboard", "none"]) == {"tensorboard"} and report_targets("all") == {"tensorboard"}
