@@ -114,3 +114,12 @@ def test_padded_vocabulary_columns_are_minus_infinity(monkeypatch):
 def test_report_to_names():
     assert report_targets("none") == set() and report_targets(None) == set()
     assert report_targets(["tensorboard", "none"]) == {"tensorboard"} and report_targets("all") == {"tensorboard"}
+
+
+def test_resuming_from_a_standard_backend_checkpoint_is_refused(tmp_path):
+    """HF Trainer checkpoints also hold a trainer_state.json; only a Megatron run's checkpoint resumes."""
+    from backends.mca.trainer.checkpointing import TrainerState, load
+
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 3, "log_history": []}')
+    with pytest.raises(ConfigError, match="not a checkpoint of a Megatron"):
+        load(str(tmp_path), [], None, TrainerState())

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from backends.mca.checkpoint import sharded_model_state_dict
+from backends.mca.models.config import MCA_CONFIG_NAME
 from roll import checkpoints
 from roll.errors import ConfigError
 from roll.logging import log_rank0
@@ -92,7 +93,7 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
     from megatron.core import dist_checkpointing
 
     state_file = os.path.join(ckpt_dir, STATE_FILE)
-    if not os.path.isfile(state_file):
+    if not (os.path.isfile(state_file) and os.path.isfile(os.path.join(ckpt_dir, MCA_CONFIG_NAME))):
         raise ConfigError(f"{ckpt_dir} has no {STATE_FILE}: it is not a checkpoint of a Megatron (--use-mca) run. "
                           "Point resume_from_checkpoint at an OUTPUT_DIR/checkpoint-N written with --use-mca.")
     with open(state_file, encoding="utf-8") as fh:
