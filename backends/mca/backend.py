@@ -4,8 +4,8 @@
 parallelism, of 2 * CP under context parallelism); ``setup_distributed`` brings up torch.distributed
 and the model-parallel groups; ``load_models`` converts an HF checkpoint on the fly (or loads a
 Megatron checkpoint at any layout); ``train`` / ``evaluate`` run ``trainer.MegatronTrainer`` (Megatron
-DDP, distributed optimizer, pipeline schedules, per-token loss, checkpoints); ``save`` exports the
-final model in HF format.
+DDP, distributed optimizer, pipeline schedules, per-token loss or DPO against a frozen reference,
+checkpoints); ``save`` exports the final model in HF format.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from roll.errors import ConfigError
 
 @register_backend("mca")
 class McaBackend(Backend):
-    # DPO and LoRA on Megatron are the next milestones; refusing them here fails at config time.
-    supported_stages = frozenset({"pt", "sft"})
+    supported_stages = frozenset({"pt", "sft", "dpo"})
+    # LoRA on Megatron is the next milestone; refusing it here fails at config time.
     supported_finetuning_types = frozenset({"full"})
 
     def __init__(self, config) -> None:
@@ -68,13 +68,26 @@ class McaBackend(Backend):
         return models  # full fine-tuning: every parameter of every chunk trains
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
-        """pt/sft with Megatron's schedules, DDP and optimizer; checkpoints and logs in output_dir."""
+        """pt/sft/dpo with Megatron's schedules, DDP and optimizer; checkpoints and logs in output_dir."""
         from backends.mca.trainer.loop import MegatronTrainer, resume_path
 
         resume = resume_path(self.config.training)  # a wrong path fails here, before any work
         self._trainer = MegatronTrainer(models.policy, self.config.training, self.config.megatron, self.config.layout,
-                                        pad_token_id=job.tokenizer.pad_token_id)
+                                        pad_token_id=job.tokenizer.pad_token_id,
+                                        objective=self._objective(job.stage, models))
         return self._trainer.train(job.train_dataset, job.collator, resume_from=resume)
+
+    def _objective(self, stage: str, models: ModelBundle):
+        """What the loop optimises: the LM loss (pt, sft) or DPO against the frozen reference (None: ref_free)."""
+        from backends.mca.trainer.loss import DPOSettings
+        from backends.mca.trainer.step import DPOObjective, LanguageModelObjective
+
+        vocab_size = models.policy[0].config.vocab_size
+        if stage != "dpo":
+            return LanguageModelObjective(vocab_size)
+        ft = self.config.finetuning
+        settings = DPOSettings(beta=ft.pref_beta, loss_type=ft.pref_loss, label_smoothing=ft.pref_label_smoothing)
+        return DPOObjective(vocab_size, settings, models.ref)
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         """``eval_loss`` on job.eval_dataset with the training loss definition (after train)."""

@@ -34,9 +34,23 @@ def build_hf_args(config, deepspeed):
     if finetuning.stage == "dpo":
         from trl import DPOConfig
 
-        return DPOConfig(**kwargs, beta=finetuning.pref_beta, loss_type=[finetuning.pref_loss],
+        return DPOConfig(**kwargs, beta=finetuning.pref_beta, **_dpo_loss(finetuning),
                          label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
                          precompute_ref_log_probs=finetuning.ref_free)  # RollDPOTrainer fills zeros
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)
+
+
+def _dpo_loss(finetuning) -> dict:
+    """TRL's loss_type (and weights) for pref_loss.
+
+    TRL 1.16's ``sigmoid`` ignores ``label_smoothing``; conservative DPO,
+    ``-(1 - eps) logsigmoid(x) - eps logsigmoid(-x)``, is exactly ``2 (1 - eps) * sigmoid - (1 - 2 eps) *
+    robust`` in TRL's terms (``robust = (-(1 - eps) logsigmoid(x) + eps logsigmoid(-x)) / (1 - 2 eps)``),
+    so that is what pref_label_smoothing > 0 asks TRL for (the mca backend computes the same loss).
+    """
+    eps = finetuning.pref_label_smoothing
+    if finetuning.pref_loss == "sigmoid" and eps > 0:
+        return {"loss_type": ["sigmoid", "robust"], "loss_weights": [2 * (1 - eps), -(1 - 2 * eps)]}
+    return {"loss_type": [finetuning.pref_loss]}

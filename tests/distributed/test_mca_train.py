@@ -41,15 +41,19 @@ def assert_close(losses: list[float], reference: list[float], rel: float, what: 
         assert abs(a - b) <= rel * abs(b), f"{what}: step {step} loss {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
 
 
-def standard_losses(tmp_path, base: dict, name: str, **overrides) -> list[float]:
-    """The standard backend (one process) on the same recipe: losses from its train_log.jsonl."""
+def standard_log(tmp_path, base: dict, name: str, **overrides) -> list[dict]:
+    """The standard backend (one process) on the same recipe: the training records of its train_log.jsonl."""
     out = tmp_path / name
     recipe = tmp_path / f"{name}.yaml"
     recipe.write_text(json.dumps({**base, **overrides, "output_dir": str(out)}))  # JSON is YAML
     proc = roll_train(str(recipe), timeout=300)
     assert proc.returncode == 0, output_of(proc)
     with open(out / "train_log.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line)["loss"] for line in fh if '"loss"' in line]
+        return [record for record in map(json.loads, fh) if "loss" in record]
+
+
+def standard_losses(tmp_path, base: dict, name: str, **overrides) -> list[float]:
+    return [record["loss"] for record in standard_log(tmp_path, base, name, **overrides)]
 
 
 def test_layouts_give_the_same_losses(tiny_model_factory, tmp_path):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
-from backends.mca.trainer.loss import lm_loss_func
+from backends.mca.trainer.step import REPORT, LanguageModelObjective, run_schedule
 from backends.mca.trainer.metrics import MetricsWriter, append_log
 from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_name, wrap_ddp
 from roll import checkpoints
@@ -35,7 +35,8 @@ class StepStats:
     """One step's numbers, summed over the ranks that own them (see ``_reduce``)."""
 
     loss: float
-    tokens: int
+    metrics: dict[str, float]
+    """The objective's other metrics (DPO rewards, log-probs)."""
     real_tokens: int
     grad_norm: float | None
     learning_rate: float
@@ -51,18 +52,20 @@ class MegatronTrainer:
     validated ParallelLayout.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], training, megatron_args, layout, pad_token_id: int) -> None:
+    def __init__(self, chunks: list[torch.nn.Module], training, megatron_args, layout, pad_token_id: int,
+                 objective=None) -> None:
         from megatron.core import parallel_state as ps
 
         self.training, self.layout, self.pad_token_id = training, layout, pad_token_id
         self.model_config = chunks[0].config
-        if len(chunks) > 1:
-            # The interleaved schedule posts a forward and a backward transfer to the same peer in one
-            # call (PP2 is a ring). Batched, both match in posting order and swap when their shapes
-            # agree; unbatched, Megatron sends each direction on its own group (as Megatron-LM's
-            # overlap_p2p_comm default does).
-            self.model_config.batch_p2p_comm = False
-        self.vocab_size = self.model_config.vocab_size
+        self.objective = objective or LanguageModelObjective(self.model_config.vocab_size)
+        for model in (chunks, getattr(self.objective, "ref_chunks", None) or []):
+            if len(model) > 1:
+                # The interleaved schedule posts a forward and a backward transfer to the same peer in
+                # one call (PP2 is a ring). Batched, both match in posting order and swap when their
+                # shapes agree; unbatched, Megatron sends each direction on its own group (as
+                # Megatron-LM's overlap_p2p_comm default does).
+                model[0].config.batch_p2p_comm = False
         self.chunks = wrap_ddp(chunks, megatron_args, fp16=training.fp16, bf16=training.bf16)
         self.optimizer = build_optimizer(self.chunks, training, megatron_args)
         install_hooks(self.chunks, self.optimizer, megatron_args)
@@ -124,7 +127,8 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         lr = schedule.apply(self.optimizer, self.state.global_step)
         outputs = self._forward_backward(batches, forward_only=False)
-        loss, tokens, real = self._reduce(outputs, batches)
+        metrics, real = self._reduce(outputs, batches)
+        loss = metrics.pop("loss")
         aux_loss = moe_aux_loss(self.model_config, len(batches))
         skipped = not math.isfinite(loss)
         grad_norm = None
@@ -137,66 +141,56 @@ class MegatronTrainer:
                            self.state.skipped_steps)
         self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
         self.state.global_step += 1
-        return StepStats(loss, tokens, real, None if grad_norm is None else float(grad_norm), lr, skipped, aux_loss)
+        return StepStats(loss, metrics, real, None if grad_norm is None else float(grad_norm), lr, skipped, aux_loss)
 
     # ---- forward / backward ---------------------------------------------------------------------
 
     def _forward_backward(self, batches: list[dict], forward_only: bool) -> list[dict]:
         """Run the schedule over ``batches`` (this rank's micro-batches); the loss reports of the last stage."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if self.layout.pp > 1:  # the pipeline sends one activation shape per step
             length = max(batch["input_ids"].shape[-1] for batch in batches)
             batches = [pad_to_length(batch, length, self.pad_token_id) for batch in batches]
         micro = [model_inputs(batch, self.device, self.cp_size, self.cp_rank) for batch in batches]
-        rows, length = micro[0]["input_ids"].shape
-        data = [iter(micro) for _ in self.chunks] if len(self.chunks) > 1 else iter(micro)
-        return get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=data, model=self.chunks,
-            num_microbatches=len(micro), seq_length=length * self.cp_size, micro_batch_size=rows,
-            forward_only=forward_only)
+        seq_length = micro[0]["input_ids"].shape[1] * self.cp_size
+        self.objective.prepare(micro, seq_length)
+        return run_schedule(self.chunks, micro, self._forward_step, forward_only=forward_only, seq_length=seq_length)
 
     def _forward_step(self, data_iterator, model):
-        inputs = dict(next(data_iterator))  # every virtual stage reads the same micro-batch dicts
-        labels = inputs.pop("labels")
-        output = model(**inputs)
-        return output, lm_loss_func(labels, self.vocab_size)
+        micro = next(data_iterator)  # every virtual stage reads the same micro-batch dicts: never mutate them
+        output = model(**{key: value for key, value in micro.items() if key not in ("labels", "ref_logps")})
+        return output, self.objective.loss_func(micro["labels"], micro)
 
-    def _reduce(self, outputs: list[dict], batches: list[dict]) -> tuple[float, int, int]:
-        """(per-token mean loss over the global batch, trainable tokens, real tokens): one all-reduce."""
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+    def _reduce(self, outputs: list[dict], batches: list[dict]) -> tuple[dict[str, float], int]:
+        """(the objective's metrics over the global batch, real tokens): one all-reduce of the reports."""
+        size = self.objective.report_size
+        sums = torch.zeros(size + 1, dtype=torch.float64, device=self.device)
         if self._owns_loss:
             for out in outputs:
-                sums[:2] += out["lm loss"].to(sums)
+                sums[:size] += out[REPORT].to(sums)
         if self._owns_tokens:
-            sums[2] = sum(real_tokens(batch, self.pad_token_id) for batch in batches)
+            sums[size] = sum(real_tokens(batch, self.pad_token_id) for batch in batches)
         dist.all_reduce(sums)
-        loss_sum, tokens, real = sums.tolist()
-        return loss_sum / max(tokens, 1.0), int(tokens), int(real)
+        values = sums.tolist()
+        return self.objective.metrics(values[:size]), int(values[size])
 
     # ---- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self, dataset, collator) -> dict[str, float]:
-        """``eval_loss``: the training loss definition (per-token mean) over the whole eval set; also
-        appended to train_log.jsonl at the current step."""
+        """``eval_loss`` (the training loss definition over the whole eval set; for dpo also the eval
+        rewards and log-probs), appended to train_log.jsonl at the current step."""
         mbs = self.training.per_device_eval_batch_size
         rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
         if self.layout.vpp_size > 1:
             rounds = max(rounds, self.layout.pp)  # the interleaved schedule needs >= PP micro-batches
         plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
         micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for chunk in self.chunks:
             chunk.eval()
         outputs = self._forward_backward(micro_batches, forward_only=True)
-        if self._owns_loss:
-            for out in outputs:
-                totals += out["lm loss"].to(totals)
-        dist.all_reduce(totals)
         for chunk in self.chunks:
             chunk.train()
-        metrics = {"eval_loss": totals[0].item() / max(totals[1].item(), 1.0)}
+        metrics = {f"eval_{name}": value for name, value in self._reduce(outputs, micro_batches)[0].items()}
         log_rank0(logger, "eval_loss %.4f over %d samples", metrics["eval_loss"], len(dataset))
         append_log(self.training.output_dir, {"step": self.state.global_step, **metrics})
         return metrics
@@ -206,6 +200,8 @@ class MegatronTrainer:
     def _log_record(self, window: list[StepStats], seconds: float, num_samples: int) -> dict[str, float]:
         done = [s for s in window if not s.skipped] or window
         record = {"loss": sum(s.loss for s in done) / len(done)}
+        for name in done[-1].metrics:
+            record[name] = sum(s.metrics[name] for s in done) / len(done)
         if window[-1].grad_norm is not None:
             record["grad_norm"] = window[-1].grad_norm
         record["learning_rate"] = window[-1].learning_rate

@@ -1,9 +1,11 @@
 """The loss contract on Megatron (DESIGN.md section 1), from vocab-parallel logits.
 
-The loss function returns ``(sum of token losses, number of trainable tokens, report)``; with
+For pt/sft the loss function returns ``(sum of token losses, number of trainable tokens, report)``; with
 ``calculate_per_token_loss`` the schedule does not divide, and ``finalize_model_grads`` scales the
 gradients by ``1 / tokens of the global batch`` (summed over micro-batches, DP and CP ranks). The
-step's loss is therefore the per-token mean over the global batch, as on the standard backend.
+step's loss is therefore the per-token mean over the global batch, as on the standard backend. For
+dpo it returns the sum of per-pair losses and the number of pairs: the mean over the pairs of the
+global batch.
 
 Padded vocabulary columns (the embedding is padded to a multiple of
 ``make_vocab_size_divisible_by * TP``) hold no token: their logits are set to -inf before the
@@ -13,9 +15,10 @@ and the loss differs from Hugging Face's).
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from roll import IGNORE_INDEX
 
@@ -47,13 +50,71 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int)
     return -losses * mask, mask
 
 
-def lm_loss_func(labels: torch.Tensor, vocab_size: int) -> Callable[[torch.Tensor], tuple]:
-    """The schedule's loss function for one micro-batch of pt/sft."""
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses, trainable tokens) of one pt/sft micro-batch."""
+    log_probs, mask = token_log_probs(logits, labels, vocab_size)
+    return -log_probs.sum(), mask.sum()
 
-    def loss_func(logits: torch.Tensor):
-        log_probs, mask = token_log_probs(logits, labels, vocab_size)
-        loss_sum = -log_probs.sum()
-        num_tokens = mask.sum().to(torch.int)
-        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
-    return loss_func
+def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of each row's response-token log-probs ``[rows]``, response tokens per row ``[rows]``).
+
+    With context parallelism each CP rank holds a part of every row: the parts are summed over the
+    CP group. The sum's backward also sums (every CP rank computes the same loss from the totals), so
+    each rank's gradient is CP times its share; the schedule's count is summed over CP ranks too,
+    which divides that factor out again in ``finalize_model_grads``.
+    """
+    from megatron.core import parallel_state as ps
+
+    log_probs, mask = token_log_probs(logits, labels, vocab_size)
+    logps, tokens = log_probs.sum(-1), mask.sum(-1)
+    if ps.get_context_parallel_world_size() > 1:
+        import torch.distributed.nn.functional as dist_fn
+
+        group = ps.get_context_parallel_group()
+        logps = dist_fn.all_reduce(logps, group=group)
+        tokens = dist_fn.all_reduce(tokens.float(), group=group).round().long()
+    return logps, tokens
+
+
+@dataclass(frozen=True)
+class DPOSettings:
+    """The recipe's DPO keys (pref_beta, pref_loss, pref_label_smoothing)."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+
+
+def dpo_losses(logps: torch.Tensor, ref_logps: torch.Tensor, tokens: torch.Tensor,
+               settings: DPOSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair DPO losses of rows [chosen..., rejected...] as TRL computes them, filler pairs (no
+    response token) zeroed; returns (losses [pairs], sums of the six logged metrics, real pairs).
+
+    - sigmoid: ``-logsigmoid(beta * delta)``; with label smoothing eps the conservative form
+      ``-(1 - eps) logsigmoid(beta * delta) - eps logsigmoid(-beta * delta)``;
+    - hinge: ``relu(1 - beta * delta)``;
+    - ipo: ``(delta_per_token - 1 / (2 beta))^2`` with each log-ratio divided by its response tokens;
+
+    where ``delta = (chosen - ref_chosen) - (rejected - ref_rejected)`` (log-prob sums).
+    """
+    chosen, rejected = logps.chunk(2)
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
+    chosen_tokens, rejected_tokens = tokens.chunk(2)
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    beta, eps = settings.beta, settings.label_smoothing
+    if settings.loss_type == "sigmoid":
+        delta = beta * (chosen_ratio - rejected_ratio)
+        losses = -(1 - eps) * F.logsigmoid(delta) - eps * F.logsigmoid(-delta)
+    elif settings.loss_type == "hinge":
+        losses = torch.relu(1 - beta * (chosen_ratio - rejected_ratio))
+    elif settings.loss_type == "ipo":
+        delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+        losses = (delta - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {settings.loss_type!r}; choose sigmoid, hinge or ipo")
+    valid = (chosen_tokens > 0).to(losses.dtype)
+    chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    stats = torch.stack([chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).to(losses.dtype),
+                         chosen_rewards - rejected_rewards, chosen.detach(), rejected.detach()])
+    return losses * valid, (stats * valid).sum(-1), valid.sum()
