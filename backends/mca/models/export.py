@@ -49,7 +49,7 @@ def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int
     units = ["pre", *range(config.num_layers), "post"]
     for unit in units:
         mine = {name: t for name, t in local.items() if _unit_of(name) == unit}
-        gathered = _gather_unit(mine)
+        gathered = gather_unit(mine)
         if writer is not None:
             full = {name: sharding.unpad_vocab(name, t, config) for name, t in gathered.items()}
             if config.tie_embeddings_and_output_weights:
@@ -72,8 +72,12 @@ def _unit_of(name: str) -> str | int:
     return int(name.split(".")[2])  # decoder.layers.<n>.
 
 
-def _gather_unit(mine: dict[str, tuple[torch.Tensor, sharding.Kind]]) -> dict[str, torch.Tensor]:
-    """All-gather TP shards inside the owning group, then collect one copy of each tensor on rank 0."""
+def gather_unit(mine: dict[str, tuple[torch.Tensor, sharding.Kind]]) -> dict[str, torch.Tensor]:
+    """All-gather TP shards inside the owning group, then collect one copy of each tensor on rank 0.
+
+    ``mine``: {canonical name: (this rank's tensor, its split kind)}; returns the full tensors on
+    global rank 0 and ``{}`` elsewhere (collective; also used by ``backends.mca.lora.export``).
+    """
     from megatron.core import parallel_state as ps
 
     send: dict[str, torch.Tensor] = {}

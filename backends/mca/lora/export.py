@@ -1,0 +1,109 @@
+"""LoRA adapters of Megatron chunks -> a Hugging Face PEFT adapter (and, optionally, the merged model).
+
+``save_hf_adapter`` gathers the adapter weights the way ``models/export.py`` gathers model weights
+(``gather_unit``: TP shards all-gathered, one holder per tensor, pipeline stages to rank 0), renames
+them to PEFT's keys and writes ``adapter_config.json`` + ``adapter_model.safetensors``:
+
+    decoder.layers.3.self_attention.linear_qkv.lora_A.k_proj
+        -> base_model.model.model.layers.3.self_attn.k_proj.lora_A.weight
+
+Because every HF projection has its own adapter inside the fused Megatron module, this is a plain
+rename: no splitting of a fused LoRA, and the result is exactly what PEFT would train on the HF model.
+``export_merged`` merges on the HF side (fp32 ``PeftModel.merge_and_unload``), from the written files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backends.mca.lora.apply import LoraSpec, is_lora_param, lora_spec_of
+from backends.mca.lora.utils import HF_PARENT
+from backends.mca.models.export import copy_tokenizer_files, gather_unit
+from backends.mca.models.gpt import chunk_placements
+from backends.mca.models.unwrap import unwrap_model
+from roll.errors import ModelError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_SUBDIR = "adapter_config.json", "adapter_model.safetensors", "merged"
+_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.linear_\w+\.lora_([AB])\.(\w+)$")
+
+
+def hf_adapter_name(canonical: str) -> str:
+    """Canonical Megatron adapter name (global layer) -> the key PEFT saves for it."""
+    m = _NAME.match(canonical)
+    if m is None:
+        raise ModelError(f"adapter parameter {canonical!r} has no HF PEFT name (only attention and dense-MLP "
+                         "adapters export).")
+    layer, parent, ab, proj = m.groups()
+    return f"base_model.model.model.layers.{layer}.{HF_PARENT[parent]}.{proj}.lora_{ab}.weight"
+
+
+def gather_adapter(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Full adapter tensors under HF PEFT names on global rank 0 (``{}`` elsewhere). Collective."""
+    config = unwrap_model(chunks[0]).config
+    local = {}
+    for chunk, place in zip(chunks, chunk_placements(config), strict=True):
+        for name, param in unwrap_model(chunk).named_parameters():
+            if is_lora_param(name):
+                kind = "replicated"
+                if getattr(param, "tensor_model_parallel", False):
+                    kind = "column" if param.partition_dim == 0 else "row"
+                local[place.to_global(name)] = (param, kind)
+    full = gather_unit(local)
+    return {hf_adapter_name(name): t.float().contiguous() for name, t in sorted(full.items())}
+
+
+def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_path: str | None,
+                    spec: LoraSpec | None = None, tokenizer_dir: str | None = None) -> str:
+    """Write the chunks' adapter as a PEFT adapter directory that ``PeftModel.from_pretrained(hf_model,
+    out_dir)`` loads. Collective: every rank calls it; rank 0 writes. ``spec`` defaults to the one
+    ``apply_lora`` stored on the chunks. Returns ``out_dir``."""
+    from peft import LoraConfig, TaskType
+    from safetensors.torch import save_file
+
+    spec = spec or lora_spec_of(chunks)
+    tensors = gather_adapter(chunks)
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        LoraConfig(task_type=TaskType.CAUSAL_LM, r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                   target_modules=spec.hf_target_modules,
+                   base_model_name_or_path=base_model_name_or_path).save_pretrained(out_dir)
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, out_dir)
+        log_rank0(logger, "wrote LoRA adapter (%d tensors, PEFT format) to %s", len(tensors), out_dir)
+    dist.barrier()
+    return out_dir
+
+
+def export_merged(adapter_dir: str, base_model_name_or_path: str, out_dir: str | None = None,
+                  tokenizer_dir: str | None = None) -> str:
+    """Write base + adapter merged into a plain HF model (default ``adapter_dir/merged``); rank 0
+    merges in fp32 and saves in the base checkpoint's dtype. Collective (barrier). The base must be an
+    HF model directory (``config.json`` + safetensors)."""
+    out_dir = out_dir or os.path.join(adapter_dir, MERGED_SUBDIR)
+    if not os.path.isfile(os.path.join(base_model_name_or_path, "config.json")):
+        raise ModelError(f"export_merged: model_name_or_path {base_model_name_or_path!r} is not an HF model "
+                         "directory (no config.json); merge the adapter with PeftModel on an HF copy of the base.")
+    if dist.get_rank() == 0:
+        from peft import PeftModel
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype = getattr(AutoConfig.from_pretrained(base_model_name_or_path), "dtype", None) or torch.float32
+        base = AutoModelForCausalLM.from_pretrained(base_model_name_or_path, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+        merged = merged.to(dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype)))
+        merged.config.use_cache = True
+        merged.save_pretrained(out_dir)
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, out_dir)
+        log_rank0(logger, "merged model (base + LoRA adapter, merged in fp32) written to %s", out_dir)
+    dist.barrier()
+    return out_dir
