@@ -69,9 +69,11 @@ class McaBackend(Backend):
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
         """pt/sft/dpo with Megatron's schedules, DDP and optimizer; checkpoints and logs in output_dir."""
-        from backends.mca.trainer.loop import MegatronTrainer, resume_path
+        from backends.mca.trainer.loop import MegatronTrainer
+        from roll.checkpoints import resolve_resume
 
-        resume = resume_path(self.config.training)  # a wrong path fails here, before any work
+        training = self.config.training
+        resume = resolve_resume(training.resume_from_checkpoint, training.output_dir)  # a wrong path fails first
         self._trainer = MegatronTrainer(models.policy, self.config.training, self.config.megatron, self.config.layout,
                                         pad_token_id=job.tokenizer.pad_token_id,
                                         objective=self._objective(job.stage, models))

@@ -56,7 +56,8 @@ def test_dry_run_shows_megatron_batch(tiny_model_dir, tmp_path):
 @pytest.mark.mca
 def test_demo_recipe_trains_at_tp2_from_the_command_line(tiny_model_factory, tmp_path):
     """As a new user would: the demo recipe with --use-mca on 2 processes at TP2 trains (loss falls) and
-    ends in an HF model directory that transformers loads (the real 151k-token Qwen2.5 tokenizer)."""
+    ends in an HF model directory that transformers loads (the real 151k-token Qwen2.5 tokenizer); with an
+    eval split the router evaluates after training, and report_to: tensorboard writes event files."""
     pytest.importorskip("megatron.core")
     import torch
     from transformers import AutoModelForCausalLM
@@ -64,13 +65,16 @@ def test_demo_recipe_trains_at_tp2_from_the_command_line(tiny_model_factory, tmp
     model_dir = tiny_model_factory("qwen2", tokenizer="qwen")
     out = tmp_path / "out"
     proc = roll_train("recipes/demo/tiny_sft.yaml", "--use-mca", "nproc_per_node=2", "tensor_model_parallel_size=2",
-                      f"model_name_or_path={model_dir}", f"output_dir={out}", "max_steps=20", timeout=600)
+                      f"model_name_or_path={model_dir}", f"output_dir={out}", "max_steps=20", "val_size=0.1",
+                      "report_to=tensorboard", timeout=600)
     assert proc.returncode == 0, output_of(proc)
     with open(out / "train_log.jsonl", encoding="utf-8") as fh:
         log = [json.loads(line) for line in fh]
     losses = [entry["loss"] for entry in log if "loss" in entry]
     assert len(losses) == 4 and losses[-1] < losses[0] - 3, losses  # logging_steps 5 over 20 steps
     assert {"grad_norm", "learning_rate", "tokens_per_second", "epoch"} <= set(log[0])
+    assert log[-1]["step"] == 20 and 0 < log[-1]["eval_loss"] < losses[0], log[-1]
+    assert any(name.startswith("events.out.tfevents") for _, _, files in os.walk(out / "runs") for name in files)
     model = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]])).logits

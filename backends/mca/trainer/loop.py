@@ -1,10 +1,10 @@
-"""MegatronTrainer: the pt/sft training loop on Megatron-Core model chunks.
+"""MegatronTrainer: the training loop (pt, sft, dpo) on Megatron-Core model chunks.
 
 One optimizer step: this rank's micro-batches of the global batch (``data.BatchPlan``) go through
-``get_forward_backward_func()`` (no pipelining, 1F1B, or interleaved with a virtual pipeline: one
-iterator per chunk over the same micro-batches); ``finalize_model_grads`` reduces the gradients and
-divides them by the global batch's token count; the optimizer steps with the learning rate of the
-schedule. A step whose loss is not finite is skipped (no update) and counted.
+Megatron's schedule (``step.run_schedule``) with the objective's loss function (``step``: language
+model or DPO); ``finalize_model_grads`` reduces the gradients and divides them by the global batch's
+count (tokens or pairs); the optimizer steps with the learning rate of the schedule. A step whose loss
+is not finite is skipped (no update) and counted.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import torch.distributed as dist
 from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
-from backends.mca.trainer.step import REPORT, LanguageModelObjective, run_schedule
 from backends.mca.trainer.metrics import MetricsWriter, append_log
 from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_name, wrap_ddp
-from roll import checkpoints
+from backends.mca.trainer.step import REPORT, LanguageModelObjective, run_schedule
 from roll.contract import TrainResult
 from roll.logging import log_rank0
 
@@ -104,7 +103,7 @@ class MegatronTrainer:
                 window.append(stats)
                 writer.step_done()
                 step = self.state.global_step
-                if step % max(1, int(t.logging_steps)) == 0 or step == total:
+                if step % every(t.logging_steps, total) == 0 or step == total:
                     writer.log(step, self._log_record(window, time.perf_counter() - window_start, len(dataset)))
                     window, window_start = [], time.perf_counter()
                 if self._should_save(step, total, len(dataset)):
@@ -217,9 +216,7 @@ class MegatronTrainer:
     def _should_save(self, step: int, total: int, num_samples: int) -> bool:
         strategy = str(getattr(self.training.save_strategy, "value", self.training.save_strategy))
         if strategy == "steps":
-            every = self.training.save_steps
-            every = int(every) if every >= 1 else max(1, math.ceil(total * every))  # HF: < 1 is a ratio
-            return step % every == 0 or step == total
+            return step % every(self.training.save_steps, total) == 0 or step == total
         if strategy == "epoch":
             return step % self.plan.steps_per_epoch(num_samples) == 0 or step == total
         return False
@@ -228,6 +225,11 @@ class MegatronTrainer:
         lay = self.layout
         return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp_size, "cp": lay.cp, "ep": lay.ep, "etp": lay.expert_tp,
                 "dp": lay.dp}
+
+
+def every(steps: float, total: int) -> int:
+    """An HF ``*_steps`` interval: a step count, or below 1 a ratio of the run (at least 1 step)."""
+    return max(1, int(steps) if steps >= 1 else math.ceil(total * steps))
 
 
 def moe_aux_loss(config, num_microbatches: int) -> float | None:
@@ -247,9 +249,3 @@ def moe_aux_loss(config, num_microbatches: int) -> float | None:
     value = tracker["load_balancing_loss"]["values"].sum().item() / (moe_layers * num_microbatches)
     clear_aux_losses_tracker()
     return value
-
-
-def resume_path(training) -> str | None:
-    """The checkpoint ``resume_from_checkpoint`` names (the standard backend's rule)."""
-    return checkpoints.resolve_resume(training.resume_from_checkpoint, training.output_dir)
-
