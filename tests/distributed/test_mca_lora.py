@@ -9,6 +9,7 @@ checked here, in the pytest process (Megatron is never initialised in it):
 - the initial adapter equals PEFT's on the HF model with the same seed, bit for bit, at every layout;
 - SGD steps on the adapters leave the base bit-identical; TP2 (and TP2 + SP) gradients and losses
   equal TP1's (<= 1e-5);
+- an adapter-only checkpoint saved at TP2 loads at TP1 (bit-exact);
 - LoRA on routed experts (add_lora) carries the expert tags and gets gradients at EP2.
 """
 
@@ -30,10 +31,11 @@ SEED, RANK, ALPHA = 1234, 4, 8
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CASES = [
     dict(name="tp1", model="dense", tp=1, target="all", merged=True, steps=True),
-    dict(name="tp2", model="dense", tp=2, target="all", steps=True),
+    dict(name="tp2", model="dense", tp=2, target="all", steps=True, save_ckpt=True),
     dict(name="tp2sp", model="dense", tp=2, sp=True, target="all", steps=True),
     dict(name="tp2_qvd", model="dense", tp=2, target="q_proj,v_proj,down_proj"),
     dict(name="moe_ep2", model="moe", ep=2, target="all", expert_lora=True),
+    dict(name="tp1_reload", model="dense", tp=1, target="all", load_ckpt=True),
 ]
 TARGETS = {"all": ALL, "q_proj,v_proj,down_proj": ["q_proj", "v_proj", "down_proj"]}
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # routed experts have no HF nn.Linear (transformers 5)
@@ -46,7 +48,8 @@ def run(tiny_model_factory, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mca_lora")
     dirs = {"dense": randomized(tiny_model_factory("qwen2", tie_word_embeddings=False), str(tmp / "dense")),
             "moe": randomized(tiny_model_factory("qwen3_moe", tie_word_embeddings=False), str(tmp / "moe"))}
-    cases = [{**case, "dir": dirs[case["model"]]} for case in CASES]
+    ckpt = {"save_ckpt": str(tmp / "adapter_ckpt"), "load_ckpt": str(tmp / "adapter_ckpt")}
+    cases = [{**case, **{k: ckpt[k] for k in ckpt if case.get(k)}, "dir": dirs[case["model"]]} for case in CASES]
     (tmp / "cases.json").write_text(json.dumps(cases))
     proc = torchrun(WORKER, str(tmp / "cases.json"), str(tmp / "out"), timeout=240)
     assert proc.returncode == 0, output_of(proc)
@@ -149,6 +152,18 @@ def test_tensor_parallel_gradients_and_losses_equal_tp1(run, name):
         assert sorted(ref_grads) == sorted(grads)
         for key, grad in ref_grads.items():
             assert (grad - grads[key]).abs().max() <= 1e-5, (step, key)
+
+
+def test_adapter_checkpoint_saved_at_tp2_loads_at_tp1(run):
+    """save_adapter_checkpoint holds only adapters, sharded by LoraParallelLinear.sharded_state_dict;
+    loaded at TP1 and exported again it is the TP2 adapter bit for bit."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(run["out"] / "tp2" / "adapter" / "adapter_model.safetensors"))
+    reloaded = load_file(str(run["out"] / "tp1_reload" / "reloaded" / "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(reloaded)
+    for key, tensor in saved.items():
+        assert torch.equal(tensor, reloaded[key]), key
 
 
 def test_expert_lora_uses_the_expert_groups(run):

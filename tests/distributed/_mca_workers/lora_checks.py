@@ -119,6 +119,15 @@ def run_case(case: dict, out: str) -> dict:
     save_hf_adapter(chunks, os.path.join(out, "init"), case["dir"])
     _randomize_adapters(chunks)
     adapter_dir = save_hf_adapter(chunks, os.path.join(out, "adapter"), case["dir"])
+    if case.get("save_ckpt"):
+        from backends.mca.lora.checkpoint import save_adapter_checkpoint
+
+        save_adapter_checkpoint(chunks, case["save_ckpt"])
+    if case.get("load_ckpt"):  # adapters from a checkpoint written at another layout, exported again
+        from backends.mca.lora.checkpoint import load_adapter_checkpoint
+
+        load_adapter_checkpoint(chunks, case["load_ckpt"])
+        save_hf_adapter(chunks, os.path.join(out, "reloaded"), case["dir"])
     if case.get("merged"):
         export_merged(adapter_dir, case["dir"], os.path.join(out, "merged"))
     logits = megatron_logits(chunks, chunks[0].config, sample_input_ids(chunks[0].config.vocab_size))
