@@ -4,7 +4,7 @@ One launch runs every layout (tests/distributed/_mca_workers/lora_checks.py); th
 checked here, in the pytest process (Megatron is never initialised in it):
 - the adapter utilities return the documented layer patterns (dense and MoE);
 - the exported adapter on the HF model (``PeftModel.from_pretrained``) gives the Megatron model's
-  logits: <= 1e-5 at TP1, TP2, TP2 + sequence parallelism; <= 1e-4 on MoE at EP2;
+  logits: <= 1e-5 at TP1, TP2, TP2 + sequence parallelism, PP2; <= 1e-4 on MoE at EP2;
 - the merged export equals base + adapter (<= 1e-5 relative to the largest logit);
 - the initial adapter equals PEFT's on the HF model with the same seed, bit for bit, at every layout;
 - SGD steps on the adapters leave the base bit-identical; TP2 (and TP2 + SP) gradients and losses
@@ -34,6 +34,7 @@ CASES = [
     dict(name="tp2", model="dense", tp=2, target="all", steps=True, save_ckpt=True),
     dict(name="tp2sp", model="dense", tp=2, sp=True, target="all", steps=True),
     dict(name="tp2_qvd", model="dense", tp=2, target="q_proj,v_proj,down_proj"),
+    dict(name="pp2", model="dense", pp=2, target="all"),
     dict(name="moe_ep2", model="moe", ep=2, target="all", expert_lora=True),
     dict(name="tp1_reload", model="dense", tp=1, target="all", load_ckpt=True),
 ]
@@ -86,7 +87,7 @@ def test_utilities_return_the_documented_names(run):
 
 
 @pytest.mark.parametrize("name, tol", [("tp1", 1e-5), ("tp2", 1e-5), ("tp2sp", 1e-5), ("tp2_qvd", 1e-5),
-                                       ("moe_ep2", 1e-4)])
+                                       ("pp2", 1e-5), ("moe_ep2", 1e-4)])
 def test_exported_adapter_on_hf_gives_megatron_logits(run, name, tol):
     from peft import PeftModel
 
@@ -119,7 +120,7 @@ def test_merged_export_equals_base_plus_adapter(run):
     assert (merged - peft_logits).abs().max() <= 1e-5 * peft_logits.abs().max()
 
 
-@pytest.mark.parametrize("name", ["tp1", "tp2", "tp2sp", "tp2_qvd", "moe_ep2"])
+@pytest.mark.parametrize("name", ["tp1", "tp2", "tp2sp", "tp2_qvd", "pp2", "moe_ep2"])
 def test_initial_adapter_equals_peft_with_the_same_seed(run, name):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import load_file

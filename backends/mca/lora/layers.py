@@ -144,7 +144,8 @@ class LoraParallelLinear:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        adapters = {f"lora_{ab}.{proj}": p for ab, d in (("A", self.lora_A), ("B", self.lora_B)) for proj, p in d.items()}
+        adapters = {f"lora_{ab}.{proj}": p
+                    for ab, params in (("A", self.lora_A), ("B", self.lora_B)) for proj, p in params.items()}
         axis = {k: p.partition_dim for k, p in adapters.items() if getattr(p, "tensor_model_parallel", False)}
         dp_cp_group = (metadata or {}).get("dp_cp_group")
         if dp_cp_group is None:

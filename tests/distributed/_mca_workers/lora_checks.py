@@ -32,6 +32,7 @@ def _load(case: dict):
     from roll.config.megatron import MegatronArguments
 
     megatron = MegatronArguments(tensor_model_parallel_size=case.get("tp", 1),
+                                 pipeline_model_parallel_size=case.get("pp", 1),
                                  expert_model_parallel_size=case.get("ep", 1),
                                  sequence_parallel=case.get("sp", False))
     return load_chunks(case["dir"], megatron, megatron.build_layout(dist.get_world_size()))
@@ -138,7 +139,7 @@ def run_case(case: dict, out: str) -> dict:
             torch.save(steps, os.path.join(out, "steps.pt"))
     if case.get("expert_lora"):
         result["expert_lora"] = _expert_lora(chunks)
-    if dist.get_rank() == 0:
+    if logits is not None and dist.get_rank() == dist.get_world_size() - 1:  # the last pipeline stage has them
         torch.save(logits, os.path.join(out, "logits.pt"))
     return result
 
