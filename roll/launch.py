@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from roll.errors import ConfigError
@@ -67,9 +68,17 @@ def relaunch(config: RunConfig, argv: list[str]) -> int:
     if not current_platform().is_accelerator:
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would detect it too, with a warning per rank
     logger.info("launching %d processes: %s", config.training.nproc_per_node, " ".join(cmd))
-    child = subprocess.Popen(cmd, env=env)
+    return run_child(cmd, env=env)
+
+
+def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, **popen_kwargs) -> int:
+    """Run ``cmd`` and wait for it, forwarding Ctrl-C / SIGTERM to it (and telling ``on_signal``);
+    return its exit code."""
+    child = subprocess.Popen(cmd, **popen_kwargs)
 
     def forward(signum, _frame):
+        if on_signal is not None:
+            on_signal(signum)
         if child.poll() is None:
             child.send_signal(signum)
 

@@ -1,0 +1,483 @@
+"""roll-parity: train one recipe for N steps on both backends and compare the losses step by step.
+
+The two runs consume the same global batch each step: the mca run keeps the recipe's layout, the
+standard run is one process without DeepSpeed whose gradient accumulation covers the mca run's
+data-parallel ranks too (the per-token mean over the global batch does not depend on how the batch is
+split; docs/design.md). Each run is a real ``roll-train`` subprocess; roll-parity reads their
+``train_log.jsonl`` files. The pure pieces (command line, run plan, log parsing, comparison, table)
+are separate functions so tests can call them on literal inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from roll.errors import ConfigError, RollError
+from roll.launch import inside_launcher, run_child
+from roll.logging import TRAIN_LOG_FILE
+
+if TYPE_CHECKING:  # roll.config imports transformers; --help and the pure pieces do not need it
+    from roll.config import RunConfig
+
+DEFAULT_STEPS = 10
+DEFAULT_TOLERANCE = 1e-3
+"""Relative loss difference allowed at every step (issue 8: 10-step trajectories within 1e-3)."""
+DEFAULT_FIRST_STEP_TOLERANCE = 1e-5
+"""Relative difference allowed at step 1, before the two optimizers have had a chance to diverge."""
+LOG_TAIL_LINES = 30
+
+USAGE = f"""usage: roll-parity RECIPE.yaml [--steps N] [--tolerance T] [--first-step-tolerance T1]
+                   [--output-dir DIR] [--json] [key=value | --key value ...]
+
+Train RECIPE for N steps on the standard backend (one process, no DeepSpeed) and on the mca backend
+(--use-mca, with the recipe's parallel layout), both on the same global batch each step, and compare
+their losses step by step. Overrides (key=value) apply to both runs, as on roll-train.
+
+options:
+  --steps N                 steps to train and compare (default {DEFAULT_STEPS})
+  --tolerance T             largest relative loss difference allowed at any step (default {DEFAULT_TOLERANCE:g})
+  --first-step-tolerance T1 largest relative difference allowed at step 1 (default {DEFAULT_FIRST_STEP_TOLERANCE:g})
+  --output-dir DIR          keep both runs (DIR/standard, DIR/mca and their .log files);
+                            default: a temporary directory, deleted at the end
+  --json                    print one JSON object instead of the table
+  --help                    this text
+
+exit status: 0 within tolerance, 1 beyond it or when a training run fails, 2 for a mistake in the
+recipe or command line.
+"""
+
+_OPTIONS = {"steps": int, "tolerance": float, "first_step_tolerance": float, "output_dir": str}
+"""roll-parity's own options that take a value: --steps N, --steps=N or steps=N (dashes or underscores).
+output_dir is one of them, so --output-dir / output_dir=DIR mean the same as on roll-train: where to write."""
+
+RESERVED = {
+    "use_mca": "roll-parity runs both backends",
+    "max_steps": "use --steps N",
+    "logging_steps": "roll-parity logs every step",
+    "save_strategy": "roll-parity saves no checkpoints",
+    "save_hf_model": "roll-parity exports no model",
+    "report_to": "roll-parity reads train_log.jsonl only",
+}
+"""Keys roll-parity sets on both runs itself; a user override of one is refused (with what to do instead)."""
+
+
+@dataclass
+class ParityOptions:
+    """What the roll-parity command line asked for."""
+
+    recipe: str | None = None
+    steps: int = DEFAULT_STEPS
+    tolerance: float = DEFAULT_TOLERANCE
+    first_step_tolerance: float = DEFAULT_FIRST_STEP_TOLERANCE
+    output_dir: str | None = None
+    json: bool = False
+    help: bool = False
+    overrides: dict[str, str] = field(default_factory=dict)
+    """``key -> value text`` for both runs, exactly as roll-train would read them."""
+
+
+def parse_command_line(argv: list[str]) -> ParityOptions:
+    """Take roll-parity's own options out of ``argv``; the rest is a roll-train recipe + overrides."""
+    options, rest, i = ParityOptions(), [], 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        key, sep, value = token.partition("=")
+        name, dashed = key.lstrip("-").replace("-", "_"), token.startswith("-")
+        if dashed and name in ("help", "h"):
+            options.help = True
+        elif dashed and name == "json":
+            options.json = True
+        elif name in _OPTIONS and (dashed or sep):
+            if not sep:
+                if i >= len(argv):
+                    raise ConfigError(f"roll-parity option '--{name.replace('_', '-')}' needs a value.")
+                value, i = argv[i], i + 1
+            setattr(options, name, _option_value(name, value))
+        else:
+            rest.append(token)
+    if options.help:
+        return options
+    from roll.config.parser import split_command_line  # imports transformers: not for --help
+
+    cli, options.overrides = split_command_line(rest)
+    switch = next((s for s in ("print_config", "dry_run", "version") if getattr(cli, s)), None)
+    if switch:
+        raise ConfigError(f"'--{switch.replace('_', '-')}' is a roll-train switch; roll-parity takes --steps, "
+                          "--tolerance, --first-step-tolerance, --output-dir and --json.")
+    if cli.recipe is None:
+        raise ConfigError("roll-parity needs a recipe: roll-parity RECIPE.yaml [key=value ...].")
+    options.recipe = cli.recipe
+    for key in options.overrides:
+        if key in RESERVED:
+            raise ConfigError(f"'{key}' is set by roll-parity on both runs ({RESERVED[key]}); drop it from the "
+                              "command line.")
+    return options
+
+
+def _option_value(name: str, text: str) -> int | float | str:
+    kind = _OPTIONS[name]
+    flag = "--" + name.replace("_", "-")
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(f"roll-parity option '{flag}' takes {'an integer' if kind is int else 'a number'}, "
+                          f"got {text!r}.") from None
+    if kind is not str and not value > 0:
+        raise ConfigError(f"roll-parity option '{flag}' must be > 0, got {text!r}.")
+    return value
+
+
+# --- the two runs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One roll-train run of the comparison."""
+
+    backend: str
+    """'standard' or 'mca'."""
+    description: str
+    """What it is, in words: processes, layout, gradient accumulation."""
+    recipe: str
+    overrides: dict[str, str]
+    """Command-line ``key -> value`` (output_dir included); the mca run adds --use-mca."""
+
+    @property
+    def output_dir(self) -> str:
+        return self.overrides["output_dir"]
+
+    @property
+    def args(self) -> list[str]:
+        """roll-train's arguments."""
+        switch = ["--use-mca"] if self.backend == "mca" else []
+        return [self.recipe, *switch, *(f"{key}={value}" for key, value in self.overrides.items())]
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "roll.cli", *self.args]
+
+    def display(self) -> str:
+        """The command as a user would type it."""
+        return "roll-train " + shlex.join(self.args)
+
+    def config_overrides(self) -> dict[str, str]:
+        """The overrides as roll's parser reads this run's command line."""
+        return {**self.overrides, "use_mca": "true"} if self.backend == "mca" else dict(self.overrides)
+
+
+def plan_runs(options: ParityOptions, recipe: dict, mca_config: RunConfig, root: str) -> tuple[Run, Run]:
+    """The standard and mca runs, given the recipe and the config it resolves to with use_mca on."""
+    layout, training = mca_config.layout, mca_config.training
+    gas, dp = training.gradient_accumulation_steps, layout.dp
+    common = {**options.overrides, "max_steps": str(options.steps), "logging_steps": "1", "save_strategy": "no",
+              "save_hf_model": "false", "report_to": "none"}
+    if training.resume_from_checkpoint:
+        common["resume_from_checkpoint"] = "null"  # both runs start from model_name_or_path
+    standard = {**common, "nproc_per_node": "1", "gradient_accumulation_steps": str(gas * dp)}
+    if "use_mca" in recipe:
+        standard["use_mca"] = "false"
+    if training.deepspeed:
+        standard["deepspeed"] = "null"
+    processes = "1 process" if layout.world_size == 1 else f"{layout.world_size} processes"
+    split = f" (= {gas} x dp {dp})" if dp > 1 else ""
+    std = Run("standard", f"1 process, no DeepSpeed, gradient_accumulation_steps {gas * dp}{split}",
+              options.recipe, {**standard, "output_dir": os.path.join(root, "standard")})
+    mca = Run("mca", f"{processes}, {layout.describe()}; gradient_accumulation_steps {gas}",
+              options.recipe, {**common, "output_dir": os.path.join(root, "mca")})
+    return std, mca
+
+
+def resolve_runs(options: ParityOptions, root: str) -> tuple[Run, Run, RunConfig]:
+    """Plan both runs from the recipe's Megatron layout (roll's own parser, use_mca on), then resolve
+    each run's exact command line. Raises RollError (a user mistake) before anything trains.
+    Returns (standard run, mca run, the mca run's config)."""
+    from roll.config.parser import load_recipe, resolve
+
+    recipe = load_recipe(options.recipe)
+    probe = resolve(recipe, {**options.overrides, "max_steps": str(options.steps), "use_mca": "true"},
+                    options.recipe)
+    if probe.training.nnodes > 1:
+        raise ConfigError("roll-parity runs on one node; set nnodes=1 (the layout may use every local process).")
+    std, mca = plan_runs(options, recipe, probe, root)
+    resolve(recipe, std.config_overrides(), options.recipe)
+    return std, mca, resolve(recipe, mca.config_overrides(), options.recipe)
+
+
+def run_training(run: Run, log_path: str) -> int:
+    """Run ``run`` with its output in ``log_path``; return its exit code. Ctrl-C / SIGTERM reach it (and
+    its ranks) and raise KeyboardInterrupt here once it has stopped."""
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signals: list[int] = []
+    with open(log_path, "w", encoding="utf-8") as log:
+        code = run_child(run.command, on_signal=signals.append, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=subprocess.STDOUT)
+    if signals:
+        raise KeyboardInterrupt
+    return code
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines of a run's log; tqdm redraws (carriage returns) keep their last state."""
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as fh:  # keep tqdm's \r
+            text = fh.read()
+    except OSError:
+        return []
+    return [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.rstrip("\n").split("\n")[-lines:]]
+
+
+# --- logs and comparison -----------------------------------------------------------------------------
+
+
+def parse_log(lines: Iterable[str]) -> dict[int, float]:
+    """``train_log.jsonl`` lines -> ``{step: loss}`` of the training records (eval and summary records have
+    no ``loss``; a step logged twice keeps its last value)."""
+    losses: dict[int, float] = {}
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        record = json.loads(line)
+        if "loss" in record and "step" in record:
+            losses[int(record["step"])] = float(record["loss"])
+    return losses
+
+
+def read_log(output_dir: str) -> dict[int, float]:
+    path = os.path.join(output_dir, TRAIN_LOG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        return parse_log(fh)
+
+
+def relative_difference(reference: float, other: float) -> float:
+    """|a - b| / max(|a|, 1e-12), with a the standard backend's loss; inf when either is not finite."""
+    if not (math.isfinite(reference) and math.isfinite(other)):
+        return math.inf
+    return abs(reference - other) / max(abs(reference), 1e-12)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    standard: float | None
+    mca: float | None
+    rel_diff: float | None
+    """None when the step is missing from a log."""
+    tolerance: float
+    """The tolerance this step is held to (the first step's is tighter)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_diff is not None and self.rel_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class Comparison:
+    rows: tuple[StepRow, ...]
+    tolerance: float
+    first_step_tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(row.ok for row in self.rows)
+
+    @property
+    def worst(self) -> StepRow | None:
+        """The row with the largest relative difference (None when no step is in both logs)."""
+        compared = [row for row in self.rows if row.rel_diff is not None]
+        return max(compared, key=lambda row: row.rel_diff) if compared else None
+
+    @property
+    def max_rel_diff(self) -> float | None:
+        return None if self.worst is None else self.worst.rel_diff
+
+    def failures(self) -> list[str]:
+        """One phrase per failing step, for the FAIL line."""
+        if not self.rows:
+            return ["no training step was logged"]
+        out = []
+        for row in self.rows:
+            if row.rel_diff is None:
+                missing = [name for name in ("standard", "mca") if getattr(row, name) is None]
+                out.append(f"step {row.step} missing from the {' and '.join(missing)} log")
+            elif not row.ok:
+                out.append(f"step {row.step} rel diff {row.rel_diff:.2e} > {row.tolerance:g}")
+        return out
+
+
+def compare(standard: dict[int, float], mca: dict[int, float], *, steps: int | None = None,
+            tolerance: float = DEFAULT_TOLERANCE, first_step_tolerance: float = DEFAULT_FIRST_STEP_TOLERANCE,
+            ) -> Comparison:
+    """Pair the two logs by step (and expect steps 1..``steps`` when given); the first step is held to
+    ``first_step_tolerance``, every step to ``tolerance``."""
+    all_steps = sorted(set(standard) | set(mca) | set(range(1, (steps or 0) + 1)))
+    rows = []
+    for index, step in enumerate(all_steps):
+        a, b = standard.get(step), mca.get(step)
+        limit = min(tolerance, first_step_tolerance) if index == 0 else tolerance
+        rel = None if a is None or b is None else relative_difference(a, b)
+        rows.append(StepRow(step, a, b, rel, limit))
+    return Comparison(tuple(rows), tolerance, first_step_tolerance)
+
+
+def format_table(comparison: Comparison) -> str:
+    """``step | standard loss | mca loss | rel diff``, one row per step, over-tolerance rows marked."""
+    def loss(value: float | None) -> str:
+        return "-" if value is None else f"{value:.8f}"
+
+    lines = [f"{'step':>4} | {'standard loss':>14} | {'mca loss':>14} | rel diff",
+             f"{'-' * 4}-+-{'-' * 14}-+-{'-' * 14}-+-{'-' * 9}"]
+    for row in comparison.rows:
+        rel = "-" if row.rel_diff is None else f"{row.rel_diff:.2e}"
+        mark = "" if row.ok else ("  (missing)" if row.rel_diff is None else f"  (over {row.tolerance:g})")
+        lines.append(f"{row.step:>4} | {loss(row.standard):>14} | {loss(row.mca):>14} | {rel}{mark}")
+    return "\n".join(lines)
+
+
+def format_verdict(comparison: Comparison) -> str:
+    """The largest relative difference, then PASS or FAIL naming the tolerances."""
+    worst = comparison.worst
+    lines = ["max rel diff: " + ("-" if worst is None else f"{worst.rel_diff:.2e} (step {worst.step})")]
+    limits = f"step 1 within {comparison.first_step_tolerance:g}, every step within {comparison.tolerance:g}"
+    if comparison.passed:
+        lines.append(f"PASS: {limits}")
+    else:
+        lines.append(f"FAIL ({limits}): " + "; ".join(comparison.failures()))
+    return "\n".join(lines)
+
+
+def format_header(options: ParityOptions, std: Run, mca: Run, mca_config: RunConfig) -> str:
+    """What the two runs are, and the global batch they share."""
+    t, dp = mca_config.training, mca_config.layout.dp
+    batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
+    return "\n".join([
+        f"roll-parity: {options.recipe}, {options.steps} steps, global batch {batch} samples per step "
+        f"(per_device_train_batch_size {t.per_device_train_batch_size} x gradient_accumulation_steps "
+        f"{t.gradient_accumulation_steps} x dp {dp})",
+        f"  standard: {std.description}",
+        f"            {std.display()}",
+        f"  mca:      {mca.description}",
+        f"            {mca.display()}",
+    ])
+
+
+def to_json(comparison: Comparison, runs: Iterable[Run]) -> dict:
+    """The comparison as one JSON-ready object (a missing value is null; nan / inf are strings)."""
+    rows = comparison.rows
+    return {
+        "passed": comparison.passed,
+        "max_rel_diff": _number(comparison.max_rel_diff),
+        "tolerance": comparison.tolerance,
+        "first_step_tolerance": comparison.first_step_tolerance,
+        "steps": [row.step for row in rows],
+        "losses": {"standard": [_number(row.standard) for row in rows], "mca": [_number(row.mca) for row in rows]},
+        "rel_diff": [_number(row.rel_diff) for row in rows],
+        "failures": [] if comparison.passed else comparison.failures(),
+        "runs": {run.backend: {"description": run.description, "command": run.display()} for run in runs},
+    }
+
+
+def _number(value: float | None) -> float | str | None:
+    """Strict JSON has no nan / inf."""
+    return value if value is None or math.isfinite(value) else str(value)
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_logs():
+    """roll's and the backends' loggers at ERROR for the duration (restored after)."""
+    loggers = [logging.getLogger(name) for name in ("roll", "backends")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+class RunFailed(Exception):
+    def __init__(self, run: Run, returncode: int, tail: list[str]) -> None:
+        super().__init__(f"the {run.backend} run failed (exit {returncode})")
+        self.run, self.returncode, self.tail = run, returncode, tail
+
+
+def execute(runs: Iterable[Run], root: str, err: Callable[[str], object]) -> None:
+    """Train each run in turn (its log in ROOT/BACKEND.log); raises RunFailed for the first that fails."""
+    for run in runs:
+        log_path = os.path.join(root, f"{run.backend}.log")
+        err(f"roll-parity: training {run.backend} ... (log: {log_path})\n")
+        start = time.monotonic()
+        code = run_training(run, log_path)
+        if code != 0:
+            raise RunFailed(run, code, log_tail(log_path))
+        err(f"roll-parity: {run.backend} done in {time.monotonic() - start:.1f} s\n")
+
+
+def main(argv: list[str] | None = None, out: Callable[[str], object] | None = None,
+         err: Callable[[str], object] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = out or sys.stdout.write
+    err = err or sys.stderr.write
+    root, temporary = None, False
+    try:
+        options = parse_command_line(argv)
+        if options.help:
+            out(USAGE)
+            return 0
+        if inside_launcher():
+            raise ConfigError("roll-parity starts its own processes; run it directly, not under a launcher.")
+        temporary = options.output_dir is None
+        root = tempfile.mkdtemp(prefix="roll-parity-") if temporary else os.path.abspath(options.output_dir)
+        with _quiet_logs():  # the config's warnings belong in the runs' own logs
+            std, mca, mca_config = resolve_runs(options, root)
+        if not options.json:
+            out(format_header(options, std, mca, mca_config) + "\n\n")
+        os.makedirs(root, exist_ok=True)
+        execute((std, mca), root, err)
+        comparison = compare(read_log(std.output_dir), read_log(mca.output_dir), steps=options.steps,
+                             tolerance=options.tolerance, first_step_tolerance=options.first_step_tolerance)
+        if options.json:
+            out(json.dumps(to_json(comparison, (std, mca))) + "\n")
+        else:
+            out(format_table(comparison) + "\n\n" + format_verdict(comparison) + "\n")
+        return 0 if comparison.passed else 1
+    except RollError as exc:
+        err(f"roll-parity: error: {exc}\n")
+        return 2
+    except RunFailed as exc:
+        err(f"roll-parity: {exc}: {exc.run.display()}\n--- the end of its log ---\n" + "\n".join(exc.tail) + "\n")
+        if options.json:
+            out(json.dumps({"passed": False, "error": str(exc), "run": exc.run.backend,
+                            "command": exc.run.display(), "log_tail": exc.tail}) + "\n")
+        return 1
+    except KeyboardInterrupt:
+        err("roll-parity: interrupted\n")
+        return 130
+    finally:
+        if temporary and root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""roll-parity for real, as a user runs it: the tiny Qwen2 on both backends, 3 steps, CPU, gloo, fp32."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, clean_env
+
+pytestmark = [pytest.mark.distributed, pytest.mark.mca]
+
+
+@pytest.fixture(autouse=True)
+def _needs_megatron():
+    pytest.importorskip("megatron.core")
+
+
+def roll_parity(*args: str, timeout: float) -> tuple[int, dict, str]:
+    """``roll-parity args... --json`` -> (exit code, its JSON, stderr). On timeout it gets SIGTERM first,
+    which it forwards down to roll-train, torchrun and the ranks (they run in sessions of their own)."""
+    proc = subprocess.Popen([sys.executable, "-m", "roll.parity", *args, "--json"], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        pytest.fail(f"roll-parity {' '.join(args)} ran past {timeout} s")
+    assert stdout.strip(), stderr[-4000:]
+    return proc.returncode, json.loads(stdout), stderr
+
+
+@pytest.fixture
+def recipe(tiny_model_factory, tmp_path) -> str:
+    path = tmp_path / "sft.yaml"
+    path.write_text(f"model_name_or_path: {tiny_model_factory('qwen2')}\nstage: sft\n"
+                    "dataset: recipes/demo/data/arithmetic_sft.json\ncutoff_len: 64\n"
+                    "per_device_train_batch_size: 4\nlearning_rate: 1.0e-3\nseed: 0\n")
+    return str(path)
+
+
+def test_tp1_on_one_process_matches_the_standard_backend(recipe):
+    code, result, stderr = roll_parity(recipe, "--steps", "3", timeout=240)
+    assert code == 0 and result["passed"], (result, stderr[-4000:])
+    assert result["steps"] == [1, 2, 3] and result["max_rel_diff"] < 1e-5, result
+    losses = result["losses"]["standard"]
+    assert losses[-1] < losses[0], losses  # it trained
+    assert result["runs"]["mca"]["description"].startswith("1 process, tp(1) * pp(1) * cp(1) * dp(1)")
+
+
+def test_tp2_with_a_padded_vocabulary_matches_the_standard_backend(recipe, tmp_path):
+    """512-token vocabulary padded to 768 at TP2: the padded logits must not enter the softmax."""
+    out = tmp_path / "parity"
+    code, result, stderr = roll_parity(recipe, "--steps", "3", "--output-dir", str(out), "nproc_per_node=2",
+                                       "tensor_model_parallel_size=2", "make_vocab_size_divisible_by=384",
+                                       timeout=300)
+    assert code == 0 and result["passed"], (result, stderr[-4000:])
+    assert result["steps"] == [1, 2, 3] and result["max_rel_diff"] < 1e-3, result
+    assert "2 processes, tp(2)" in result["runs"]["mca"]["description"]
+    assert result["runs"]["standard"]["description"] == "1 process, no DeepSpeed, gradient_accumulation_steps 1"
+    # --output-dir keeps both runs and their logs
+    for name in ("standard/train_log.jsonl", "mca/train_log.jsonl", "standard.log", "mca.log"):
+        assert (out / name).is_file(), name
