@@ -10,17 +10,21 @@ checkpoints); ``save`` exports the final model in HF format.
 
 from __future__ import annotations
 
+import logging
+
 from backends.base import Backend, register_backend
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
 from roll.errors import ConfigError
+from roll.logging import warn_once
+
+logger = logging.getLogger(__name__)
 
 
 @register_backend("mca")
 class McaBackend(Backend):
     supported_stages = frozenset({"pt", "sft", "dpo"})
-    # LoRA on Megatron is the next milestone; refusing it here fails at config time.
-    supported_finetuning_types = frozenset({"full"})
+    supported_finetuning_types = frozenset({"full", "lora"})
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -57,7 +61,8 @@ class McaBackend(Backend):
         precision = dict(bf16=t.bf16, fp16=t.fp16)
         policy = AutoModel.from_pretrained(model_args.model_name_or_path, self.config.megatron, **precision)
         ref = None
-        if stage == "dpo" and not ft.ref_free:
+        # LoRA without ref_model: the reference is the policy with its adapters disabled (no second model).
+        if stage == "dpo" and not ft.ref_free and (ft.ref_model or ft.finetuning_type != "lora"):
             ref = AutoModel.from_pretrained(ft.ref_model or model_args.model_name_or_path, self.config.megatron,
                                             **precision)
             for chunk in ref:
@@ -65,7 +70,16 @@ class McaBackend(Backend):
         return ModelBundle(policy=policy, ref=ref)
 
     def apply_finetuning(self, models: ModelBundle) -> ModelBundle:
-        return models  # full fine-tuning: every parameter of every chunk trains
+        """lora: adapters on every chunk before DDP wrapping (PEFT's initial values), the rest frozen;
+        full: every parameter of every chunk trains."""
+        ft = self.config.finetuning
+        if ft.finetuning_type == "lora":
+            from backends.mca.lora.apply import apply_lora
+
+            models.policy = apply_lora(models.policy, ft, seed=self.config.training.seed)
+        elif ft.export_merged:
+            warn_once(logger, "export_merged is only used with finetuning_type=lora; ignored.")
+        return models
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
         """pt/sft/dpo with Megatron's schedules, DDP and optimizer; checkpoints and logs in output_dir."""
@@ -89,7 +103,11 @@ class McaBackend(Backend):
             return LanguageModelObjective(vocab_size)
         ft = self.config.finetuning
         settings = DPOSettings(beta=ft.pref_beta, loss_type=ft.pref_loss, label_smoothing=ft.pref_label_smoothing)
-        return DPOObjective(vocab_size, settings, models.ref)
+        if ft.ref_free or models.ref is not None:
+            return DPOObjective(vocab_size, settings, models.ref)
+        from backends.mca.lora.apply import adapters_disabled  # LoRA: the policy without its adapters
+
+        return DPOObjective(vocab_size, settings, models.policy, ref_mode=lambda: adapters_disabled(models.policy))
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         """``eval_loss`` on job.eval_dataset with the training loss definition (after train)."""
@@ -100,11 +118,21 @@ class McaBackend(Backend):
         return self._trainer.evaluate(job.eval_dataset, job.collator)
 
     def save(self, models: ModelBundle, tokenizer, output_dir: str) -> str:
-        """Gather the chunks and write standard HF safetensors + config + tokenizer (collective)."""
-        from backends.mca.models.export import save_hf
+        """The final model in HF format (collective): safetensors + config + tokenizer, or for LoRA a PEFT
+        adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and, with export_merged, the
+        merged model in ``output_dir/merged``."""
+        model_args, ft = self.config.model, self.config.finetuning
+        tokenizer_dir = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+        if ft.finetuning_type != "lora":
+            from backends.mca.models.export import save_hf
 
-        save_hf(models.policy, output_dir, tokenizer_dir=self.config.model.tokenizer_name_or_path
-                or self.config.model.model_name_or_path)
+            save_hf(models.policy, output_dir, tokenizer_dir=tokenizer_dir)
+            return output_dir
+        from backends.mca.lora.export import export_merged, save_hf_adapter
+
+        save_hf_adapter(models.policy, output_dir, model_args.model_name_or_path, tokenizer_dir=tokenizer_dir)
+        if ft.export_merged:
+            export_merged(output_dir, model_args.model_name_or_path, tokenizer_dir=tokenizer_dir)
         return output_dir
 
     def teardown(self) -> None:

@@ -81,11 +81,11 @@ def test_demo_recipe_trains_at_tp2_from_the_command_line(tiny_model_factory, tmp
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
 
 
-def test_lora_is_refused_at_config_time(tmp_path):
+def test_freeze_is_refused_at_config_time(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("stage: sft\nfinetuning_type: lora\nuse_mca: true\n")
+    recipe.write_text("stage: sft\nfinetuning_type: freeze\nuse_mca: true\n")
     proc = roll_train(str(recipe), "--print-config", timeout=120)
-    assert proc.returncode == 2 and "'lora' is not supported by the mca backend" in proc.stderr
+    assert proc.returncode == 2 and "'freeze' is not supported by the mca backend" in proc.stderr
 
 
 @pytest.mark.parametrize("layout, expected", [

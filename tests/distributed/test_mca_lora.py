@@ -171,3 +171,28 @@ def test_expert_lora_uses_the_expert_groups(run):
     expert = _result(run, "moe_ep2")["expert_lora"]
     assert expert == {"modules": 8, "is_expert": True, "allreduce_false": True, "all_have_grad": True,
                       "finite": True}
+
+
+def test_tiny_lora_recipe_at_tp2_from_the_command_line(tiny_model_factory, tmp_path):
+    """The demo LoRA recipe with --use-mca at TP2 ends in an adapter PeftModel loads on the base model,
+    and a merged model equal to it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import roll_train
+
+    model_dir = tiny_model_factory("qwen2", tokenizer="qwen")
+    out = tmp_path / "out"
+    proc = roll_train("recipes/demo/tiny_lora.yaml", "--use-mca", "nproc_per_node=2", "tensor_model_parallel_size=2",
+                      f"model_name_or_path={model_dir}", f"output_dir={out}", "max_steps=10", timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    with open(out / "train_log.jsonl", encoding="utf-8") as fh:
+        losses = [json.loads(line)["loss"] for line in fh if '"loss"' in line]
+    assert losses[-1] < losses[0], losses
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged")(tokens).logits
+        base = AutoModelForCausalLM.from_pretrained(model_dir)(tokens).logits
+    assert (adapted - base).abs().max() > 1e-3  # the adapter learned something
+    assert (adapted - merged).abs().max() <= 1e-5 * adapted.abs().max()

@@ -7,7 +7,9 @@ A checkpoint holds, in one directory:
 - ``trainer_state.json``: steps done, samples consumed, skipped steps, global batch size, layout;
 - ``rng/rank_R.pt``: each rank's Python / NumPy / torch / accelerator generators and Megatron's
   model-parallel RNG tracker, restored only when resuming at the same layout;
-- ``mca_config.json``: the model config, so the directory also loads as a Megatron model.
+- ``mca_config.json``: the model config, so the directory also loads as a Megatron model (a full run);
+- LoRA runs save only the adapters (and their optimizer state) and an ``adapter_config.json`` that marks
+  the checkpoint as adapter-only; the base weights come from ``model_name_or_path`` again on resume.
 
 The learning-rate schedule is a function of the step count (``optim.LRSchedule``), so the trainer
 state restores it. Writes go to ``checkpoint-N.tmp`` and are renamed into place by rank 0 after
@@ -53,6 +55,8 @@ class TrainerState:
     """tp/pp/vpp/cp/ep/etp/dp of the run that wrote it (RNG states only fit the same layout)."""
     distributed_optimizer: bool = False
     """The optimizer's checkpoint format differs with use_distributed_optimizer."""
+    lora: bool = False
+    """Adapter-only checkpoint (the base weights come from model_name_or_path)."""
 
 
 def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: TrainerState, model_config,
@@ -67,13 +71,15 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died earlier
         os.makedirs(tmp)  # empty: dist_checkpointing treats a non-empty directory as a broken checkpoint
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), tmp)
+    dist_checkpointing.save(_sharded_state(chunks, optimizer, state.lora, is_loading=False), tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
             json.dump(dataclasses.asdict(state), fh, indent=2)
         model_config.save_pretrained(tmp)
+        if state.lora:
+            _write_adapter_config(chunks, tmp)
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)  # an older checkpoint of the same step (a rerun)
@@ -102,13 +108,17 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
         raise ConfigError(f"{ckpt_dir} was trained with a global batch of {state.global_batch_size} samples, this run "
                           f"uses {expected.global_batch_size} (per_device_train_batch_size * gradient_accumulation_steps"
                           " * data-parallel size); the sample order would not continue. Keep the global batch size.")
+    if state.lora != expected.lora:
+        kinds = {True: "a LoRA adapter-only checkpoint", False: "a full-model checkpoint"}
+        raise ConfigError(f"{ckpt_dir} is {kinds[state.lora]} but this run has finetuning_type="
+                          f"{'lora' if expected.lora else 'full'}; resume with the finetuning_type it was saved with.")
     if state.distributed_optimizer != expected.distributed_optimizer:
         raise ConfigError(f"{ckpt_dir} was saved with use_distributed_optimizer={state.distributed_optimizer}; resume "
                           f"with the same setting (the optimizer state is stored differently).")
     start = time.perf_counter()
-    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), ckpt_dir)
+    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, state.lora, is_loading=True), ckpt_dir)
     for key, chunk in zip(_model_keys(chunks), chunks):
-        chunk.load_state_dict(loaded[key], strict=False)
+        chunk.load_state_dict(loaded[key], strict=False)  # LoRA: the adapters only, the base stays loaded
     with torch.no_grad():  # fp32 main params are views of leaf parameters
         optimizer.load_state_dict(loaded["optimizer"])
     if state.layout == expected.layout:
@@ -125,12 +135,28 @@ def _model_keys(chunks: list[torch.nn.Module]) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
-def _sharded_state(chunks: list[torch.nn.Module], optimizer, *, is_loading: bool) -> dict:
+def _sharded_state(chunks: list[torch.nn.Module], optimizer, lora: bool, *, is_loading: bool) -> dict:
     if is_loading:
         _materialize_optimizer_state(optimizer)
-    state = sharded_model_state_dict(chunks)
+    if lora:
+        from backends.mca.lora.checkpoint import adapter_sharded_state_dict
+
+        state = adapter_sharded_state_dict(chunks)
+    else:
+        state = sharded_model_state_dict(chunks)
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
     return state
+
+
+def _write_adapter_config(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
+    """The PEFT adapter_config.json of the run's LoRA, marking ``ckpt_dir`` as adapter-only."""
+    from peft import LoraConfig, TaskType
+
+    from backends.mca.lora.apply import lora_spec_of
+
+    spec = lora_spec_of(chunks)
+    LoraConfig(task_type=TaskType.CAUSAL_LM, r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+               target_modules=spec.hf_target_modules).save_pretrained(ckpt_dir)
 
 
 def _materialize_optimizer_state(optimizer) -> None:

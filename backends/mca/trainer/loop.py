@@ -78,7 +78,8 @@ class MegatronTrainer:
         self._owns_tokens = self._owns_loss and self.cp_rank == 0
         self.state = checkpointing.TrainerState(global_batch_size=self.plan.global_batch_size,
                                                 layout=self._layout_dict(),
-                                                distributed_optimizer=megatron_args.use_distributed_optimizer)
+                                                distributed_optimizer=megatron_args.use_distributed_optimizer,
+                                                lora=getattr(chunks[0], "lora_spec", None) is not None)
 
     # ---- the loop -------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ global batch into the logged metrics:
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, ContextManager
 
 import torch
 
@@ -62,22 +63,25 @@ class LanguageModelObjective:
 class DPOObjective:
     """dpo: TRL's losses and metrics on (chosen rows, then rejected rows) micro-batches.
 
-    ``ref_chunks`` None means reference-free (reference log-probs 0). Report: [loss sum, pairs,
-    and the sums of chosen / rejected rewards, accuracies, margins, chosen / rejected log-probs].
+    ``ref_chunks`` None means reference-free (reference log-probs 0). ``ref_mode``, when given, is
+    entered around the reference pass (LoRA: the policy's own chunks with the adapters disabled, so
+    no second model is held). Report: [loss sum, pairs, and the sums of chosen / rejected rewards,
+    accuracies, margins, chosen / rejected log-probs].
     """
 
     report_size = 8
     _METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected")
 
-    def __init__(self, vocab_size: int, settings: L.DPOSettings, ref_chunks: list[torch.nn.Module] | None) -> None:
-        self.vocab_size, self.settings, self.ref_chunks = vocab_size, settings, ref_chunks
+    def __init__(self, vocab_size: int, settings: L.DPOSettings, ref_chunks: list[torch.nn.Module] | None,
+                 ref_mode: Callable[[], ContextManager] | None = None) -> None:
+        self.vocab_size, self.settings, self.ref_chunks, self.ref_mode = vocab_size, settings, ref_chunks, ref_mode
 
     def prepare(self, micro: list[dict], seq_length: int) -> None:
         """Reference log-probs of every micro-batch, attached to it (on the last pipeline stage)."""
         if self.ref_chunks is None:
             return
-        with torch.no_grad():
+        with torch.no_grad(), (self.ref_mode() if self.ref_mode else contextlib.nullcontext()):
             reports = run_schedule(self.ref_chunks, micro, self._reference_step, forward_only=True,
                                    seq_length=seq_length)
         for batch, report in zip(micro, reports):  # empty on the other stages: they never take the loss
