@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from backends.mca.checkpoint import sharded_model_state_dict
 from backends.mca.models.config import MCA_CONFIG_NAME
+from backends.mca.models.unwrap import unwrap_model
 from roll import checkpoints
-from roll.errors import ConfigError
+from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -100,8 +101,9 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
 
     state_file = os.path.join(ckpt_dir, STATE_FILE)
     if not (os.path.isfile(state_file) and os.path.isfile(os.path.join(ckpt_dir, MCA_CONFIG_NAME))):
-        raise ConfigError(f"{ckpt_dir} has no {STATE_FILE}: it is not a checkpoint of a Megatron (--use-mca) run. "
-                          "Point resume_from_checkpoint at an OUTPUT_DIR/checkpoint-N written with --use-mca.")
+        raise ConfigError(f"{ckpt_dir} is not a checkpoint of a Megatron (--use-mca) run (it lacks {STATE_FILE} or "
+                          f"{MCA_CONFIG_NAME}). Point resume_from_checkpoint at an OUTPUT_DIR/checkpoint-N written "
+                          "with --use-mca.")
     with open(state_file, encoding="utf-8") as fh:
         state = TrainerState(**json.load(fh))
     if state.global_batch_size != expected.global_batch_size:
@@ -116,9 +118,15 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
         raise ConfigError(f"{ckpt_dir} was saved with use_distributed_optimizer={state.distributed_optimizer}; resume "
                           f"with the same setting (the optimizer state is stored differently).")
     start = time.perf_counter()
-    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, state.lora, is_loading=True), ckpt_dir)
-    for key, chunk in zip(_model_keys(chunks), chunks):
-        chunk.load_state_dict(loaded[key], strict=False)  # LoRA: the adapters only, the base stays loaded
+    sharded = _sharded_state(chunks, optimizer, state.lora, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, ckpt_dir)
+    for key, chunk in zip([key for key in sharded if key != "optimizer"], chunks):
+        # unwrapped: Megatron's DDP / Float16Module do not return the load result. LoRA loads only the
+        # adapters; the base stays as loaded from model_name_or_path.
+        result = unwrap_model(chunk).load_state_dict(loaded[key], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing and not state.lora:
+            raise ModelError(f"checkpoint {ckpt_dir} lacks {missing[:5]} for model chunk {key}.")
     with torch.no_grad():  # fp32 main params are views of leaf parameters
         optimizer.load_state_dict(loaded["optimizer"])
     if state.layout == expected.layout:
@@ -129,10 +137,6 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
     log_rank0(logger, "resumed from %s (step %d, %d samples consumed) in %.1fs", ckpt_dir, state.global_step,
               state.consumed_samples, time.perf_counter() - start)
     return state
-
-
-def _model_keys(chunks: list[torch.nn.Module]) -> list[str]:
-    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
 def _sharded_state(chunks: list[torch.nn.Module], optimizer, lora: bool, *, is_loading: bool) -> dict:
