@@ -4,8 +4,8 @@ The two runs consume the same global batch each step: the mca run keeps the reci
 standard run is one process without DeepSpeed whose gradient accumulation covers the mca run's
 data-parallel ranks too (the per-token mean over the global batch does not depend on how the batch is
 split; docs/design.md). Each run is a real ``roll-train`` subprocess; roll-parity reads their
-``train_log.jsonl`` files. The pure pieces (command line, run plan, log parsing, comparison, table)
-are separate functions so tests can call them on literal inputs.
+``train_log.jsonl`` files. The pure pieces (command line, run plan) are separate functions, and the
+log parsing, comparison and table live in ``roll.parity_report``, so tests call them on literal inputs.
 """
 
 from __future__ import annotations
@@ -27,16 +27,13 @@ from typing import TYPE_CHECKING
 
 from roll.errors import ConfigError, RollError
 from roll.launch import inside_launcher, run_child
-from roll.logging import TRAIN_LOG_FILE
+from roll.parity_report import (DEFAULT_FIRST_STEP_TOLERANCE, DEFAULT_TOLERANCE, Comparison, compare, format_table,
+                                format_verdict, read_log)
 
 if TYPE_CHECKING:  # roll.config imports transformers; --help and the pure pieces do not need it
     from roll.config import RunConfig
 
 DEFAULT_STEPS = 10
-DEFAULT_TOLERANCE = 1e-3
-"""Relative loss difference allowed at every step (issue 8: 10-step trajectories within 1e-3)."""
-DEFAULT_FIRST_STEP_TOLERANCE = 1e-5
-"""Relative difference allowed at step 1, before the two optimizers have had a chance to diverge."""
 LOG_TAIL_LINES = 30
 
 USAGE = f"""usage: roll-parity RECIPE.yaml [--steps N] [--tolerance T] [--first-step-tolerance T1]
@@ -239,128 +236,6 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> list[str]:
     except OSError:
         return []
     return [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.rstrip("\n").split("\n")[-lines:]]
-
-
-# --- logs and comparison -----------------------------------------------------------------------------
-
-
-def parse_log(lines: Iterable[str]) -> dict[int, float]:
-    """``train_log.jsonl`` lines -> ``{step: loss}`` of the training records (eval and summary records have
-    no ``loss``; a step logged twice keeps its last value)."""
-    losses: dict[int, float] = {}
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        record = json.loads(line)
-        if "loss" in record and "step" in record:
-            losses[int(record["step"])] = float(record["loss"])
-    return losses
-
-
-def read_log(output_dir: str) -> dict[int, float]:
-    path = os.path.join(output_dir, TRAIN_LOG_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as fh:
-        return parse_log(fh)
-
-
-def relative_difference(reference: float, other: float) -> float:
-    """|a - b| / max(|a|, 1e-12), with a the standard backend's loss; inf when either is not finite."""
-    if not (math.isfinite(reference) and math.isfinite(other)):
-        return math.inf
-    return abs(reference - other) / max(abs(reference), 1e-12)
-
-
-@dataclass(frozen=True)
-class StepRow:
-    step: int
-    standard: float | None
-    mca: float | None
-    rel_diff: float | None
-    """None when the step is missing from a log."""
-    tolerance: float
-    """The tolerance this step is held to (the first step's is tighter)."""
-
-    @property
-    def ok(self) -> bool:
-        return self.rel_diff is not None and self.rel_diff <= self.tolerance
-
-
-@dataclass(frozen=True)
-class Comparison:
-    rows: tuple[StepRow, ...]
-    tolerance: float
-    first_step_tolerance: float
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.rows) and all(row.ok for row in self.rows)
-
-    @property
-    def worst(self) -> StepRow | None:
-        """The row with the largest relative difference (None when no step is in both logs)."""
-        compared = [row for row in self.rows if row.rel_diff is not None]
-        return max(compared, key=lambda row: row.rel_diff) if compared else None
-
-    @property
-    def max_rel_diff(self) -> float | None:
-        return None if self.worst is None else self.worst.rel_diff
-
-    def failures(self) -> list[str]:
-        """One phrase per failing step, for the FAIL line."""
-        if not self.rows:
-            return ["no training step was logged"]
-        out = []
-        for row in self.rows:
-            if row.rel_diff is None:
-                missing = [name for name in ("standard", "mca") if getattr(row, name) is None]
-                out.append(f"step {row.step} missing from the {' and '.join(missing)} log")
-            elif not row.ok:
-                out.append(f"step {row.step} rel diff {row.rel_diff:.2e} > {row.tolerance:g}")
-        return out
-
-
-def compare(standard: dict[int, float], mca: dict[int, float], *, steps: int | None = None,
-            tolerance: float = DEFAULT_TOLERANCE, first_step_tolerance: float = DEFAULT_FIRST_STEP_TOLERANCE,
-            ) -> Comparison:
-    """Pair the two logs by step (and expect steps 1..``steps`` when given); the first step is held to
-    ``first_step_tolerance``, every step to ``tolerance``."""
-    all_steps = sorted(set(standard) | set(mca) | set(range(1, (steps or 0) + 1)))
-    rows = []
-    for index, step in enumerate(all_steps):
-        a, b = standard.get(step), mca.get(step)
-        limit = min(tolerance, first_step_tolerance) if index == 0 else tolerance
-        rel = None if a is None or b is None else relative_difference(a, b)
-        rows.append(StepRow(step, a, b, rel, limit))
-    return Comparison(tuple(rows), tolerance, first_step_tolerance)
-
-
-def format_table(comparison: Comparison) -> str:
-    """``step | standard loss | mca loss | rel diff``, one row per step, over-tolerance rows marked."""
-    def loss(value: float | None) -> str:
-        return "-" if value is None else f"{value:.8f}"
-
-    lines = [f"{'step':>4} | {'standard loss':>14} | {'mca loss':>14} | rel diff",
-             f"{'-' * 4}-+-{'-' * 14}-+-{'-' * 14}-+-{'-' * 9}"]
-    for row in comparison.rows:
-        rel = "-" if row.rel_diff is None else f"{row.rel_diff:.2e}"
-        mark = "" if row.ok else ("  (missing)" if row.rel_diff is None else f"  (over {row.tolerance:g})")
-        lines.append(f"{row.step:>4} | {loss(row.standard):>14} | {loss(row.mca):>14} | {rel}{mark}")
-    return "\n".join(lines)
-
-
-def format_verdict(comparison: Comparison) -> str:
-    """The largest relative difference, then PASS or FAIL naming the tolerances."""
-    worst = comparison.worst
-    lines = ["max rel diff: " + ("-" if worst is None else f"{worst.rel_diff:.2e} (step {worst.step})")]
-    limits = f"step 1 within {comparison.first_step_tolerance:g}, every step within {comparison.tolerance:g}"
-    if comparison.passed:
-        lines.append(f"PASS: {limits}")
-    else:
-        lines.append(f"FAIL ({limits}): " + "; ".join(comparison.failures()))
-    return "\n".join(lines)
 
 
 def format_header(options: ParityOptions, std: Run, mca: Run, mca_config: RunConfig) -> str:

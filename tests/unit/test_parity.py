@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from roll import parity
-from roll.parity import compare, format_table, format_verdict, parse_log, parse_command_line
+from roll.parity import parse_command_line
+from roll.parity_report import compare, format_table, format_verdict, parse_log
 from tests.helpers import run
 
 STANDARD = {1: 6.28150845, 2: 5.99004555, 3: 5.89215565}
