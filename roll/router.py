@@ -14,7 +14,7 @@ from typing import Callable
 
 from roll.config import RunConfig
 from roll.contract import TrainJob, TrainResult
-from roll.logging import log_rank0
+from roll.logging import is_rank0, log_rank0
 from roll.registry import get_backend_class
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,23 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         if config.training.save_hf_model:
             result.hf_model_dir = backend.save(models, job.tokenizer, config.training.output_dir)
             log_rank0(logger, "final model (HF format) written to %s", result.hf_model_dir)
+        if is_rank0():
+            _plot_losses(config, info.world_size)
         return result
     finally:
         backend.teardown()
+
+
+def _plot_losses(config: RunConfig, world_size: int) -> None:
+    """OUTPUT_DIR/loss.png from the train_log.jsonl the backend wrote (never fails the run)."""
+    from roll.plot import write_loss_plot
+
+    processes = "1 process" if world_size == 1 else f"{world_size} processes"
+    tuning = config.finetuning
+    title = f"{tuning.stage} ({tuning.finetuning_type}), {config.backend_name} backend, {processes}"
+    path = write_loss_plot(config.training.output_dir, title)
+    if path:
+        logger.info("loss curve written to %s", path)
 
 
 def _fmt(value) -> str:
