@@ -37,7 +37,7 @@ DEFAULT_STEPS = 10
 LOG_TAIL_LINES = 30
 
 USAGE = f"""usage: roll-parity RECIPE.yaml [--steps N] [--tolerance T] [--first-step-tolerance T1]
-                   [--output-dir DIR] [--json] [key=value | --key value ...]
+                   [--output-dir DIR [--save-models]] [--json] [key=value | --key value ...]
 
 Train RECIPE for N steps on the standard backend (one process, no DeepSpeed) and on the mca backend
 (--use-mca, with the recipe's parallel layout), both on the same global batch each step, and compare
@@ -49,6 +49,8 @@ options:
   --first-step-tolerance T1 largest relative difference allowed at step 1 (default {DEFAULT_FIRST_STEP_TOLERANCE:g})
   --output-dir DIR          keep both runs (DIR/standard, DIR/mca and their .log files);
                             default: a temporary directory, deleted at the end
+  --save-models             with --output-dir: also export each run's final model (HF format) to
+                            DIR/standard and DIR/mca
   --json                    print one JSON object instead of the table
   --help                    this text
 
@@ -65,7 +67,7 @@ RESERVED = {
     "max_steps": "use --steps N",
     "logging_steps": "roll-parity logs every step",
     "save_strategy": "roll-parity saves no checkpoints",
-    "save_hf_model": "roll-parity exports no model",
+    "save_hf_model": "roll-parity exports no model; --save-models --output-dir DIR keeps both",
     "report_to": "roll-parity reads train_log.jsonl only",
 }
 """Keys roll-parity sets on both runs itself; a user override of one is refused (with what to do instead)."""
@@ -81,6 +83,8 @@ class ParityOptions:
     first_step_tolerance: float = DEFAULT_FIRST_STEP_TOLERANCE
     output_dir: str | None = None
     json: bool = False
+    save_models: bool = False
+    """Export each run's final HF-format model into its output directory (needs output_dir)."""
     help: bool = False
     overrides: dict[str, str] = field(default_factory=dict)
     """``key -> value text`` for both runs, exactly as roll-train would read them."""
@@ -98,6 +102,8 @@ def parse_command_line(argv: list[str]) -> ParityOptions:
             options.help = True
         elif dashed and name == "json":
             options.json = True
+        elif dashed and name == "save_models":
+            options.save_models = True
         elif name in _OPTIONS and (dashed or sep):
             if not sep:
                 if i >= len(argv):
@@ -108,6 +114,8 @@ def parse_command_line(argv: list[str]) -> ParityOptions:
             rest.append(token)
     if options.help:
         return options
+    if options.save_models and options.output_dir is None:
+        raise ConfigError("roll-parity option '--save-models' needs --output-dir DIR (where the models go).")
     from roll.config.parser import split_command_line  # imports transformers: not for --help
 
     cli, options.overrides = split_command_line(rest)
@@ -181,7 +189,7 @@ def plan_runs(options: ParityOptions, recipe: dict, mca_config: RunConfig, root:
     layout, training = mca_config.layout, mca_config.training
     gas, dp = training.gradient_accumulation_steps, layout.dp
     common = {**options.overrides, "max_steps": str(options.steps), "logging_steps": "1", "save_strategy": "no",
-              "save_hf_model": "false", "report_to": "none"}
+              "save_hf_model": "true" if options.save_models else "false", "report_to": "none"}
     if training.resume_from_checkpoint:
         common["resume_from_checkpoint"] = "null"  # both runs start from model_name_or_path
     standard = {**common, "nproc_per_node": "1", "gradient_accumulation_steps": str(gas * dp)}

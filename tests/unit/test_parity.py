@@ -105,6 +105,19 @@ def test_the_standard_run_accumulates_over_the_mca_data_parallel_ranks(tiny_mode
     assert std.description == "1 process, no DeepSpeed, gradient_accumulation_steps 6 (= 3 x dp 2)"
 
 
+def test_save_models_exports_both_models_and_needs_an_output_dir(tiny_model_dir, tmp_path):
+    with pytest.raises(parity.ConfigError, match="--save-models' needs --output-dir"):
+        parse_command_line(["r.yaml", "--save-models"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model_dir}\nstage: sft\n")
+    options = parse_command_line([str(recipe), "--steps", "2", "--save-models", "--output-dir", str(tmp_path)])
+    std, mca, _ = parity.resolve_runs(options, str(tmp_path))
+    assert "save_hf_model=true" in std.args and "save_hf_model=true" in mca.args
+    options = parse_command_line([str(recipe), "--steps", "2"])
+    std, mca, _ = parity.resolve_runs(options, str(tmp_path))
+    assert "save_hf_model=false" in std.args and "save_hf_model=false" in mca.args
+
+
 @pytest.mark.parametrize("content, argv, expected", [
     ("learnin_rate: 1.0e-3\n", [], "unknown key 'learnin_rate' (did you mean 'learning_rate'?)"),
     ("stage: sft\n", ["learnin_rate=1"], "unknown key 'learnin_rate' (did you mean 'learning_rate'?) in the command"),
