@@ -1,0 +1,90 @@
+"""The demo recipes (recipes/demo/tiny_*.yaml) trained a few steps on each backend, for the regression
+tests (tests/recipes/test_recipe_goldens.py) and for regenerating their goldens (scripts/update_goldens.py).
+
+Each recipe runs as written except for what makes it a short, fast, deterministic CPU run: the tiny
+BPE model built by ``roll.tiny.make_tiny_model`` (the same one the tests' ``tiny_model_factory`` builds;
+tiny_dpo's model_name_or_path, the SFT demo's output, is replaced too), ``STEPS`` steps, a log line every
+step, nothing saved. The standard backend runs in this process (roll.router.run, the production path);
+the mca backend in one 1-process torchrun job that trains every recipe (one interpreter, one Megatron import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tests.helpers import REPO, output_of, torchrun
+
+RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_lora")
+BACKENDS = ("standard", "mca")
+STEPS = 5
+GOLDENS = os.path.join(REPO, "tests", "recipes", "goldens.json")
+WORKER = os.path.join(REPO, "tests", "recipes", "_mca_worker.py")
+
+
+def recipe_path(name: str) -> str:
+    return os.path.join(REPO, "recipes", "demo", f"{name}.yaml")
+
+
+def recipe_args(name: str, model_dir: str, output_dir: str) -> list[str]:
+    """roll-train's command line for one short run of the recipe (without --use-mca)."""
+    import yaml
+
+    with open(recipe_path(name), encoding="utf-8") as fh:
+        dataset = yaml.safe_load(fh)["dataset"]
+    return [recipe_path(name), f"model_name_or_path={model_dir}", f"output_dir={output_dir}",
+            f"dataset={os.path.join(REPO, dataset)}", f"max_steps={STEPS}", "logging_steps=1",
+            "save_strategy=no", "save_hf_model=false", "report_to=none", "disable_tqdm=true"]
+
+
+def losses_of(log_history: list[dict]) -> list[float]:
+    return [entry["loss"] for entry in log_history if "loss" in entry]
+
+
+def run_standard(name: str, model_dir: str, output_dir: str) -> list[float]:
+    """The recipe on the standard backend, in this process; its per-step losses."""
+    from roll import router
+    from roll.config.parser import parse_args
+
+    _, config = parse_args(recipe_args(name, model_dir, output_dir))
+    return losses_of(router.run(config).log_history)
+
+
+def run_mca(names: tuple[str, ...], model_dir: str, root: str, timeout: float = 600) -> dict[str, list[float]]:
+    """Every recipe in ``names`` with --use-mca, in one 1-process torchrun job; {name: losses}.
+    Run ``name`` writes to ROOT/name/mca."""
+    spec, result = os.path.join(root, "mca_spec.json"), os.path.join(root, "mca_result.json")
+    runs = [{"name": name, "args": recipe_args(name, model_dir, os.path.join(root, name, "mca")) + ["--use-mca"]}
+            for name in names]
+    with open(spec, "w", encoding="utf-8") as fh:
+        json.dump(runs, fh)
+    proc = torchrun(WORKER, spec, result, nproc=1, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError("the mca recipe runs failed:\n" + output_of(proc))
+    with open(result, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def run_all(model_dir: str, root: str) -> dict[str, dict[str, list[float]]]:
+    """{recipe: {backend: losses}} for every demo recipe on both backends."""
+    losses = {name: {"standard": run_standard(name, model_dir, os.path.join(root, name, "standard"))}
+              for name in RECIPES}
+    for name, values in run_mca(RECIPES, model_dir, root).items():
+        losses[name]["mca"] = values
+    return losses
+
+
+def read_goldens() -> dict:
+    with open(GOLDENS, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def describe_environment() -> dict[str, str]:
+    """What produced a set of goldens (stored next to them, shown when they do not match)."""
+    import platform
+
+    import torch
+
+    return {"torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
+            "torch_threads": str(torch.get_num_threads())}
