@@ -12,6 +12,7 @@ import yaml
 
 from roll.config.coerce import CoercionError, closest, coerce, describe, is_bool_word
 from roll.config.run import GROUPS, RunConfig
+from roll.config.training import LAUNCH_ENV_FALLBACKS
 from roll.errors import ConfigError
 
 FLAGS = ("help", "print_config", "dry_run", "json", "version")
@@ -138,7 +139,8 @@ def _parse_cli_value(text: str, tp: Any) -> Any:
 
 
 def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str | None) -> RunConfig:
-    """Apply defaults < recipe < command line, check every key and type, then validate once."""
+    """Apply defaults < launch environment variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT) < recipe <
+    command line, check every key and type, then validate once."""
     source_of = {}
     values: dict[str, Any] = {}
     recipe_source = f"recipe {recipe_path}" if recipe_path else "recipe"
@@ -148,6 +150,10 @@ def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str 
     unknown = [k for k in overrides if k not in FIELDS]
     if unknown:
         raise _unknown_key_error(unknown, "the command line")
+    for key, var in LAUNCH_ENV_FALLBACKS.items():
+        if os.environ.get(var, "").strip() and key not in recipe and key not in overrides:
+            values[key], source_of[key] = _parse_cli_value(os.environ[var], FIELDS[key].type), f"environment variable {var}"
+    explicit = frozenset(recipe) | frozenset(overrides)
     for key, value in recipe.items():
         values[key], source_of[key] = value, recipe_source
     for key, value in overrides.items():
@@ -163,7 +169,7 @@ def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str 
                               f"'{key}' takes {describe(ref.type)}.") from None
     # Each group's __post_init__ checks its own values and names the field in its message.
     groups = {group: cls(**kwargs[group]) for group, cls in GROUPS.items()}
-    config = RunConfig(recipe_path=recipe_path, explicit_keys=frozenset(values), **groups)
+    config = RunConfig(recipe_path=recipe_path, explicit_keys=explicit, **groups)
     config.validate()
     return config
 

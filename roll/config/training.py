@@ -18,6 +18,11 @@ import transformers
 
 from roll.errors import ConfigError, RollError
 
+LAUNCH_ENV_FALLBACKS = {"nnodes": "NNODES", "node_rank": "NODE_RANK", "master_addr": "MASTER_ADDR",
+                        "master_port": "MASTER_PORT"}
+"""Keys read from these environment variables when neither the recipe nor the command line sets them
+(the names torchrun, DeepSpeed and cluster schedulers' job scripts use)."""
+
 _HF_FIELDS = frozenset(f.name for f in dataclasses.fields(transformers.TrainingArguments))
 
 
@@ -53,7 +58,19 @@ class TrainingArguments(transformers.TrainingArguments):
     """Processes per node. >1 outside a launcher re-executes roll-train under torchrun or the deepspeed launcher."""
 
     nnodes: int = 1
-    """Number of nodes (multi-node runs are started by your cluster launcher on each node)."""
+    """Number of nodes in the job (env NNODES when not set). >1: run roll-train on every node with the same recipe,
+    node_rank and master_addr; each starts its nproc_per_node local ranks and they join one job."""
+
+    node_rank: int | None = None
+    """This node's index in a multi-node job, 0..nnodes-1 (env NODE_RANK when not set); node 0 hosts the rendezvous."""
+
+    master_addr: str | None = None
+    """Address of node 0, reachable from every node (env MASTER_ADDR when not set). Needed when nnodes > 1;
+    a single-node run uses 127.0.0.1."""
+
+    master_port: int | None = None
+    """Rendezvous TCP port on master_addr (env MASTER_PORT when not set). Default: 29500 when nnodes > 1 (as torchrun),
+    a free local port on one node. Multi-node runs use torchrun's rendezvous (not yet the deepspeed launcher)."""
 
     save_hf_model: bool = True
     """Write the final model in Hugging Face format (safetensors + config + tokenizer) to output_dir."""
@@ -63,6 +80,7 @@ class TrainingArguments(transformers.TrainingArguments):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        self._check_launch_keys()
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}.")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -71,6 +89,16 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ConfigError("bf16 and fp16 are both true: choose one precision.")
         if isinstance(self.deepspeed, str):
             read_deepspeed_json(self.deepspeed)
+
+    def _check_launch_keys(self) -> None:
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in 0..nnodes-1 = 0..{self.nnodes - 1}, got {self.node_rank}. "
+                              "Give each node its own node_rank (0 on the node at master_addr); "
+                              "without the key, roll reads the NODE_RANK environment variable.")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"master_port must be a TCP port in 1..65535, got {self.master_port} (the key, else the MASTER_PORT environment variable).")
+        if self.master_addr is not None and not self.master_addr.strip():
+            raise ConfigError("master_addr is empty: give node 0's address (host name or IP) or drop the key.")
 
     @property
     def world_size_from_launch(self) -> int:

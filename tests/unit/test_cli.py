@@ -10,6 +10,7 @@ import yaml
 
 from roll import launch
 from roll.config import parse_args
+from roll.errors import ConfigError
 from tests.helpers import roll_train, run
 
 
@@ -79,3 +80,38 @@ def test_no_relaunch_inside_a_launcher(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not launch.needs_launch(config)
+
+
+def test_multinode_launch_command_and_env_fallbacks(tmp_path, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stage: sft\nnproc_per_node: 2\nnnodes: 2\n")
+    _, config = parse_args([str(recipe), "node_rank=1", "master_addr=10.0.0.1"])
+    cmd = launch.launch_command(config, [str(recipe)])
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    for flag, value in (("--nnodes", "2"), ("--node_rank", "1"), ("--master_addr", "10.0.0.1"),
+                        ("--master_port", "29500"), ("--nproc_per_node", "2")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert config.megatron.build_layout(config.training.world_size_from_launch).dp == 4
+
+    # NODE_RANK / MASTER_ADDR / MASTER_PORT / NNODES are fallbacks; the recipe and command line win
+    for var, value in (("NNODES", "3"), ("NODE_RANK", "1"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "6000")):
+        monkeypatch.setenv(var, value)
+    _, config = parse_args([str(recipe), "master_port=7000"])
+    t = config.training
+    assert (t.nnodes, t.node_rank, t.master_addr, t.master_port) == (2, 1, "node0", 7000)
+    with pytest.raises(ConfigError, match="node_rank"):  # node_rank=2 does not fit nnodes=2
+        parse_args([str(recipe), "node_rank=2"])
+    monkeypatch.delenv("NODE_RANK")
+    _, config = parse_args([str(recipe)])
+    with pytest.raises(ConfigError, match=r"node_rank \(or env NODE_RANK\)"):
+        launch.launch_command(config, [str(recipe)])
+    with pytest.raises(ConfigError, match="deepspeed"):
+        _, config = parse_args([str(recipe), "node_rank=0", "deepspeed=recipes/deepspeed/ds_z2.json"])
+        launch.launch_command(config, [str(recipe)])
+
+
+@pytest.mark.parametrize("override, key", [("master_port=70000", "master_port"), ("master_port=0", "master_port"),
+                                           ("node_rank=-1", "node_rank"), ("master_addr=' '", "master_addr")])
+def test_launch_keys_are_validated(override, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_args(["nnodes=2", override])
