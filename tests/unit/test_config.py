@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
 from roll.config import ParallelLayout, parse_args
 from roll.config.parser import load_recipe, split_command_line
 from roll.errors import ConfigError, ModelError
+from tests.helpers import roll_train
 
 
 @pytest.fixture
@@ -188,15 +191,44 @@ def test_standard_backend_ignores_mca_knobs_with_warning(recipe, roll_warnings):
     assert expected in roll_warnings.text
 
 
-def test_every_shipped_recipe_parses():
+SHIPPED = ("qwen_sft", "qwen_pt", "qwen_dpo", "qwen_lora_sft", "qwen3_moe_sft", "llama3_sft")
+DEMO = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_lora")
+
+
+def test_every_shipped_recipe_parses(monkeypatch):
+    """Each recipe resolves on both backends at its own nproc_per_node * nnodes (a model dir that does not
+    exist yet still parses), names the hardware it was sized for, and every repo file it names exists."""
     import glob
 
+    from roll.launch import needs_launch
+
+    for var in ("WORLD_SIZE", "LOCAL_RANK", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
     recipes = sorted(glob.glob("recipes/**/*.yaml", recursive=True))
-    assert "recipes/qwen_sft.yaml" in recipes
+    for name in SHIPPED:
+        assert f"recipes/{name}.yaml" in recipes
+    for name in DEMO:
+        assert f"recipes/demo/{name}.yaml" in recipes
     from backends.mca.backend import McaBackend
 
     for path in recipes:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        raw = yaml.safe_load(text)
+        assert ("x H100" in text) or ("CPU" in text), f"{path} does not say what hardware it was sized for"
         _, config = parse_args([path])
+        t = config.training
+        assert t.nproc_per_node == raw.get("nproc_per_node", 1) and t.nnodes == raw.get("nnodes", 1), path
         assert config.finetuning.stage in ("pt", "sft", "dpo"), path
         assert config.finetuning.finetuning_type in McaBackend.supported_finetuning_types, path
-        parse_args([path, "--use-mca"])
+        assert needs_launch(config) == (t.nproc_per_node * t.nnodes > 1), path
+        for key in ("deepspeed", "dataset", "eval_dataset"):
+            value = raw.get(key)
+            if isinstance(value, str) and value.startswith("recipes/"):
+                assert os.path.exists(value), f"{path}: {key} {value!r} is not in the repo"
+        _, mca = parse_args([path, "--use-mca"])
+        assert mca.layout.world_size == t.nproc_per_node * t.nnodes, path
+        proc = roll_train(path, "--use-mca", "--print-config", timeout=120) if path == "recipes/qwen3_moe_sft.yaml" else None
+        if proc is not None:  # the real entry point too, once (each call costs an interpreter start)
+            assert proc.returncode == 0, proc.stderr
+            assert yaml.safe_load(proc.stdout)["megatron"]["expert_model_parallel_size"] == 8
