@@ -20,7 +20,7 @@ RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_lora")
 BACKENDS = ("standard", "mca")
 STEPS = 5
 GOLDENS = os.path.join(REPO, "tests", "recipes", "goldens.json")
-WORKER = os.path.join(REPO, "tests", "recipes", "_mca_worker.py")
+WORKER = os.path.join(REPO, "tests", "distributed", "_mca_workers", "train_runs.py")
 
 
 def recipe_path(name: str) -> str:
@@ -58,12 +58,12 @@ def run_mca(names: tuple[str, ...], model_dir: str, root: str, timeout: float = 
     runs = [{"name": name, "args": recipe_args(name, model_dir, os.path.join(root, name, "mca")) + ["--use-mca"]}
             for name in names]
     with open(spec, "w", encoding="utf-8") as fh:
-        json.dump(runs, fh)
+        json.dump({"runs": runs}, fh)
     proc = torchrun(WORKER, spec, result, nproc=1, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError("the mca recipe runs failed:\n" + output_of(proc))
     with open(result, encoding="utf-8") as fh:
-        return json.load(fh)
+        return {name: run["losses"] for name, run in json.load(fh).items()}
 
 
 def run_all(model_dir: str, root: str) -> dict[str, dict[str, list[float]]]:

@@ -4,7 +4,8 @@ usage: torchrun --nproc_per_node=N train_runs.py SPEC.json RESULT.json
 
 SPEC.json: {"base": {recipe keys}, "runs": [{"name": str, "overrides": {key: value}}, ...]}. Every
 run starts from ``base`` + its overrides (``use_mca`` and ``nproc_per_node`` are set from the
-launch) and trains in this process; Megatron is torn down and brought up again between runs, the
+launch), or, when it gives ``"args"``, from a roll-train command line (e.g. a recipe file and
+``--use-mca``; ``nproc_per_node`` is appended), and trains in this process; Megatron is torn down and brought up again between runs, the
 process group is kept (it is this worker's). Rank 0 writes {name: {"losses": [...], "grad_norms":
 [...], "log": [...]}} to RESULT.json. Starting the interpreter and importing Megatron once for all
 runs keeps a layout matrix affordable on 2 cores.
@@ -23,7 +24,7 @@ sys.path.insert(0, REPO)
 def main() -> None:
     import torch.distributed as dist
 
-    from roll.config.parser import resolve
+    from roll.config.parser import parse_args, resolve
     from roll.logging import setup_logging
     from roll.router import run
 
@@ -34,9 +35,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = {}
     for item in spec["runs"]:
-        recipe = {**spec["base"], "use_mca": True, "nproc_per_node": dist.get_world_size()}
-        overrides = {key: str(value) for key, value in item.get("overrides", {}).items()}
-        result = run(resolve(recipe, overrides, None))
+        if "args" in item:
+            config = parse_args(item["args"] + [f"nproc_per_node={dist.get_world_size()}"])[1]
+        else:
+            recipe = {**spec.get("base", {}), "use_mca": True, "nproc_per_node": dist.get_world_size()}
+            config = resolve(recipe, {key: str(value) for key, value in item.get("overrides", {}).items()}, None)
+        result = run(config)
         log = [entry for entry in result.log_history if "loss" in entry]
         results[item["name"]] = {"losses": [entry["loss"] for entry in log],
                                  "grad_norms": [entry.get("grad_norm") for entry in log], "log": log,
