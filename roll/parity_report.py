@@ -4,13 +4,11 @@ the verdict. Pure functions on plain values (no subprocess, no config), so tests
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from roll.logging import TRAIN_LOG_FILE
+from roll.plot import parse_curve, read_curve
 
 DEFAULT_TOLERANCE = 1e-3
 """Relative loss difference allowed at every step (issue 8: 10-step trajectories within 1e-3)."""
@@ -19,25 +17,12 @@ DEFAULT_FIRST_STEP_TOLERANCE = 1e-5
 
 
 def parse_log(lines: Iterable[str]) -> dict[int, float]:
-    """``train_log.jsonl`` lines -> ``{step: loss}`` of the training records (eval and summary records have
-    no ``loss``; a step logged twice keeps its last value)."""
-    losses: dict[int, float] = {}
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        record = json.loads(line)
-        if "loss" in record and "step" in record:
-            losses[int(record["step"])] = float(record["loss"])
-    return losses
+    """``train_log.jsonl`` lines -> ``{step: loss}`` of the training records (the one log parser, in roll.plot)."""
+    return dict(parse_curve(lines).train)
 
 
 def read_log(output_dir: str) -> dict[int, float]:
-    path = os.path.join(output_dir, TRAIN_LOG_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as fh:
-        return parse_log(fh)
+    return dict(read_curve(output_dir).train)
 
 
 def relative_difference(reference: float, other: float) -> float:
