@@ -75,8 +75,23 @@ class TrainingArguments(transformers.TrainingArguments):
     save_hf_model: bool = True
     """Write the final model in Hugging Face format (safetensors + config + tokenizer) to output_dir."""
 
+    overwrite_output_dir: bool = False
+    """Allow a fresh run in an output_dir that already holds a trained model or checkpoints (they are replaced).
+    Off by default so no finished work is lost; resuming (resume_from_checkpoint) needs no overwrite."""
+
+    save_on_preemption: bool = True
+    """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
+    code 75 (EXIT_PREEMPTED); resume_from_checkpoint: true then continues. False: stop without saving."""
+
+    max_consecutive_skipped_steps: int = 10
+    """A step whose loss or grad norm is not finite is skipped (no update) and counted; after this many skips in
+    a row the run stops with exit code 3, naming the step and its samples. 0: never stop."""
+
     def __post_init__(self) -> None:  # noqa: D105 - deliberately not calling HF's (see module doc)
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "nproc_per_node", "nnodes")
+        if self.max_consecutive_skipped_steps < 0:
+            raise ConfigError(f"max_consecutive_skipped_steps must be >= 0 (0: never stop), got "
+                              f"{self.max_consecutive_skipped_steps}.")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
