@@ -96,7 +96,8 @@ def forward_flops_per_token(config: Any, seq_length: float) -> float:
         shared = int(_get(config, "shared_expert_intermediate_size", 0))
         if shared:  # Qwen2-MoE: one shared expert behind a 1-wide sigmoid gate
             moe_mlp += 2 * 3 * h * shared + 2 * h
-    per_layer = [projections + scores + (moe_mlp if moe else dense_mlp) for moe in _moe_layers(config, layers)]
+    per_layer = [projections + scores + (moe_mlp if moe else dense_mlp)
+                 for moe in _moe_layers(config, layers)]
     return float(sum(per_layer) + 2 * h * vocab)  # + the output head (tied or not: the same matmul)
 
 
@@ -114,7 +115,8 @@ def flops_per_token(config: Any, seq_length: float) -> float:
         attention  = 2*h*d*(2*n_q + 2*n_kv)              q, k, v, o projections
                    + 4*n_q*d*s                            q.k^T and p.v over s positions
         dense MLP  = 6*h*I                                gate, up, down (SwiGLU)
-        MoE MLP    = 2*h*E + k*6*h*I_e [+ 6*h*I_s + 2*h]  router, the k ACTIVE experts [, shared expert + gate]
+        MoE MLP    = 2*h*E + k*6*h*I_e [+ 6*h*I_s + 2*h]  router, the k ACTIVE experts
+                                                          [, the shared expert and its gate]
         forward    = sum over layers (attention + MLP) + 2*h*V   (output head; tying does not change it)
         training   = 3 * forward                          (backward = 2 x forward)
 
@@ -131,7 +133,7 @@ def flops_per_token(config: Any, seq_length: float) -> float:
 def _dtype_column(dtype: torch.dtype) -> tuple[int, str]:
     if dtype in (torch.bfloat16, torch.float16):
         return 0, str(dtype).removeprefix("torch.")
-    if torch.backends.cuda.matmul.allow_tf32:
+    if torch.get_float32_matmul_precision() != "highest":  # "high"/"medium": fp32 matmuls run as tf32
         return 1, "tf32"
     return 2, "fp32"
 
@@ -238,8 +240,8 @@ class SpeedMeter:
                  dtype: torch.dtype = torch.float32) -> None:
         self.model_config, self.world_size, self.device = model_config, world_size, device
         self.peak_flops, self.peak_source = hardware_peak_flops(device, dtype)
-        log_rank0(logger, "MFU peak: %.3g FLOP/s per rank (%s), %d rank(s)", self.peak_flops, self.peak_source,
-                  world_size)
+        log_rank0(logger, "MFU peak: %.3g FLOP/s per rank (%s), %d rank(s)", self.peak_flops,
+                  self.peak_source, world_size)
 
     def metrics(self, tokens: float, seconds: float, steps: int, seq_length: float) -> dict[str, float]:
         """``speed_metrics`` of a window whose samples average ``seq_length`` real tokens. Collective."""

@@ -12,7 +12,8 @@ What they add to HF/TRL, and why:
   step loss is the per-token mean over the global batch. dpo: TRL's per-pair mean of the
   micro-batch, divided by grad_accum and averaged over ranks: the mean over pairs of the global
   batch (micro-batches are equal-sized).
-* **Throughput**: ``tokens_per_second`` in every log counts real (non-pad) tokens only.
+* **Speed**: every training log carries roll.perf's ``step_time``, ``tokens_per_second`` (real, non-pad
+  tokens only), ``mfu`` and ``peak_memory_gb``, as the mca backend's do.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from transformers import Trainer, TrainerCallback
 
 from roll import IGNORE_INDEX
 from roll.logging import TRAIN_LOG_FILE
+from roll.perf import SpeedMeter, training_dtype
 
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 class RollTrainerMixin:
-    """Sequential sample order and real-token throughput; mixed in before HF/TRL's trainer."""
+    """Sequential sample order and speed metrics; mixed in before HF/TRL's trainer."""
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -44,6 +46,13 @@ class RollTrainerMixin:
         pad_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
         # Kept a tensor until the next log: reading it every micro-step would wait for the GPU each time.
         self._roll_tokens = getattr(self, "_roll_tokens", 0) + _real_tokens(inputs, pad_id)
+        ids = inputs.get("input_ids")
+        rows = ids.shape[0] if isinstance(ids, torch.Tensor) else 0
+        self._roll_rows = getattr(self, "_roll_rows", 0) + rows
+        if getattr(self, "_roll_window_step", None) is None:  # a window's first step (or a resumed run's)
+            self._roll_window_step = self.state.global_step
+        if getattr(self, "_roll_last_log_time", None) is None:  # the first window starts here, not at set-up
+            self._roll_last_log_time = time.perf_counter()
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -52,18 +61,23 @@ class RollTrainerMixin:
         super().log(logs, start_time)
 
     def _throughput(self) -> dict[str, float]:
-        """Real tokens per second since the last log, summed over ranks (a collective: every rank logs)."""
+        """roll.perf's speed fields since the last log: real tokens summed over ranks; the attention
+        term's sequence length is the mean real tokens per row (a collective: every rank logs)."""
         now = time.perf_counter()
-        since = getattr(self, "_roll_last_log_time", None) or getattr(self, "_roll_train_start", now)
-        tokens = torch.as_tensor(getattr(self, "_roll_tokens", 0), dtype=torch.int64, device=self.args.device)
+        since = getattr(self, "_roll_last_log_time", None) or now
+        counts = torch.stack([torch.as_tensor(getattr(self, name, 0), dtype=torch.int64, device=self.args.device)
+                              for name in ("_roll_tokens", "_roll_rows")])
         if self.args.world_size > 1:
-            tokens = self.accelerator.reduce(tokens, reduction="sum")
-        self._roll_tokens, self._roll_last_log_time = 0, now
-        elapsed = max(now - since, 1e-9)
-        return {"tokens_per_second": round(tokens.item() / elapsed, 2)}
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        tokens, rows = counts.tolist()
+        steps = self.state.global_step - (getattr(self, "_roll_window_step", None) or 0)
+        self._roll_tokens, self._roll_rows, self._roll_window_step, self._roll_last_log_time = 0, 0, None, now
+        return self._roll_speed.metrics(tokens, now - since, steps, seq_length=tokens / max(rows, 1))
 
     def train(self, *args, **kwargs):
-        self._roll_train_start = time.perf_counter()
+        self._roll_last_log_time = self._roll_window_step = None
+        self._roll_speed = SpeedMeter(self.model.config, self.args.world_size, self.args.device,
+                                      training_dtype(self.args.bf16, self.args.fp16))
         return super().train(*args, **kwargs)
 
 

@@ -73,6 +73,9 @@ def test_demo_recipe_trains_at_tp2_from_the_command_line(tiny_model_factory, tmp
     losses = [entry["loss"] for entry in log if "loss" in entry]
     assert len(losses) == 4 and losses[-1] < losses[0] - 3, losses  # logging_steps 5 over 20 steps
     assert {"grad_norm", "learning_rate", "tokens_per_second", "epoch"} <= set(log[0])
+    for record in (entry for entry in log if "loss" in entry):  # roll.perf's speed fields, every training log
+        assert record["step_time"] > 0 and record["tokens_per_second"] > 0, record
+        assert 0 < record["mfu"] < float("inf") and record["peak_memory_gb"] > 0, record
     assert log[-1]["step"] == 20 and 0 < log[-1]["eval_loss"] < losses[0], log[-1]
     assert any(name.startswith("events.out.tfevents") for _, _, files in os.walk(out / "runs") for name in files)
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
-from backends.mca.trainer.metrics import MetricsWriter, append_log
+from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
 from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_name, wrap_ddp
-from backends.mca.trainer.step import REPORT, LanguageModelObjective, run_schedule
+from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
 from roll.contract import TrainResult
 from roll.logging import log_rank0
 
@@ -94,6 +94,7 @@ class MegatronTrainer:
                   self.plan.grad_accum, self.plan.dp_size, len(dataset))
         writer = MetricsWriter(t.output_dir, total, initial_step=self.state.global_step, fresh=resume_from is None,
                                report_to=t.report_to)
+        self._speed = speed_meter(self.model_config, t, self.device, dist.get_world_size())
         window: list[StepStats] = []
         window_start = time.perf_counter()
         try:
@@ -205,7 +206,11 @@ class MegatronTrainer:
         if window[-1].grad_norm is not None:
             record["grad_norm"] = window[-1].grad_norm
         record["learning_rate"] = window[-1].learning_rate
-        record["tokens_per_second"] = round(sum(s.real_tokens for s in window) / max(seconds, 1e-9), 2)
+        tokens, step = sum(s.real_tokens for s in window), self.state.global_step
+        # The attention term's sequence length: mean real tokens per row (a DPO pair is two rows).
+        rows = sum(self.plan.samples_in_step(i, num_samples) for i in range(step - len(window), step))
+        rows *= 2 if isinstance(self.objective, DPOObjective) else 1
+        record.update(self._speed.metrics(tokens, seconds, len(window), seq_length=tokens / max(rows, 1)))
         record["epoch"] = round(self.state.global_step / self.plan.steps_per_epoch(num_samples), 4)
         aux = [s.moe_aux_loss for s in window if s.moe_aux_loss is not None]
         if aux:

@@ -1,11 +1,12 @@
 """What a Megatron run reports, on global rank 0, with the standard backend's names and places.
 
-- a progress bar (steps, with the last logged loss);
+- a progress bar (steps, with the last logged loss, tokens/s, mfu and peak memory);
 - ``OUTPUT_DIR/train_log.jsonl``: one JSON object per logging step: ``step``, ``loss`` (mean of the
   step losses since the previous log, as HF Trainer logs it), ``grad_norm`` (last step),
   ``learning_rate`` (the one the last update used), ``tokens_per_second`` (real tokens, all ranks),
-  ``epoch``, plus ``moe_aux_loss`` for MoE models and ``skipped_steps`` once a step was skipped;
-  evaluation records carry ``eval_loss``;
+  ``epoch``, the speed fields of ``roll.perf`` (``step_time``: seconds per step of the window, ``mfu``:
+  model FLOPs utilisation, 0..1, ``peak_memory_gb``: the largest peak of any rank), plus ``moe_aux_loss``
+  for MoE models and ``skipped_steps`` once a step was skipped; evaluation records carry ``eval_loss``;
 - TensorBoard scalars (``train/loss``, ...) with ``report_to: tensorboard``, under ``TENSORBOARD_LOGGING_DIR``
   or ``OUTPUT_DIR/runs`` (as Hugging Face's TensorBoard callback).
 """
@@ -17,6 +18,7 @@ import logging
 import os
 
 from roll.logging import TRAIN_LOG_FILE, is_rank0, warn_once
+from roll.perf import SpeedMeter, training_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +69,43 @@ class MetricsWriter:
                 self._tensorboard.add_scalar(f"train/{key}" if not key.startswith("eval_") else
                                              f"eval/{key[5:]}", value, step)
         if self._bar is not None and "loss" in record:
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            self._bar.set_postfix(bar_postfix(record), refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def bar_postfix(record: dict[str, float]) -> dict[str, str]:
+    """The progress bar's postfix of a training record: loss and the speed fields it has."""
+    out = {"loss": f"{record['loss']:.4f}"}
+    if "tokens_per_second" in record:
+        out["tok/s"] = f"{record['tokens_per_second']:.4g}"
+    if "mfu" in record:
+        out["mfu"] = f"{record['mfu']:.2%}"
+    if "peak_memory_gb" in record:
+        out["mem"] = f"{record['peak_memory_gb']:.2f}GB"
+    return out
+
+
+def speed_meter(model_config, training, device, world_size: int) -> SpeedMeter:
+    """roll.perf's meter for a Megatron model: FLOPs from the HF config the McaModelConfig carries
+    (``hf_config``), or, for a config built without one, from its Megatron fields under HF names."""
+    fields = dict(model_config.hf_config) if model_config.hf_config else hf_fields(model_config)
+    return SpeedMeter(fields, world_size, device, training_dtype(training.bf16, training.fp16))
+
+
+def hf_fields(config) -> dict:
+    """The HF config fields ``roll.perf.flops_per_token`` reads, from a Megatron TransformerConfig."""
+    return {"hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups or config.num_attention_heads,
+            "head_dim": config.kv_channels, "vocab_size": config.vocab_size,
+            "num_experts": config.num_moe_experts, "num_experts_per_tok": config.moe_router_topk,
+            "moe_intermediate_size": config.moe_ffn_hidden_size,
+            "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size}
 
 
 def append_log(output_dir: str, entry: dict) -> None:
