@@ -1,0 +1,68 @@
+"""roll-bench's conversion timings: ``roll-convert hf2mca`` and ``mca2hf`` on the bench model, next to a
+raw read of the same safetensors files (``safetensors.torch.load_file``).
+
+Each is a subprocess timed from outside (what a user waits for). A second number subtracts the start-up
+of a process that only imports the converter (Python, torch, transformers, megatron), which no
+conversion can avoid; GB/s uses the HF safetensors bytes of the model (the same bytes both ways).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+_RAW_READ = """
+import glob, json, sys, time
+from safetensors.torch import load_file
+start = time.perf_counter()
+n = sum(t.numel() for f in sorted(glob.glob(sys.argv[1] + '/*.safetensors')) for t in load_file(f).values())
+print(json.dumps({"read_s": time.perf_counter() - start, "elements": n}))
+"""
+
+
+def safetensors_bytes(model_dir: str) -> int:
+    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
+def _timed(command: list[str], timeout: float) -> tuple[float, str, str]:
+    """(wall seconds, status, stdout) of one subprocess (OMP threads: all cores, as a user would run it)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - start, f"timeout ({timeout:.0f} s)", ""
+    wall = time.perf_counter() - start
+    status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {proc.stderr[-500:]}"
+    return wall, status, proc.stdout
+
+
+def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
+    """Rows: raw read, hf2mca, mca2hf; each with bytes, wall_s, GB/s, and the same net of start-up."""
+    size = safetensors_bytes(model_dir)
+    mca_dir, back_dir = os.path.join(root, "convert", "mca"), os.path.join(root, "convert", "hf")
+    py = sys.executable
+    startup, _, _ = _timed([py, "-c", "import backends.mca.convert"], timeout)
+    rows = []
+    wall, status, out = _timed([py, "-c", _RAW_READ, model_dir], timeout)
+    read_s = json.loads(out.strip().splitlines()[-1])["read_s"] if status == "ok" else None
+    rows.append(_row("raw read (safetensors.torch.load_file)", size, wall, status, net=read_s))
+    for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
+        cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
+        wall, status, _ = _timed(cmd, timeout)
+        rows.append(_row(f"roll-convert {name} (TP1)", size, wall, status, net=max(wall - startup, 1e-3)))
+    for row in rows:
+        row["startup_s"] = round(startup, 2)
+    return rows
+
+
+def _row(what: str, size: int, wall: float, status: str, net: float | None) -> dict:
+    gb = size / 1e9
+    return {"what": what, "status": status, "bytes": size, "wall_s": round(wall, 2),
+            "gb_per_s": round(gb / wall, 3) if status == "ok" else None,
+            "net_s": round(net, 2) if net is not None and status == "ok" else None,
+            "net_gb_per_s": round(gb / net, 3) if net and status == "ok" else None}

@@ -1,0 +1,113 @@
+"""roll-bench: the case plan, the log summary and the ledger file on literal inputs, and one smoke run of
+``roll-bench --quick`` on two cases (no timing assertion: a benchmark is a script, not a timed test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from roll import bench, bench_report
+from roll.bench_setup import BenchOptions, parse_options
+from roll.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_default_plan_covers_every_runner_and_layout_and_full_is_the_cross_product():
+    default = bench.plan_cases(BenchOptions())
+    assert {(c.runner, c.layout) for c in default} == {("hf", "1p"), ("standard", "1p"), ("mca", "1p"),
+                                                       ("mca", "DP2"), ("mca", "TP2")}
+    assert {c.seq for c in default} == {256, 1024} and {c.dtype for c in default} == {"fp32", "bf16"}
+    assert {c.packing for c in default} == {False, True}
+    assert len(set(default)) == len(default)
+    # every case has its plain-HF baseline in the plan, so each gets a ratio
+    assert all(c.baseline in default for c in default)
+    full = bench.plan_cases(BenchOptions(full=True))
+    assert len(full) == 5 * 2 * 2 * 2 and set(default) <= set(full)
+    only = bench.plan_cases(BenchOptions(only=("mca", "s1024")))
+    assert only and all("mca" in c.name or "s1024" in c.name for c in only)
+
+
+def test_rows_per_step_keeps_tokens_per_step_and_one_row_per_data_parallel_rank():
+    opts = BenchOptions(tokens_per_step=512)
+    assert bench.rows_per_step(bench.Case("hf", "1p", "fp32", 256, False), opts) == 2
+    assert bench.rows_per_step(bench.Case("mca", "TP2", "fp32", 1024, False), opts) == 1
+    assert bench.rows_per_step(bench.Case("mca", "DP2", "fp32", 1024, False), opts) == 2
+    recipe = bench.case_recipe(bench.Case("mca", "DP2", "bf16", 256, True), opts, "m", "d.jsonl", "out")
+    assert recipe["per_device_train_batch_size"] == 1 and recipe["nproc_per_node"] == 2
+    assert recipe["bf16"] is True and recipe["packing"] is True and recipe["tensor_model_parallel_size"] == 1
+
+
+def test_summarize_log_skips_warmup_and_weights_steps_by_their_time():
+    records = [{"step": 1, "loss": 5.0, "tokens_per_second": 10.0, "step_time": 10.0},
+               {"step": 2, "loss": 4.0, "tokens_per_second": 100.0, "step_time": 1.0, "mfu": 0.2},
+               {"step": 3, "loss": 3.0, "tokens_per_second": 50.0, "step_time": 3.0, "mfu": 0.4},
+               {"step": 3, "train_runtime": 9.0}]
+    out = bench.summarize_log(records, warmup=1)
+    assert out["steps_timed"] == 2 and out["loss"] == 3.0 and out["first_loss"] == 5.0
+    assert out["tokens_per_second"] == pytest.approx((100 + 150) / 4)
+    assert out["step_time"] == pytest.approx(2.0) and out["logged_mfu"] == pytest.approx(0.3)
+    # without step_time every step is taken to have the same tokens: the harmonic mean
+    no_time = [{k: v for k, v in r.items() if k != "step_time"} for r in records[:3]]
+    harmonic = 2 / (1 / 100 + 1 / 50)
+    assert bench.summarize_log(no_time, warmup=1)["tokens_per_second"] == pytest.approx(harmonic)
+    assert "tokens_per_second" not in bench.summarize_log(records[:1], warmup=1)
+
+
+def test_options_are_checked_before_anything_runs():
+    with pytest.raises(ConfigError, match="--quick and --full"):
+        parse_options(["--quick", "--full"])
+    with pytest.raises(ConfigError, match="--dtype"):
+        parse_options(["--dtype", "fp16"])
+    opts = parse_options(["--seq", "4096", "--model-shape", "qwen2.5-1.5b", "--work-dir", "w"])
+    assert opts.seqs == (4096,) and opts.model_shape == "qwen2.5-1.5b"
+    assert opts.markdown_out.endswith(os.path.join("docs", "performance.md"))
+    assert parse_options(["--quick", "--work-dir", "w"]).markdown_out == os.path.join("w", "bench.md")
+
+
+def _report(status: str = "ok") -> dict:
+    case = bench.Case("hf", "1p", "fp32", 64, False)
+    result = bench.CaseResult(case, status, wall_s=3.0, peak_rss_gb=0.5,
+                              metrics={"tokens_per_second": 100.0, "step_time": 0.5, "loss": 2.5})
+    machine = {"cpu": "x", "cores": 2, "ram_gb": 1, "torch": "t"}
+    return {"date": "today", "command": "roll-bench", "machine": machine,
+            "device_kind": "cpu", "model_shape": "tiny", "tokens_per_step": 128, "warmup": 1, "steps": 2,
+            "load_start": [0, 0, 0], "bf16": {"supported": False, "reason": "no"}, "peak_flops": {},
+            "cases": bench_report.case_rows([result], {}, {}), "conversion": []}
+
+
+def test_rerun_replaces_its_block_and_keeps_the_rest_of_the_page(tmp_path):
+    page = tmp_path / "performance.md"
+    page.write_text("# Performance\n\n## Metrics in every log line\n\nkept\n")
+    opts = BenchOptions(json_out=str(tmp_path / "b.json"), markdown_out=str(page))
+    bench_report.write(_report(), opts)
+    page.write_text(page.read_text() + "\n## What the numbers say\n\nalso kept\n")
+    bench_report.write(_report("failed (exit 1)"), opts)
+    text = page.read_text()
+    assert text.count(bench_report.BEGIN) == 1 and "kept" in text and "also kept" in text
+    assert "| (a) HF Trainer | 1 | 1p | fp32 | 64 | off | 100 | 0.50 |" in text and "failed (exit 1)" in text
+    assert json.loads((tmp_path / "b.json").read_text())["cases"][0]["ratio_to_hf"] == 1.0
+
+
+def test_roll_bench_quick_runs_two_cases_and_writes_both_files(tmp_path):
+    """The plain-HF baseline and the standard backend train the same model on the same rows: same losses."""
+    cases = "hf-1p-fp32-s64-nopack,standard-1p-fp32-s64-nopack"
+    cmd = [sys.executable, "-m", "roll.bench", "--quick", "--only", cases, "--no-convert", "--threads", "1",
+           "--work-dir", str(tmp_path / "w"), "--markdown-out", str(tmp_path / "perf.md")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "w" / "bench.json").read_text())
+    rows = {row["runner"]: row for row in report["cases"]}
+    assert set(rows) == {"hf", "standard"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["metrics"]["steps_timed"] == 2
+        assert row["metrics"]["tokens_per_second"] > 0 and row["peak_rss_gb"] > 0 and row["mfu"] > 0
+    assert rows["hf"]["ratio_to_hf"] == 1.0 and rows["standard"]["ratio_to_hf"] > 0
+    assert rows["standard"]["metrics"]["loss"] == pytest.approx(rows["hf"]["metrics"]["loss"], rel=1e-4)
+    text = (tmp_path / "perf.md").read_text()
+    assert "| (b) standard | 1 | 1p | fp32 | 64 | off |" in text and "load average" in text
