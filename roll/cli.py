@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import textwrap
@@ -14,7 +15,7 @@ from roll import __version__
 from roll.errors import RollError
 
 USAGE = """usage: roll-train [RECIPE.yaml] [key=value | --key value | --flag ...] [--use-mca]
-                  [--print-config] [--dry-run [--json]] [--help]
+                  [--print-config] [--dry-run [--json]] [--plan [--json] [gpu_memory_gb=80]] [--help]
 
 Train a model with one recipe on either backend: the standard one (HF Trainer / TRL + DeepSpeed)
 or, with --use-mca, Megatron-Core. Precedence: defaults < recipe < command line.
@@ -22,7 +23,9 @@ or, with --use-mca, Megatron-Core. Precedence: defaults < recipe < command line.
 switches:
   --print-config   print the resolved config as YAML and exit (loads nothing)
   --dry-run        build tokenizer, dataset and collator, print a data summary and one example, exit
-  --json           with --dry-run: print the summary as one JSON object
+  --plan           print the per-rank GPU memory (parameters, gradients, optimizer states, activations) of this
+                   layout and whether it fits gpu_memory_gb (a key, default 80); loads nothing (docs/planner.md)
+  --json           with --dry-run or --plan: print the summary / plan as one JSON object
   --help           this text
 """
 
@@ -65,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if options.print_config:
             sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            return 0
+        if options.plan:
+            from roll.plan import plan_run
+
+            plan = plan_run(config)
+            sys.stdout.write(json.dumps(plan.to_dict()) + "\n" if options.json else plan.format())
             return 0
         from roll import launch
 

@@ -15,7 +15,7 @@ from roll.config.run import GROUPS, RunConfig
 from roll.config.training import LAUNCH_ENV_FALLBACKS
 from roll.errors import ConfigError
 
-FLAGS = ("help", "print_config", "dry_run", "json", "version")
+FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan")
 """Command-line switches that are not config keys."""
 
 
@@ -29,6 +29,7 @@ class CliOptions:
     dry_run: bool = False
     json: bool = False
     version: bool = False
+    plan: bool = False
     argv: list[str] = field(default_factory=list)
 
 

@@ -72,6 +72,10 @@ class TrainingArguments(transformers.TrainingArguments):
     """Rendezvous TCP port on master_addr (env MASTER_PORT when not set). Default: 29500 when nnodes > 1 (as torchrun),
     a free local port on one node. Multi-node runs use torchrun's rendezvous (not yet the deepspeed launcher)."""
 
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB that `roll-train RECIPE --plan` checks the per-rank plan against (80: an H100 80GB).
+    Only the planner reads it; training uses whatever the device has."""
+
     save_hf_model: bool = True
     """Write the final model in Hugging Face format (safetensors + config + tokenizer) to output_dir."""
 
@@ -89,6 +93,8 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:  # noqa: D105 - deliberately not calling HF's (see module doc)
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "nproc_per_node", "nnodes")
+        if not self.gpu_memory_gb > 0:
+            raise ConfigError(f"gpu_memory_gb must be > 0 (GiB of one GPU), got {self.gpu_memory_gb}.")
         if self.max_consecutive_skipped_steps < 0:
             raise ConfigError(f"max_consecutive_skipped_steps must be >= 0 (0: never stop), got "
                               f"{self.max_consecutive_skipped_steps}.")
