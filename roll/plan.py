@@ -1,0 +1,455 @@
+"""Layout planner (``roll-train RECIPE --plan``): the memory one GPU rank needs for a run, from its config alone.
+
+Nothing heavy is loaded: the model shape comes from ``config.json`` read as JSON (never ``AutoConfig``, which
+may reach the network), or from the small built-in table below for the Hub ids the recipes name. Per rank:
+parameters, gradients and optimizer states (precision, Megatron's distributed optimizer or the DeepSpeed ZeRO
+stage, CPU offload, LoRA, MoE expert parallelism), activations of the micro-batches in flight (Korthikanti et
+al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), logits, and a runtime reserve,
+against ``gpu_memory_gb``. The formulas and the measured error are in docs/planner.md. Backend-agnostic: the
+backends' choices it models (fp32 gradient buffers on mca, fp32 load + autocast on standard) are written as
+data here and checked by the measurement test, not imported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+
+from roll.config.run import RunConfig
+from roll.config.training import read_deepspeed_json, read_json_object
+from roll.errors import ModelError
+
+GIB = 2 ** 30
+RUNTIME_RESERVE_BYTES = 2 * GIB
+"""CUDA context (~0.5 GiB on an H100), NCCL buffers and caching-allocator slack: an estimate, not measured here."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that decide its memory (HF config.json names in comments)."""
+
+    hidden_size: int
+    num_layers: int  # num_hidden_layers
+    num_heads: int  # num_attention_heads
+    num_kv_heads: int  # num_key_value_heads
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False  # Qwen2 family: biases on q/k/v
+    qk_norm: bool = False  # Qwen3 family: RMSNorm on q and k
+    num_experts: int = 0  # num_experts / num_local_experts; 0: dense
+    experts_per_token: int = 0  # num_experts_per_tok
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: int = 0  # how many of num_layers have experts (decoder_sparse_step, mlp_only_layers)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each attention/MLP linear of a dense layer (the names LoRA targets use)."""
+        h, q, kv, ffn = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}
+
+    def attention_params(self) -> int:
+        proj = self.projections()
+        weights = sum(i * o for name, (i, o) in proj.items() if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+        bias = self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim if self.qkv_bias else 0
+        return weights + bias + (2 * self.head_dim if self.qk_norm else 0)
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def expert_params(self) -> int:
+        """All routed experts of one MoE layer (what expert parallelism divides)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def moe_dense_params(self) -> int:
+        """Router, plus the shared expert and its gate when there is one (replicated like attention)."""
+        shared = self.shared_expert_intermediate_size
+        return self.hidden_size * self.num_experts + (3 * self.hidden_size * shared + self.hidden_size if shared else 0)
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def total_params(self) -> int:
+        dense_layers = self.num_layers - self.moe_layers
+        layers = self.num_layers * (self.attention_params() + 2 * self.hidden_size) \
+            + dense_layers * self.dense_mlp_params() + self.moe_layers * (self.expert_params() + self.moe_dense_params())
+        head = 0 if self.tie_word_embeddings else self.embedding_params()
+        return layers + self.embedding_params() + head + self.hidden_size
+
+
+# Shapes of the models the shipped recipes name, copied from each model's public config.json on the Hugging Face
+# Hub (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim or hidden/heads,
+# intermediate_size, vocab_size, tie_word_embeddings; MoE: num_experts, num_experts_per_tok,
+# moe_intermediate_size). Used only when model_name_or_path is not a local directory.
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "qwen2.5-0.5b": ModelShape(896, 24, 14, 2, 64, 4864, 151936, True, qkv_bias=True),
+    "qwen2.5-1.5b": ModelShape(1536, 28, 12, 2, 128, 8960, 151936, True, qkv_bias=True),
+    "qwen2.5-7b": ModelShape(3584, 28, 28, 4, 128, 18944, 152064, False, qkv_bias=True),
+    "qwen3-30b-a3b": ModelShape(2048, 48, 32, 4, 128, 6144, 151936, False, qk_norm=True, num_experts=128,
+                                experts_per_token=8, moe_intermediate_size=768, moe_layers=48),
+    "llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False),  # Llama-3.1-8B has the same shape
+}
+_ALIASES = {"llama-3.1-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b", "meta-llama-3.1-8b": "llama-3-8b"}
+_UNTIED_BY_DEFAULT = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral", "mixtral"}
+
+
+def shape_from_hf_config(cfg: dict) -> ModelShape:
+    """A ModelShape from the dict of an HF config.json (text_config of a multimodal one)."""
+    cfg = cfg.get("text_config") or cfg
+    model_type = cfg.get("model_type", "")
+    h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    step, dense_only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+    moe_layers = sum(1 for i in range(layers) if (i + 1) % step == 0 and i not in dense_only) if experts else 0
+    return ModelShape(
+        hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or h // heads, intermediate_size=cfg.get("intermediate_size") or 4 * h,
+        vocab_size=cfg["vocab_size"],
+        tie_word_embeddings=cfg.get("tie_word_embeddings", model_type not in _UNTIED_BY_DEFAULT),
+        qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))), qk_norm=model_type.startswith("qwen3"),
+        num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0, moe_layers=moe_layers)
+
+
+def resolve_shape(model_name_or_path: str | None) -> tuple[ModelShape, str]:
+    """(shape, where it came from): the local config.json, else the built-in table; ModelError if neither."""
+    if not model_name_or_path:
+        raise ModelError("--plan needs model_name_or_path (a local model directory or one of the built-in shapes: "
+                         f"{', '.join(KNOWN_SHAPES)}).")
+    config_file = os.path.join(model_name_or_path, "config.json")
+    if os.path.isfile(config_file):
+        cfg = read_json_object(config_file, f"{config_file} (model_name_or_path)", ModelError)
+        try:
+            return shape_from_hf_config(cfg), f"{config_file}"
+        except KeyError as exc:
+            raise ModelError(f"{config_file} lacks {exc}, which --plan needs for the model shape.") from None
+    base = model_name_or_path.rstrip("/").split("/")[-1].lower()
+    for suffix in ("-instruct", "-chat", "-base"):
+        base = base.removesuffix(suffix)
+    key = _ALIASES.get(base, base)
+    if key not in KNOWN_SHAPES:
+        raise ModelError(f"model_name_or_path={model_name_or_path!r} is not a local directory with a config.json "
+                         f"and not a built-in shape ({', '.join(KNOWN_SHAPES)}); point it at the model directory.")
+    return KNOWN_SHAPES[key], f"roll's built-in table ({key}, from its public config.json; no local directory)"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a backend holds the state: parallel sizes, bytes per element, and what is sharded by how much."""
+
+    backend: str
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    precision: str = "fp32"
+    weight_bytes: int = 4
+    grad_bytes: int = 4
+    optim_bytes: int = 8  # per trainable parameter: Adam m, v (+ fp32 master copy when weights are 16-bit)
+    param_shard: int = 1  # ZeRO-3
+    grad_shard: int = 1  # ZeRO-2/3
+    optim_shard: int = 1  # ZeRO-1+ / distributed optimizer
+    expert_optim_shard: int = 1  # distributed optimizer over the expert-data-parallel group
+    optimizer_on_cpu: bool = False
+    params_on_cpu: bool = False
+    ddp_buckets: bool = False  # torch DDP keeps a second copy of the gradients in its buckets
+    zero_stage: int | None = None
+    recompute: str | None = None  # full, selective or None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    flash: bool = True  # the attention kernel never stores the s x s scores
+    act_bytes: int = 2
+    vocab_multiple: int = 1  # Megatron pads the vocabulary to a multiple of this
+
+
+def strategy_for(config: RunConfig) -> Strategy:
+    """The Strategy of the configured backend (mca: the validated ``config.layout``)."""
+    t, m = config.training, config.megatron
+    mixed = bool(t.bf16 or t.fp16)
+    precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
+    world = t.world_size_from_launch
+    if config.training.use_mca:
+        lay = config.layout
+        assert lay is not None, "RunConfig.validate() builds the layout for use_mca"
+        dp_cp = lay.dp * lay.cp
+        expert_dp = max(lay.tp * lay.cp * lay.dp // (lay.expert_tp * lay.ep), 1)
+        return Strategy(
+            backend="mca", world_size=world, tp=lay.tp, pp=lay.pp, vpp=lay.vpp_size, cp=lay.cp, dp=lay.dp,
+            ep=lay.ep, etp=lay.expert_tp, sp=lay.sequence_parallel, precision=precision,
+            # Megatron keeps 16-bit weights, an fp32 main_grad buffer (grad_reduce_in_fp32) and fp32 masters.
+            weight_bytes=2 if mixed else 4, grad_bytes=4, optim_bytes=12 if mixed else 8,
+            optim_shard=dp_cp if m.use_distributed_optimizer else 1,
+            expert_optim_shard=expert_dp if m.use_distributed_optimizer else 1,
+            optimizer_on_cpu=m.optimizer_cpu_offload, recompute=m.recompute_granularity,
+            recompute_method=m.recompute_method or "uniform", recompute_num_layers=m.recompute_num_layers or 1,
+            flash=m.transformer_impl != "local", act_bytes=2 if mixed else 4,
+            vocab_multiple=m.make_vocab_size_divisible_by * lay.tp)
+    recompute = "full" if t.gradient_checkpointing else None
+    flash = config.model.attn_implementation != "eager"
+    common = dict(backend="standard", world_size=world, dp=world, precision=precision, recompute=recompute,
+                  flash=flash, act_bytes=2 if mixed else 4)
+    if not t.deepspeed:
+        # roll loads fp32 weights ('auto') and HF autocasts; torch AdamW keeps m, v in the weights' dtype.
+        weight = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
+        return Strategy(**common, weight_bytes=weight, grad_bytes=weight, optim_bytes=2 * weight,
+                        ddp_buckets=world > 1)
+    ds = t.deepspeed if isinstance(t.deepspeed, dict) else read_deepspeed_json(t.deepspeed)
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    offload = {k: (zero.get(k) or {}).get("device", "none") == "cpu" for k in ("offload_optimizer", "offload_param")}
+    # DeepSpeed casts the model to 16 bits and keeps fp32 master weights + Adam m, v (the ZeRO paper's 2 + 2 + 12).
+    return Strategy(**common, weight_bytes=2 if mixed else 4, grad_bytes=2 if mixed else 4,
+                    optim_bytes=12 if mixed else 8, zero_stage=stage, param_shard=world if stage >= 3 else 1,
+                    grad_shard=world if stage >= 2 else 1, optim_shard=world if stage >= 1 else 1,
+                    expert_optim_shard=world if stage >= 1 else 1, optimizer_on_cpu=offload["offload_optimizer"],
+                    params_on_cpu=offload["offload_param"] and stage >= 3)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of a pipeline stage holds: outside routed experts (dense) and routed experts."""
+
+    dense: float
+    expert: float
+    trainable_dense: float
+    trainable_expert: float
+    largest_module: float  # the biggest single layer or embedding, unsharded (what ZeRO-3 gathers at once)
+
+
+def _lora_params(shape: ModelShape, targets: list[str] | str, rank: int, dims: dict[str, tuple[int, int]]) -> int:
+    return sum(rank * (i + o) for name, (i, o) in dims.items() if targets == "all" or name in targets)
+
+
+def stage_params(shape: ModelShape, st: Strategy, finetuning, stage: int) -> StageParams:
+    """Parameter counts on one rank of pipeline stage ``stage`` (TP, EP/ETP and PP applied)."""
+    layers, h, tp = shape.num_layers // st.pp, shape.hidden_size, st.tp
+    moe_frac = shape.moe_layers / shape.num_layers
+    mlp = (1 - moe_frac) * shape.dense_mlp_params() + moe_frac * shape.moe_dense_params()
+    layer_dense = (shape.attention_params() + mlp) / tp + 2 * h  # the two norms are replicated
+    layer_expert = moe_frac * shape.expert_params() / (st.ep * st.etp)
+    vocab = -(-shape.vocab_size // st.vocab_multiple) * st.vocab_multiple
+    first, last = stage == 0, stage == st.pp - 1
+    embed = vocab * h / tp if first else 0
+    head = vocab * h / tp + h if last and (not shape.tie_word_embeddings or st.pp > 1) else (h if last else 0)
+    dense, expert = layers * layer_dense + embed + head, layers * layer_expert
+    largest = max(shape.attention_params() + mlp + moe_frac * shape.expert_params(), vocab * h)
+    kind = finetuning.finetuning_type
+    if kind == "lora":
+        proj = shape.projections()
+        attn = {k: v for k, v in proj.items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        mlp_dims = {k: v for k, v in proj.items() if k not in attn}
+        moe_dims = {k: (h if i == h else shape.moe_intermediate_size, h if o == h else shape.moe_intermediate_size)
+                    for k, (i, o) in mlp_dims.items()}
+        r, targets = finetuning.lora_rank, finetuning.lora_targets
+        dense_lora = _lora_params(shape, targets, r, attn) + (1 - moe_frac) * _lora_params(shape, targets, r, mlp_dims)
+        expert_lora = moe_frac * shape.num_experts * _lora_params(shape, targets, r, moe_dims)
+        adapters_dense, adapters_expert = layers * dense_lora / tp, layers * expert_lora / (st.ep * st.etp)
+        return StageParams(dense + adapters_dense, expert + adapters_expert, adapters_dense, adapters_expert, largest)
+    if kind == "freeze":  # only the last freeze_trainable_layers decoder layers train (embeddings and head frozen)
+        lo = max(shape.num_layers - finetuning.freeze_trainable_layers, stage * layers)
+        trained = max(0, (stage + 1) * layers - lo)
+        return StageParams(dense, expert, trained * layer_dense, trained * layer_expert, largest)
+    return StageParams(dense, expert, dense, expert, largest)
+
+
+def activation_bytes(shape: ModelShape, st: Strategy, seq: int, batch: int, micro_batches: int, stage: int) -> float:
+    """Activations one rank of ``stage`` keeps for backward (Korthikanti et al. 2022, eqs. 1-5, 16-bit).
+
+    Per layer and micro-batch: s*b*h*(34 + 5*a*s/h) bytes; the 5*a*s/h term (the s x s attention scores,
+    softmax and dropout mask) vanishes with a flash kernel or selective recompute; TP with SP divides all of
+    it by t, TP alone only 24 of the 34; CP divides by cp; full recompute keeps each layer's input (2*s*b*h,
+    /t with SP) plus one recompute group's full activations. 1F1B keeps pp - stage micro-batches in flight.
+    """
+    s, b, h, a, tp = seq, batch, shape.hidden_size, shape.num_heads, st.tp
+    attn = 0.0 if st.flash or st.recompute == "selective" else 5 * a * s / h
+    if tp > 1 and st.sp:
+        per_token = (34 + attn) / tp
+    else:
+        per_token = 10 + (24 + attn) / tp if tp > 1 else 34 + attn
+    scale = st.act_bytes / 2 / st.cp  # the paper counts 16-bit activations
+    full = s * b * h * per_token * scale
+    layers = shape.num_layers // st.pp
+    in_flight = min(st.pp - stage, micro_batches)
+    if st.vpp > 1 and stage == 0:
+        in_flight *= 1 + (st.pp - 1) / (st.pp * st.vpp)
+    if st.recompute != "full":
+        return full * layers * in_flight
+    inputs = s * b * h * 2 * scale / (tp if st.sp else 1)
+    group = min(st.recompute_num_layers, layers)
+    if st.recompute_method == "block":  # the first `group` layers of the stage recomputed, the rest stored
+        return (group * inputs + (layers - group) * full) * in_flight + full
+    return layers * inputs * in_flight + group * full
+
+
+@dataclass(frozen=True)
+class PlanLine:
+    key: str
+    bytes: float
+    detail: str
+
+
+@dataclass
+class MemoryPlan:
+    """The per-rank memory of the fullest pipeline stage, and whether it fits ``gpu_memory_gb``."""
+
+    backend: str
+    setup: str
+    model: str
+    stage: int
+    lines: list[PlanLine]
+    gpu_memory_gb: float
+    cpu_offload_bytes: float
+    suggestions: list[str]
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(line.bytes for line in self.lines)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.gpu_memory_gb * GIB
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "setup": self.setup, "model": self.model, "stage": self.stage,
+                "lines": [{**asdict(line), "gib": line.bytes / GIB} for line in self.lines],
+                "total_bytes": self.total_bytes, "total_gib": self.total_bytes / GIB,
+                "gpu_memory_gb": self.gpu_memory_gb, "fits": self.fits,
+                "cpu_offload_gib": self.cpu_offload_bytes / GIB, "suggestions": self.suggestions}
+
+    def format(self) -> str:
+        out = [f"roll-train --plan: {self.backend} backend, {self.setup}", f"model: {self.model}",
+               f"per-rank memory of pipeline stage {self.stage} (the fullest; 1 GiB = 2^30 bytes):"]
+        out += [f"  {line.key:<18}{line.bytes / GIB:9.2f} GiB   {line.detail}" for line in self.lines]
+        used = self.total_bytes / GIB
+        verdict = "fits" if self.fits else "does not fit"
+        out.append(f"  {'total':<18}{used:9.2f} GiB   of gpu_memory_gb={self.gpu_memory_gb:g}: {verdict} "
+                   f"({100 * used / self.gpu_memory_gb:.0f}% used)")
+        if self.cpu_offload_bytes:
+            out.append(f"  (+ {self.cpu_offload_bytes / GIB:.2f} GiB offloaded to CPU memory per rank)")
+        if not self.fits:
+            out.append("to make it fit, any of:")
+            out += [f"  - {tip}" for tip in self.suggestions]
+        return "\n".join(out) + "\n"
+
+
+def _state_lines(shape: ModelShape, st: Strategy, p: StageParams, config: RunConfig) -> tuple[list[PlanLine], float]:
+    """Parameters, gradients, optimizer states (and DDP buckets, ZeRO-3 gathers, a DPO reference); CPU bytes."""
+    w = {2: "16-bit", 4: "fp32"}
+    params = (p.dense + p.expert) * st.weight_bytes / st.param_shard
+    trainable = p.trainable_dense + p.trainable_expert
+    where = f"ZeRO-{st.zero_stage}" if st.zero_stage is not None else "distributed optimizer"
+    optim = (p.trainable_dense / st.optim_shard + p.trainable_expert / st.expert_optim_shard) * st.optim_bytes
+    split = f"TP{st.tp}" + (f", EP{st.ep}" if shape.num_experts else "") + (f", PP{st.pp}" if st.pp > 1 else "")
+    lines = [
+        PlanLine("parameters", 0.0 if st.params_on_cpu else params,
+                 f"{w[st.weight_bytes]}, {(p.dense + p.expert) / 1e9:.3g}B on this rank ({split})"
+                 + (f", /{st.param_shard} ZeRO-3" if st.param_shard > 1 else "")
+                 + (" -> offloaded to CPU" if st.params_on_cpu else "")),
+        PlanLine("gradients", trainable * st.grad_bytes / st.grad_shard,
+                 f"{w[st.grad_bytes]}, {trainable / 1e9:.3g}B trainable"
+                 + (f", /{st.grad_shard} ZeRO-{st.zero_stage}" if st.grad_shard > 1 else ", not sharded")),
+        PlanLine("optimizer states", 0.0 if st.optimizer_on_cpu else optim,
+                 f"Adam m, v{' + fp32 master' if st.optim_bytes == 12 else ''} ({st.optim_bytes} B/param)"
+                 + (f", /{st.optim_shard} {where}" if st.optim_shard > 1 else ", not sharded")
+                 + (f" (experts /{st.expert_optim_shard})" if shape.num_experts and st.optim_shard > 1 else "")
+                 + (" -> offloaded to CPU" if st.optimizer_on_cpu else "")),
+    ]
+    if st.ddp_buckets:
+        lines.append(PlanLine("DDP buckets", trainable * st.grad_bytes, "torch DDP's copy of the gradients"))
+    if st.zero_stage == 3:
+        lines.append(PlanLine("ZeRO-3 gathers", 2 * p.largest_module * st.weight_bytes,
+                              "current + prefetched layer (or embedding), gathered in full"))
+    if config.finetuning.stage == "dpo" and not config.finetuning.ref_free and config.finetuning.finetuning_type != "lora":
+        lines.append(PlanLine("reference model", params, "frozen copy of the policy for DPO (same sharding)"))
+    cpu = (optim if st.optimizer_on_cpu else 0.0) + (params if st.params_on_cpu else 0.0)
+    return lines, cpu
+
+
+def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig, stage: int) -> tuple[list[PlanLine], float]:
+    t, d = config.training, config.data
+    batch = t.per_device_train_batch_size * (2 if config.finetuning.stage == "dpo" else 1)  # chosen + rejected
+    p = stage_params(shape, st, config.finetuning, stage)
+    lines, cpu = _state_lines(shape, st, p, config)
+    recompute = st.recompute or "no"
+    lines.append(PlanLine(
+        "activations", activation_bytes(shape, st, d.cutoff_len, batch, t.gradient_accumulation_steps, stage),
+        f"s={d.cutoff_len} b={batch}, {recompute} recompute, {'flash' if st.flash else 'unfused'} attention"
+        + (f", SP over TP{st.tp}" if st.sp else "") + (f", CP{st.cp}" if st.cp > 1 else "")
+        + (f", {min(st.pp - stage, t.gradient_accumulation_steps)} micro-batches in flight" if st.pp > 1 else "")))
+    if stage == st.pp - 1:
+        vocab = -(-shape.vocab_size // st.vocab_multiple) * st.vocab_multiple
+        lines.append(PlanLine("logits", d.cutoff_len * batch * vocab * 4 / st.tp,
+                              f"fp32 s*b*V{f'/TP{st.tp}' if st.tp > 1 else ''}, V={vocab}"))
+    lines.append(PlanLine("runtime reserve", RUNTIME_RESERVE_BYTES, "CUDA context, NCCL, allocator slack (estimate)"))
+    return lines, cpu
+
+
+def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list[PlanLine]) -> list[str]:
+    """What to change, the fix for the largest part first."""
+    t, m, by = config.training, config.megatron, {line.key: line.bytes for line in lines}
+    state, acts = [], []
+    b = t.per_device_train_batch_size
+    if st.backend == "mca":
+        if st.optim_shard == 1 and st.dp * st.cp > 1:
+            state.append(f"use_distributed_optimizer: true (shards optimizer states over {st.dp * st.cp} ranks)")
+        state.append(f"raise tensor_model_parallel_size (now {st.tp}) or pipeline_model_parallel_size (now {st.pp}): "
+                     "both divide parameters, gradients, optimizer states and activations")
+        if shape.num_experts and st.ep < shape.num_experts:
+            state.append(f"raise expert_model_parallel_size (now {st.ep}) to spread the experts")
+        if not st.optimizer_on_cpu:
+            state.append("optimizer_cpu_offload: true (optimizer states and fp32 masters in CPU memory)")
+        if st.recompute != "full":
+            acts.append("recompute_granularity: full (keeps only each layer's input)")
+        acts.append(f"raise context_parallel_size (now {st.cp}) or lower cutoff_len (now {config.data.cutoff_len})")
+    else:
+        if (st.zero_stage or 0) < 3:
+            state.append("deepspeed: recipes/deepspeed/ds_z3.json (ZeRO-3 shards parameters, gradients and "
+                         f"optimizer states over all {st.world_size} ranks)")
+        elif not st.optimizer_on_cpu:
+            state.append("deepspeed: recipes/deepspeed/ds_z3_offload.json (ZeRO-3 with CPU offload)")
+        state.append("--use-mca with tensor/pipeline parallelism and use_distributed_optimizer: true")
+        if not t.gradient_checkpointing:
+            acts.append("gradient_checkpointing: true (keeps only each layer's input)")
+        acts.append(f"lower cutoff_len (now {config.data.cutoff_len})")
+    if b > 1:
+        acts.insert(0, f"lower per_device_train_batch_size (now {b}) and raise gradient_accumulation_steps "
+                       "to keep the global batch")
+    if by.get("activations", 0) + by.get("logits", 0) > by["parameters"] + by["gradients"] + by["optimizer states"]:
+        return acts + state
+    return state + acts
+
+
+def plan_run(config: RunConfig, gpu_memory_gb: float | None = None) -> MemoryPlan:
+    """The plan of a validated RunConfig: the fuller of the first and last pipeline stage."""
+    shape, source = resolve_shape(config.model.model_name_or_path)
+    st = strategy_for(config)
+    best: tuple[float, int, list[PlanLine], float] | None = None
+    for stage in sorted({0, st.pp - 1}):
+        lines, cpu = _stage_lines(shape, st, config, stage)
+        total = sum(line.bytes for line in lines)
+        if best is None or total > best[0]:
+            best = (total, stage, lines, cpu)
+    _, stage, lines, cpu = best
+    t = config.training
+    if st.backend == "mca":
+        setup = config.layout.describe()
+    else:
+        setup = f"{st.world_size} rank(s), data parallel" + (
+            f", DeepSpeed ZeRO-{st.zero_stage}" if st.zero_stage is not None else ", no DeepSpeed")
+    setup += f", {st.precision}, micro-batch {t.per_device_train_batch_size} x gradient_accumulation_steps " \
+             f"{t.gradient_accumulation_steps}"
+    model = (f"{config.model.model_name_or_path}: {shape.total_params() / 1e9:.3g}B parameters (hidden "
+             f"{shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads} heads / {shape.num_kv_heads} KV, "
+             f"vocab {shape.vocab_size}" + (f", {shape.num_experts} experts top-{shape.experts_per_token}"
+                                            if shape.num_experts else "") + f"); shape from {source}")
+    capacity = t.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb
+    return MemoryPlan(st.backend, setup, model, stage, lines, capacity, cpu, _suggestions(st, shape, config, lines))
