@@ -1,0 +1,200 @@
+"""The layout planner's arithmetic (roll/plan.py), hand-checked on a small Llama-shaped model, and `--plan`.
+
+The model: hidden 64, 4 layers, 4 heads (no GQA), ffn 128, vocab 256, untied, no biases. Per layer:
+attention 4 * 64 * 64 = 16384, MLP 3 * 64 * 128 = 24576, two norms 128 -> 41088; embedding = head = 16384;
+final norm 64; N = 4 * 41088 + 2 * 16384 + 64 = 197184 parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from roll.cli import main as roll_train
+from roll.config.parser import resolve
+from roll.errors import ConfigError, ModelError
+from roll.plan import (KNOWN_SHAPES, GIB, ModelShape, Strategy, activation_bytes, plan_run, resolve_shape,
+                       shape_from_hf_config, stage_params)
+
+N = 197184
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": False}
+SHAPE = shape_from_hf_config(LLAMA)
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    return str(tmp_path)
+
+
+def plan_of(model_dir: str, **overrides):
+    config = resolve({"model_name_or_path": model_dir, **overrides}, {}, None)
+    plan = plan_run(config)
+    return plan, {line.key: line.bytes for line in plan.lines}
+
+
+def deepspeed_file(tmp_path, stage: int, offload: bool = False) -> str:
+    zero = {"stage": stage}
+    if offload:
+        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    path = tmp_path / f"ds_z{stage}{'_offload' if offload else ''}.json"
+    path.write_text(json.dumps({"zero_optimization": zero}))
+    return str(path)
+
+
+def test_parameter_count_by_hand():
+    assert SHAPE.total_params() == N
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_parameter_count_matches_a_saved_model(tiny_model_factory, kind):
+    """The count from config.json equals the tensors actually saved (biases, QK norms, router, experts)."""
+    from safetensors import safe_open
+
+    path = tiny_model_factory(kind)
+    shape, source = resolve_shape(path)
+    assert "config.json" in source
+    with safe_open(f"{path}/model.safetensors", "pt") as fh:
+        saved = sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())
+    assert shape.total_params() == saved
+
+
+def test_builtin_shapes_give_the_published_sizes():
+    """Totals of the real checkpoints (their safetensors index): the table rows are the public config.json."""
+    assert KNOWN_SHAPES["qwen2.5-7b"].total_params() == 7_615_616_512
+    assert KNOWN_SHAPES["qwen3-30b-a3b"].total_params() == 30_532_122_624
+    assert KNOWN_SHAPES["llama-3-8b"].total_params() == 8_030_261_248
+    shape, source = resolve_shape("Qwen/Qwen2.5-7B-Instruct")
+    assert shape is KNOWN_SHAPES["qwen2.5-7b"] and "built-in" in source
+    assert resolve_shape("meta-llama/Llama-3.1-8B-Instruct")[0] is KNOWN_SHAPES["llama-3-8b"]
+    with pytest.raises(ModelError, match="not a built-in shape"):
+        resolve_shape("org/Unknown-13B")
+
+
+def test_standard_fp32_without_deepspeed(model_dir):
+    """fp32 weights, grads and Adam m, v: 4 + 4 + 8 bytes per parameter, nothing sharded."""
+    _, by = plan_of(model_dir)
+    assert (by["parameters"], by["gradients"], by["optimizer states"]) == (4 * N, 4 * N, 8 * N)
+    assert "DDP buckets" not in by
+
+
+@pytest.mark.parametrize("stage, params, grads, optim", [
+    (0, 2 * N, 2 * N, 12 * N),
+    (1, 2 * N, 2 * N, 12 * N / 4),
+    (2, 2 * N, 2 * N / 4, 12 * N / 4),
+    (3, 2 * N / 4, 2 * N / 4, 12 * N / 4),
+])
+def test_zero_stages_shard_over_all_ranks(model_dir, tmp_path, stage, params, grads, optim):
+    """bf16 with DeepSpeed: 2 + 2 + 12 bytes per parameter; ZeRO-1 shards the optimizer, -2 the grads, -3 params."""
+    _, by = plan_of(model_dir, bf16=True, nproc_per_node=4, deepspeed=deepspeed_file(tmp_path, stage))
+    assert (by["parameters"], by["gradients"], by["optimizer states"]) == (params, grads, optim)
+    assert ("ZeRO-3 gathers" in by) == (stage == 3)
+
+
+def test_zero3_offload_moves_params_and_optimizer_to_cpu(model_dir, tmp_path):
+    plan, by = plan_of(model_dir, bf16=True, nproc_per_node=4, deepspeed=deepspeed_file(tmp_path, 3, offload=True))
+    assert by["parameters"] == 0 and by["optimizer states"] == 0
+    assert plan.cpu_offload_bytes == 12 * N / 4 + 2 * N / 4
+
+
+def test_ddp_keeps_a_second_copy_of_the_gradients(model_dir):
+    _, by = plan_of(model_dir, nproc_per_node=2)
+    assert by["DDP buckets"] == 4 * N
+
+
+def test_mca_tensor_parallel_and_distributed_optimizer(model_dir):
+    """TP2 halves every linear (and the vocab-parallel embedding and head), not the norms:
+    4 * (16384 + 24576) / 2 + 4 * 128 + 2 * 16384 / 2 + 64 = 98880 per rank. Megatron keeps an fp32
+    main_grad buffer; the distributed optimizer shards the 12 bytes of fp32 master + m + v over DP."""
+    per_rank = 98880
+    _, by = plan_of(model_dir, use_mca=True, nproc_per_node=2, tensor_model_parallel_size=2)
+    assert (by["parameters"], by["gradients"], by["optimizer states"]) == (4 * per_rank, 4 * per_rank, 8 * per_rank)
+    _, by = plan_of(model_dir, use_mca=True, nproc_per_node=4, tensor_model_parallel_size=2, bf16=True,
+                    use_distributed_optimizer=True)
+    assert (by["parameters"], by["gradients"], by["optimizer states"]) == (2 * per_rank, 4 * per_rank,
+                                                                            12 * per_rank / 2)
+
+
+def test_pipeline_stages_split_layers_embedding_and_head():
+    st = Strategy(backend="mca", world_size=2, pp=2)
+    full = type("F", (), {"finetuning_type": "full"})()
+    first, last = stage_params(SHAPE, st, full, 0), stage_params(SHAPE, st, full, 1)
+    assert first.dense == 2 * 41088 + 16384
+    assert last.dense == 2 * 41088 + 16384 + 64
+    assert first.dense + last.dense == N
+
+
+# s=8, b=1, h=64, a=4: s*b*h = 512; 34 * 512 = 17408 bytes per layer (16-bit); 5*a*s/h = 2.5 without flash.
+@pytest.mark.parametrize("overrides, stage, expected", [
+    ({}, 0, 4 * 17408),
+    ({"act_bytes": 4}, 0, 2 * 4 * 17408),
+    ({"flash": False}, 0, 4 * 36.5 * 512),
+    ({"flash": False, "recompute": "selective"}, 0, 4 * 17408),
+    ({"tp": 2, "sp": True}, 0, 4 * 17408 / 2),
+    ({"tp": 2}, 0, 4 * (10 + 24 / 2) * 512),
+    ({"cp": 2}, 0, 4 * 17408 / 2),
+    ({"recompute": "full"}, 0, 4 * 2 * 512 + 17408),
+    ({"recompute": "full", "recompute_method": "block", "recompute_num_layers": 2}, 0,
+     2 * 2 * 512 + 2 * 17408 + 17408),
+    ({"pp": 2}, 0, 2 * 17408 * 2),  # 1F1B: the first stage holds pp micro-batches
+    ({"pp": 2}, 1, 2 * 17408 * 1),
+    ({"pp": 2, "vpp": 2}, 0, 2 * 17408 * 2 * (1 + 1 / 4)),
+])
+def test_activations_korthikanti(overrides, stage, expected):
+    st = Strategy(**{"backend": "mca", "world_size": 1, **overrides})
+    assert activation_bytes(SHAPE, st, seq=8, batch=1, micro_batches=4, stage=stage) == pytest.approx(expected)
+
+
+def test_lora_trains_only_the_adapters(model_dir):
+    """rank 2 on every linear: per layer 4 * 2 * (64 + 64) + 3 * 2 * (64 + 128) = 2176; 4 layers."""
+    _, by = plan_of(model_dir, finetuning_type="lora", lora_rank=2)
+    assert by["gradients"] == 4 * 8704 and by["optimizer states"] == 8 * 8704
+    assert by["parameters"] == 4 * (N + 8704)
+    _, by = plan_of(model_dir, finetuning_type="lora", lora_rank=2, lora_target="q_proj,v_proj")
+    assert by["gradients"] == 4 * 4 * 2 * 2 * 128
+
+
+def test_moe_experts_divide_by_expert_parallel(tiny_model_factory):
+    shape, _ = resolve_shape(tiny_model_factory("qwen3_moe"))
+    full = type("F", (), {"finetuning_type": "full"})()
+    ep1 = stage_params(shape, Strategy(backend="mca", world_size=2), full, 0)
+    ep2 = stage_params(shape, Strategy(backend="mca", world_size=2, ep=2), full, 0)
+    assert ep1.expert == shape.num_layers * shape.expert_params() > 0
+    assert ep2.expert == ep1.expert / 2 and ep2.dense == ep1.dense
+
+
+def test_fits_and_what_to_change(model_dir):
+    plan, _ = plan_of(model_dir, gpu_memory_gb=80)
+    assert plan.fits and "fits" in plan.format()
+    plan, _ = plan_of(model_dir, use_mca=True, gpu_memory_gb=0.5)  # the 2 GiB runtime reserve alone exceeds it
+    assert not plan.fits and plan.total_bytes > 0.5 * GIB
+    text = plan.format()
+    assert "does not fit" in text and "use_distributed_optimizer" not in text  # DP1: nothing to shard over
+    assert "recompute_granularity: full" in text
+
+
+def test_plan_switch_prints_and_exits_zero(model_dir, capsys):
+    assert roll_train([f"model_name_or_path={model_dir}", "--plan", "gpu_memory_gb=1"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "gradient_checkpointing: true" in out
+    assert roll_train([f"model_name_or_path={model_dir}", "--plan", "--json", "--gpu_memory_gb", "40"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["fits"] and record["gpu_memory_gb"] == 40
+    assert record["total_bytes"] == pytest.approx(sum(line["bytes"] for line in record["lines"]))
+
+
+def test_gpu_memory_gb_is_validated(model_dir):
+    with pytest.raises(ConfigError, match="gpu_memory_gb"):
+        resolve({"model_name_or_path": model_dir, "gpu_memory_gb": 0}, {}, None)
+
+
+def test_shape_defaults_for_missing_keys():
+    """GQA and head_dim default like HF: kv heads = heads, head_dim = hidden / heads."""
+    shape = shape_from_hf_config({"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "vocab_size": 10, "intermediate_size": 8})
+    assert (shape.num_kv_heads, shape.head_dim, shape.qkv_bias, shape.tie_word_embeddings) == (4, 16, True, False)
+    assert isinstance(shape, ModelShape)
