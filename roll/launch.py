@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -51,20 +52,20 @@ def launch_command(config: RunConfig, argv: list[str]) -> list[str]:
     """The launcher command that runs ``roll-train argv`` on this node's nproc_per_node processes.
 
     One node: torchrun (or the deepspeed launcher) on 127.0.0.1 and a free port. nnodes > 1: this node's
-    share of one job through torchrun's static rendezvous (``--nnodes --node_rank --master_addr --master_port``).
+    share of one job through torchrun's static rendezvous (``--nnodes --node_rank --master_addr
+    --master_port``), or with a ``deepspeed`` config through the deepspeed launcher's per-node mode
+    (``--hostfile --no_ssh --node_rank``, the same master_addr/master_port).
     """
     t = config.training
     addr, port = rendezvous(config)
     if not t.use_mca and t.deepspeed:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.nproc_per_node)]
         if t.nnodes > 1:
-            # The deepspeed launcher's per-node mode (--no_ssh --node_rank over a hostfile) hung in the
-            # two-"node" loopback test; refuse until it is tested rather than start a job that may hang.
-            raise ConfigError(f"nnodes={t.nnodes} with a 'deepspeed' config is not launched by roll-train yet: "
-                              "start each node yourself (`deepspeed --hostfile HOSTFILE --module roll.cli RECIPE`), "
-                              "or use torchrun's rendezvous by dropping 'deepspeed' or with --use-mca.")
+            cmd += ["--hostfile", deepspeed_hostfile(t.nnodes, t.nproc_per_node), "--no_ssh",
+                    "--node_rank", str(t.node_rank)]
         # --no_local_rank: roll reads LOCAL_RANK from the environment, not from an injected argument.
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.nproc_per_node),
-                "--master_addr", addr, "--master_port", str(port), "--no_local_rank", "--module", "roll.cli", *argv]
+        return [*cmd, "--master_addr", addr, "--master_port", str(port), "--no_local_rank",
+                "--module", "roll.cli", *argv]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(t.nproc_per_node)]
     if t.nnodes > 1:
         cmd += ["--nnodes", str(t.nnodes), "--node_rank", str(t.node_rank)]
@@ -84,6 +85,24 @@ def rendezvous(config: RunConfig) -> tuple[str, int]:
                           "`roll-train RECIPE nnodes=2 node_rank=0 master_addr=10.0.0.1` on node 0 and node_rank=1 "
                           "on node 1.")
     return t.master_addr, t.master_port or DEFAULT_MULTINODE_PORT
+
+
+def deepspeed_hostfile(nnodes: int, nproc_per_node: int) -> str:
+    """A hostfile for the deepspeed launcher's per-node mode (``node0 slots=N`` ... ``node{nnodes-1}``).
+
+    With ``--no_ssh`` the launcher contacts no host: it only counts the hostfile's hosts and slots to number
+    the ranks (global rank = node_rank * nproc_per_node + local rank, WORLD_SIZE = their total), so the
+    names are placeholders and every node writes the same file. Without a hostfile it would run one local
+    node and reset master_addr to 127.0.0.1. Written atomically: two "nodes" on one machine may race here.
+    """
+    folder = tempfile.gettempdir()
+    name = f"roll-deepspeed-hostfile-uid{os.getuid()}-{nnodes}x{nproc_per_node}"
+    fd, partial = tempfile.mkstemp(prefix=name + ".", dir=folder)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.writelines(f"node{rank} slots={nproc_per_node}\n" for rank in range(nnodes))
+    path = os.path.join(folder, name)
+    os.replace(partial, path)
+    return path
 
 
 def relaunch(config: RunConfig, argv: list[str]) -> int:

@@ -70,7 +70,8 @@ class TrainingArguments(transformers.TrainingArguments):
 
     master_port: int | None = None
     """Rendezvous TCP port on master_addr (env MASTER_PORT when not set). Default: 29500 when nnodes > 1 (as torchrun),
-    a free local port on one node. Multi-node runs use torchrun's rendezvous (not yet the deepspeed launcher)."""
+    a free local port on one node. Multi-node runs meet there through torchrun's rendezvous, or with a deepspeed
+    config through the deepspeed launcher's per-node mode (--hostfile --no_ssh --node_rank)."""
 
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GiB that `roll-train RECIPE --plan` checks the per-rank plan against (80: an H100 80GB).

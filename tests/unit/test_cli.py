@@ -105,9 +105,15 @@ def test_multinode_launch_command_and_env_fallbacks(tmp_path, monkeypatch):
     _, config = parse_args([str(recipe)])
     with pytest.raises(ConfigError, match=r"node_rank \(or env NODE_RANK\)"):
         launch.launch_command(config, [str(recipe)])
-    with pytest.raises(ConfigError, match="deepspeed"):
-        _, config = parse_args([str(recipe), "node_rank=0", "deepspeed=recipes/deepspeed/ds_z2.json"])
-        launch.launch_command(config, [str(recipe)])
+    # a DeepSpeed config: the deepspeed launcher's per-node mode over a hostfile of nnodes hosts (port from env)
+    _, config = parse_args([str(recipe), "node_rank=1", "deepspeed=recipes/deepspeed/ds_z2.json"])
+    cmd = launch.launch_command(config, [str(recipe)])
+    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and "--no_ssh" in cmd
+    for flag, value in (("--node_rank", "1"), ("--master_addr", "node0"), ("--master_port", "6000"),
+                        ("--num_gpus", "2")):
+        assert cmd[cmd.index(flag) + 1] == value
+    with open(cmd[cmd.index("--hostfile") + 1], encoding="utf-8") as fh:
+        assert fh.read() == "node0 slots=2\nnode1 slots=2\n"
 
 
 @pytest.mark.parametrize("override, key", [("master_port=70000", "master_port"), ("master_port=0", "master_port"),
