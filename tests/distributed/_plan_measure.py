@@ -46,7 +46,10 @@ def import_everything(backend: str) -> None:
 
 def main() -> int:
     prefix, argv = sys.argv[1], sys.argv[2:]
-    import_everything("mca" if "--use-mca" in argv or "use_mca=true" in argv else "standard")
+    from roll.config import parse_args
+
+    _, config = parse_args(argv)  # the recipe may choose the backend, so ask the parser
+    import_everything(config.backend_name)
     baseline = rss_bytes()
     from roll.cli import main as roll_train
 
