@@ -56,7 +56,8 @@ def header(options, load_start: tuple[float, float, float]) -> dict:
 
 def peak_flops(dtypes: tuple[str, ...]) -> dict[str, dict]:
     """The machine's peak per dtype, for MFU: the datasheet for a known GPU, else a matmul probe on all
-    cores (measured once here, so every case divides by the same number)."""
+    cores (here, so every case divides by the same number; run_bench probes again at the end and keeps
+    the larger: other work on a shared machine only makes a probe read low)."""
     import torch
 
     from roll import perf
@@ -68,7 +69,7 @@ def peak_flops(dtypes: tuple[str, ...]) -> dict[str, dict]:
         if torch.cuda.is_available():
             flops, source = perf.hardware_peak_flops("cuda", dtype)
         else:
-            flops = perf.matmul_probe("cpu", dtype, size=1024, budget_s=1.0)
+            flops = perf.matmul_probe("cpu", dtype, size=1024, budget_s=2.0)
             source = f"CPU matmul probe (1024^3 GEMM, {os.cpu_count()} threads)"
         out[name] = {"flops": flops, "source": source}
     return out
