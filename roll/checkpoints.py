@@ -62,3 +62,52 @@ def rotate(output_dir: str, keep: int | None) -> list[str]:
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+# ---- no lost work -------------------------------------------------------------------------------
+
+FINAL_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                     "adapter_config.json", "adapter_model.safetensors", "mca_config.json")
+"""Files whose presence means output_dir holds a trained model. train_log.jsonl, loss.png and runs/ alone
+(a run that stopped before saving anything) do not count: there is nothing to lose but a log."""
+
+
+def wants_resume(value) -> bool:
+    """Whether ``resume_from_checkpoint`` asks to resume (true or a path), without checking the path."""
+    text = "" if value is None else str(value).strip()
+    return not (text.lower() in ("", "none") or (is_bool_word(text) and not coerce(text, bool)))
+
+
+def trained_outputs(output_dir: str) -> list[str]:
+    """Names of the final-model files and checkpoint-N directories in ``output_dir``."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [name for name in FINAL_MODEL_FILES if os.path.isfile(os.path.join(output_dir, name))]
+    return found + [os.path.basename(path) for _, path in checkpoint_dirs(output_dir)]
+
+
+def check_output_dir(training) -> None:
+    """Refuse a fresh run into an output_dir that holds a trained model or checkpoints (they would be
+    overwritten), unless ``overwrite_output_dir`` or ``resume_from_checkpoint`` is set."""
+    if training.overwrite_output_dir or wants_resume(training.resume_from_checkpoint):
+        return
+    found = trained_outputs(training.output_dir)
+    if found:
+        shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        raise ConfigError(f"output_dir {training.output_dir!r} already holds a trained model or checkpoints "
+                          f"({shown}); a fresh run would overwrite them. Set resume_from_checkpoint: true to "
+                          "continue from its latest checkpoint-N, overwrite_output_dir: true to replace "
+                          "them, or choose another output_dir.")
+
+
+def prepare_output_dir(training, *, is_rank0: bool) -> list[str]:
+    """``check_output_dir``, then, for a fresh run with ``overwrite_output_dir``, rank 0 deletes the old
+    checkpoint-N directories (else ``resume_from_checkpoint: true`` could later pick an old run's latest);
+    returns the deleted paths. The old final-model files are replaced when this run saves its own."""
+    check_output_dir(training)
+    if not (training.overwrite_output_dir and is_rank0) or wants_resume(training.resume_from_checkpoint):
+        return []
+    doomed = [path for _, path in checkpoint_dirs(training.output_dir)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

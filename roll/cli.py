@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from roll import launch
 
+        if not options.dry_run:  # mistakes found from files alone, before any process starts
+            from roll.preflight import check_before_training
+
+            check_before_training(config, launching=launch.needs_launch(config))
         if not options.dry_run and launch.needs_launch(config):
             return launch.relaunch(config, argv)
         from roll import router

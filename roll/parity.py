@@ -189,7 +189,8 @@ def plan_runs(options: ParityOptions, recipe: dict, mca_config: RunConfig, root:
     layout, training = mca_config.layout, mca_config.training
     gas, dp = training.gradient_accumulation_steps, layout.dp
     common = {**options.overrides, "max_steps": str(options.steps), "logging_steps": "1", "save_strategy": "no",
-              "save_hf_model": "true" if options.save_models else "false", "report_to": "none"}
+              "save_hf_model": "true" if options.save_models else "false", "report_to": "none",
+              "overwrite_output_dir": "true"}  # DIR/standard and DIR/mca are roll-parity's: a rerun replaces
     if training.resume_from_checkpoint:
         common["resume_from_checkpoint"] = "null"  # both runs start from model_name_or_path
     standard = {**common, "nproc_per_node": "1", "gradient_accumulation_steps": str(gas * dp)}

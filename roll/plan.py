@@ -163,6 +163,7 @@ class Strategy:
     params_on_cpu: bool = False
     ddp_buckets: bool = False  # torch DDP keeps a second copy of the gradients in its buckets
     zero_stage: int | None = None
+    reduce_bucket: float = 0  # DeepSpeed's gradient reduce bucket, in elements (ZeRO-1/2/3)
     recompute: str | None = None  # full, selective or None
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
@@ -171,7 +172,7 @@ class Strategy:
     vocab_multiple: int = 1  # Megatron pads the vocabulary to a multiple of this
 
 
-def strategy_for(config: RunConfig) -> Strategy:
+def strategy_for(config: RunConfig, shape: ModelShape) -> Strategy:
     """The Strategy of the configured backend (mca: the validated ``config.layout``)."""
     t, m = config.training, config.megatron
     mixed = bool(t.bf16 or t.fp16)
@@ -205,10 +206,13 @@ def strategy_for(config: RunConfig) -> Strategy:
     ds = t.deepspeed if isinstance(t.deepspeed, dict) else read_deepspeed_json(t.deepspeed)
     zero = ds.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
+    bucket = zero.get("reduce_bucket_size", 5e8)  # DeepSpeed's default; HF fills "auto" with hidden_size ** 2
+    bucket = shape.hidden_size ** 2 if bucket == "auto" else float(bucket)
     offload = {k: (zero.get(k) or {}).get("device", "none") == "cpu" for k in ("offload_optimizer", "offload_param")}
-    # DeepSpeed casts the model to 16 bits and keeps fp32 master weights + Adam m, v (the ZeRO paper's 2 + 2 + 12).
+    # DeepSpeed casts the model to 16 bits and keeps fp32 master weights + Adam m, v (the ZeRO paper's 2 + 2 + 12);
+    # ZeRO-1/2/3 copy the fp32 master partition in fp32 training too (measured: docs/planner.md).
     return Strategy(**common, weight_bytes=2 if mixed else 4, grad_bytes=2 if mixed else 4,
-                    optim_bytes=12 if mixed else 8, zero_stage=stage, param_shard=world if stage >= 3 else 1,
+                    optim_bytes=12 if mixed or stage >= 1 else 8, zero_stage=stage, reduce_bucket=bucket if stage else 0, param_shard=world if stage >= 3 else 1,
                     grad_shard=world if stage >= 2 else 1, optim_shard=world if stage >= 1 else 1,
                     expert_optim_shard=world if stage >= 1 else 1, optimizer_on_cpu=offload["offload_optimizer"],
                     params_on_cpu=offload["offload_param"] and stage >= 3)
@@ -365,6 +369,11 @@ def _state_lines(shape: ModelShape, st: Strategy, p: StageParams, config: RunCon
     ]
     if st.ddp_buckets:
         lines.append(PlanLine("DDP buckets", trainable * st.grad_bytes, "torch DDP's copy of the gradients"))
+    if st.zero_stage:
+        bucket = min(st.reduce_bucket, trainable) * st.grad_bytes
+        lines.append(PlanLine("ZeRO grad buffers", bucket + trainable * 4 / st.optim_shard,
+                              f"reduce bucket of {min(st.reduce_bucket, trainable) / 1e6:.4g}M elements + fp32 "
+                              f"gradient partition (4 B/param, /{st.optim_shard})"))
     if st.zero_stage == 3:
         lines.append(PlanLine("ZeRO-3 gathers", 2 * p.largest_module * st.weight_bytes,
                               "current + prefetched layer (or embedding), gathered in full"))
@@ -431,7 +440,7 @@ def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list
 def plan_run(config: RunConfig, gpu_memory_gb: float | None = None) -> MemoryPlan:
     """The plan of a validated RunConfig: the fuller of the first and last pipeline stage."""
     shape, source = resolve_shape(config.model.model_name_or_path)
-    st = strategy_for(config)
+    st = strategy_for(config, shape)
     best: tuple[float, int, list[PlanLine], float] | None = None
     for stage in sorted({0, st.pp - 1}):
         lines, cpu = _stage_lines(shape, st, config, stage)

@@ -65,8 +65,14 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         summary, text = dry_run_report(job, stats)
         out(json.dumps(summary) + "\n" if as_json else text)
         return None
+    from roll.checkpoints import prepare_output_dir
+
+    for path in prepare_output_dir(config.training, is_rank0=is_rank0()):  # no lost work: refuse or replace
+        logger.warning("overwrite_output_dir: deleted %s, a checkpoint of an earlier run", path)
     try:  # teardown also after a failed set-up: it may have set env vars or a process group
         info = backend.setup_distributed()
+        if is_rank0():
+            clean_stale(config.training.output_dir)
         job, _ = build_job(config, policy)
         log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",
                   config.finetuning.stage, config.backend_name, info.world_size, info.dp_size)

@@ -39,6 +39,11 @@ class McaBackend(Backend):
         if strategy not in ("no", "steps", "epoch"):
             raise ConfigError(f"save_strategy {strategy!r} is not available on the mca backend; use steps, epoch or "
                               "no.")
+        model_type = config.model_hf_config().get("model_type")
+        if model_type is not None:  # a local HF model without a conversion template fails now, not per rank
+            from backends.mca.models.template import get_template
+
+            get_template(model_type)
 
     def padding_policy(self, stage: str) -> PaddingPolicy:
         assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"

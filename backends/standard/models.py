@@ -34,6 +34,13 @@ def check_causal_lm(path: str | None, *, trust_remote_code: bool = False,
                          "`python scripts/make_tiny_model.py --out DIR` or point it at a model directory.")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelError(f"{what}={path!r} has no config.json: it is not a Hugging Face model directory.")
+    if os.path.isdir(path):  # remote code or an unknown architecture: name the key to set (not HF's error)
+        from roll.config.training import read_json_object
+        from roll.preflight import check_remote_code
+
+        config_file = os.path.join(path, "config.json")
+        check_remote_code(read_json_object(config_file, config_file, ModelError), f"{what}={path!r}",
+                          trust_remote_code=trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:

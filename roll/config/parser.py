@@ -101,6 +101,8 @@ def split_command_line(argv: list[str]) -> tuple[CliOptions, dict[str, str]]:
             elif takes_value:
                 value = argv[i]
                 i += 1
+            elif ref is None:  # an unknown switch: say so (and the closest key), not that it lacks a value
+                raise _unknown_key_error([key], "the command line")
             else:
                 raise ConfigError(f"command-line option '--{key}' needs a value: write --{key} VALUE or {key}=VALUE.")
         overrides[key] = value

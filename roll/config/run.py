@@ -72,6 +72,7 @@ class RunConfig:
         num_layers = self.model_num_layers()
         if num_layers is not None:
             self.layout.check_num_layers(num_layers)
+        self._check_model_divides_layout()
         micro_batches, pp = self.training.gradient_accumulation_steps, self.layout.pp
         if self.layout.vpp_size > 1 and micro_batches < pp:
             raise ConfigError(f"the interleaved (virtual) pipeline needs at least pipeline_model_parallel_size({pp}) "
@@ -90,13 +91,32 @@ class RunConfig:
 
     def model_num_layers(self) -> int | None:
         """num_hidden_layers from a local model's config.json, or None when not known yet."""
+        return self.model_hf_config().get("num_hidden_layers")
+
+    def model_hf_config(self) -> dict:
+        """A local model's config.json (its text_config for a multimodal one); {} when not known yet."""
         path = self.model.model_name_or_path
         config_file = os.path.join(path, "config.json") if path else None
         if not config_file or not os.path.isfile(config_file):
-            return None
+            return {}
         hf_config = read_json_object(config_file, f"{config_file} (model_name_or_path)", ModelError)
-        hf_config = hf_config.get("text_config") or hf_config
-        return hf_config.get("num_hidden_layers")
+        return hf_config.get("text_config") or hf_config
+
+    def _check_model_divides_layout(self) -> None:
+        """Megatron splits attention heads and KV groups over TP ranks and experts over EP ranks; it asserts
+        (a traceback per rank) when they do not divide, so say here which size to change."""
+        hf, layout = self.model_hf_config(), self.layout
+        heads = hf.get("num_attention_heads")
+        sizes = [("num_attention_heads", heads, layout.tp, "tensor_model_parallel_size"),
+                 ("num_key_value_heads", hf.get("num_key_value_heads") or heads, layout.tp,
+                  "tensor_model_parallel_size"),
+                 ("num_experts", hf.get("num_experts") or hf.get("num_local_experts"), layout.ep,
+                  "expert_model_parallel_size")]
+        for name, count, size, key in sizes:
+            if isinstance(count, int) and count % size:
+                fits = ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
+                raise ConfigError(f"{key}={size} does not divide the model's {name} ({count}): Megatron "
+                                  f"gives each rank an equal share. Set {key} to one of {fits}.")
 
     def to_dict(self) -> dict[str, dict]:
         """Plain nested dict of every field, for --print-config and logging."""

@@ -89,6 +89,10 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
     if data_args.shuffle:
         train = train.shuffle(seed=seed)
     _count(train, stats, pairwise=processor == "pairwise")
+    if processor != "pretrain" and stats.num_truncated == len(train):  # pt chunks to cutoff_len by design
+        raise DataError(f"every one of the {len(train)} training samples is longer than cutoff_len="
+                        f"{data_args.cutoff_len} and was cut (prompt trimmed, answer shortened): the model "
+                        "would never see a whole example. Raise cutoff_len.")
     train = train.remove_columns([c for c in META_COLUMNS if c in train.column_names])
     if eval_ds is not None:
         stats.num_eval_samples = len(eval_ds)
@@ -191,9 +195,11 @@ def _drop_skipped(ds, stats: PreprocessStats):
         ds = ds.filter(lambda drop: [d == "" for d in drop], batched=True, input_columns="_drop",
                        desc="Dropping skipped rows")
     if len(ds) == 0:
+        hint = ("raise cutoff_len: every prompt fills it, leaving no answer token to train on"
+                if "no_trainable_tokens" in reasons else "fix the rows (docs/data.md, 'Skipped rows')")
         raise DataError(f"no samples left after preprocessing: all {sum(reasons.values())} row(s) were "
                         "skipped "
-                        f"({', '.join(f'{k}={v}' for k, v in sorted(reasons.items()))}).")
+                        f"({', '.join(f'{k}={v}' for k, v in sorted(reasons.items()))}); {hint}.")
     return ds
 
 

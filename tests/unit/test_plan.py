@@ -93,6 +93,13 @@ def test_zero_stages_shard_over_all_ranks(model_dir, tmp_path, stage, params, gr
     _, by = plan_of(model_dir, bf16=True, nproc_per_node=4, deepspeed=deepspeed_file(tmp_path, stage))
     assert (by["parameters"], by["gradients"], by["optimizer states"]) == (params, grads, optim)
     assert ("ZeRO-3 gathers" in by) == (stage == 3)
+    # the reduce bucket (reduce_bucket_size 5e8 elements > N: all gradients) + the fp32 gradient partition
+    assert by.get("ZeRO grad buffers") == (2 * N + 4 * N / 4 if stage else None)
+
+
+def test_zero_keeps_an_fp32_master_partition_in_fp32_training_too(model_dir, tmp_path):
+    _, by = plan_of(model_dir, nproc_per_node=2, deepspeed=deepspeed_file(tmp_path, 2))
+    assert (by["parameters"], by["gradients"], by["optimizer states"]) == (4 * N, 4 * N / 2, 12 * N / 2)
 
 
 def test_zero3_offload_moves_params_and_optimizer_to_cpu(model_dir, tmp_path):

@@ -1,0 +1,262 @@
+"""Checks roll-train runs before it trains (and before it launches any process): the mistakes that can be
+found from files alone, in milliseconds, instead of N ranks later as a Megatron or safetensors traceback.
+
+What is checked: output_dir (``roll.checkpoints.check_output_dir``), nproc_per_node against this machine
+(only when launching), the model directory (config.json, remote code, weights files intact), the chat template
+stages sft/dpo need, and a resumed checkpoint against this run (backend, model, LoRA or full, global batch).
+Layout rules that need the model's config (heads / layers / experts divisible by TP / PP / EP) are part of
+config validation (``RunConfig.validate``), so --print-config reports them too.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+
+from roll.checkpoints import check_output_dir, resolve_resume
+from roll.config.training import read_json_object
+from roll.errors import ConfigError, ModelError
+
+ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "vocab_size")
+"""config.json keys a checkpoint and model_name_or_path must agree on (they fix the weight shapes)."""
+
+_MCA_STATE = "trainer_state.json"
+_MCA_CONFIG = "mca_config.json"
+_ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_before_training(config, *, launching: bool) -> None:
+    """Every check of this module, cheapest first; ``launching``: this process starts the ranks."""
+    training = config.training
+    check_output_dir(training)
+    if launching:
+        check_machine(training)
+    check_model_dir(config.model, use_mca=training.use_mca)
+    check_chat_template(config)
+    check_resume(config)
+
+
+# ---- the machine --------------------------------------------------------------------------------
+
+def check_machine(training) -> None:
+    """nproc_per_node must not exceed this node's accelerators (or, without one, its CPU cores)."""
+    from roll.platform import current_platform
+
+    platform = current_platform()
+    if platform.is_accelerator:
+        import torch
+
+        count = getattr(torch, platform.device_type).device_count()
+        what = f"{count} {platform.device_type.upper()} device(s) visible"
+    else:
+        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        what = f"{count} CPU core(s) and no GPU"
+    if training.nproc_per_node > count:
+        raise ConfigError(f"nproc_per_node={training.nproc_per_node} but this machine has {what}: one "
+                          f"process per device. Set nproc_per_node to at most {count} (and the parallel "
+                          "sizes to match).")
+
+
+# ---- the model directory ------------------------------------------------------------------------
+
+def check_model_dir(model_args, *, use_mca: bool) -> None:
+    """A local model directory is complete and loadable without surprises (a hub id is left to the loader)."""
+    from roll.data.loading import hub_offline
+
+    path = model_args.model_name_or_path
+    if not path:
+        raise ConfigError("model_name_or_path is not set: point it at a Hugging Face model directory.")
+    if not os.path.exists(path):
+        if hub_offline() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+            raise ModelError(f"model_name_or_path={path!r} does not exist (roll never downloads a model "
+                             "while the hub is offline). Point it at a local model directory, e.g. one made "
+                             "by "
+                             "`python scripts/make_tiny_model.py --out DIR`.")
+        return
+    if not os.path.isdir(path):
+        raise ModelError(f"model_name_or_path={path!r} is a file; give the directory that holds config.json.")
+    config_file = os.path.join(path, "config.json")
+    if use_mca and os.path.isfile(os.path.join(path, _MCA_CONFIG)):
+        return  # a roll Megatron checkpoint: its own loader checks it
+    if not os.path.isfile(config_file):
+        raise ModelError(f"model_name_or_path={path!r} has no config.json: it is not a Hugging Face model "
+                         "directory (a run's checkpoint-N is resumed with resume_from_checkpoint).")
+    hf_config = read_json_object(config_file, config_file, ModelError)
+    check_remote_code(hf_config, config_file, trust_remote_code=model_args.trust_remote_code)
+    check_weight_files(path, use_mca=use_mca)
+
+
+def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
+    """A config that needs the model's own Python code (``auto_map``, or a model_type transformers lacks)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = hf_config.get("model_type")
+    if hf_config.get("auto_map"):
+        if not trust_remote_code:
+            names = sorted(hf_config["auto_map"])
+            raise ModelError(f"{where} ships its own Python code (auto_map: {names}), which roll does "
+                             "not run by default. Set trust_remote_code: true if you trust this code.")
+        return
+    if model_type not in CONFIG_MAPPING_NAMES:
+        remote = "" if trust_remote_code else (
+            ", or, for a model that ships its code (auto_map in config.json), set trust_remote_code: true if "
+            "you trust this code")
+        raise ModelError(f"{where}: model_type {model_type!r} is an architecture transformers "
+                         f"{transformers.__version__} does not know (architectures "
+                         f"{hf_config.get('architectures')}). Use a supported model or a newer "
+                         f"transformers{remote}.")
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of a model directory (those its index names, else every *.safetensors)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = read_json_object(index, index, ModelError).get("weight_map") or {}
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
+def check_weight_files(model_dir: str, *, use_mca: bool) -> None:
+    """Weights exist and every safetensors file is as long as its header says (a copy cut short is the
+    common case); pickled ``*.bin`` weights only on the standard backend, which loads them weights_only."""
+    files = weight_files(model_dir)
+    if not files:
+        has_bin = bool(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+        if has_bin and not use_mca:
+            return  # transformers loads these with torch.load(weights_only=True)
+        detail = ("has only pickled .bin weights, which the mca backend does not read" if has_bin
+                  else "has no model.safetensors")
+        raise ModelError(f"model_name_or_path={model_dir!r} {detail}: re-save the model with "
+                         "save_pretrained(DIR, safe_serialization=True) or point at a complete model "
+                         "directory.")
+    for path in files:
+        check_safetensors_file(path)
+
+
+def check_safetensors_file(path: str) -> None:
+    """ModelError when ``path`` is missing, not safetensors, or shorter than its header describes."""
+    if not os.path.isfile(path):
+        raise ModelError(f"{path} is missing (model.safetensors.index.json names it): copy the whole model "
+                         "again.")
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < header_len <= size - 8:
+            raise ModelError(f"{path} is not a safetensors file or is truncated ({size} bytes): copy the "
+                             "model again or re-save it with save_pretrained(DIR, safe_serialization=True).")
+        try:
+            header = json.loads(fh.read(header_len))
+        except ValueError:
+            raise ModelError(f"{path} has a corrupt safetensors header: copy the model again.") from None
+    end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+              default=0)
+    expected = 8 + header_len + end
+    if size < expected:
+        raise ModelError(f"{path} is truncated: {size} bytes, its header describes {expected}. Copy the "
+                         "model again (an interrupted download or copy leaves such a file).")
+
+
+# ---- chat template ------------------------------------------------------------------------------
+
+def check_chat_template(config) -> None:
+    """sft and dpo lay conversations out with a chat template: the tokenizer's own, or ``template:``.
+
+    The library (``roll.data.load_tokenizer``) falls back to roll's 'default' template with a warning;
+    roll-train refuses instead, since a model trained on a template it will not be prompted with is wasted.
+    """
+    if config.finetuning.stage not in ("sft", "dpo") or config.data.template is not None:
+        return
+    path = config.model.tokenizer_name_or_path or config.model.model_name_or_path
+    if not path or not os.path.isdir(path):
+        return
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")) or os.path.isfile(
+            os.path.join(path, "chat_template.json")):
+        return
+    tokenizer_config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config) and read_json_object(tokenizer_config, tokenizer_config,
+                                                            ModelError).get("chat_template"):
+        return
+    from roll.data.templates import BUILTIN_TEMPLATES
+
+    stage, names = config.finetuning.stage, ", ".join(BUILTIN_TEMPLATES)
+    raise ConfigError(f"the tokenizer in {path!r} has no chat template, which stage {stage} needs to lay out "
+                      f"conversations. Set template: to one of {names} (the one the model will be prompted "
+                      "with), or use a tokenizer that has a chat template.")
+
+
+# ---- resuming -----------------------------------------------------------------------------------
+
+def check_resume(config) -> None:
+    """The checkpoint resume_from_checkpoint names fits this run: backend, model, LoRA/full, global batch."""
+    training = config.training
+    ckpt = resolve_resume(training.resume_from_checkpoint, training.output_dir)
+    if ckpt is None:
+        return
+    is_mca_ckpt = os.path.isfile(os.path.join(ckpt, _MCA_CONFIG))
+    if training.use_mca != is_mca_ckpt or not os.path.isfile(os.path.join(ckpt, _MCA_STATE)):
+        written = "a --use-mca (Megatron) run" if is_mca_ckpt else "the standard backend"
+        if not os.path.isfile(os.path.join(ckpt, _MCA_STATE)):
+            written = "no roll run (it has no trainer_state.json)"
+        raise ConfigError(f"resume_from_checkpoint={ckpt!r} was written by {written}; this run uses the "
+                          f"{config.backend_name} backend. Resume with the backend that wrote it "
+                          "(--use-mca or not), or start a fresh run without resume_from_checkpoint.")
+    lora_ckpt = os.path.isfile(os.path.join(ckpt, _ADAPTER_CONFIG))
+    lora_run = config.finetuning.finetuning_type == "lora"
+    if lora_ckpt != lora_run:
+        kind = "a LoRA adapter-only checkpoint" if lora_ckpt else "a full-model checkpoint"
+        raise ConfigError(f"resume_from_checkpoint={ckpt!r} is {kind} but this run has finetuning_type="
+                          f"{config.finetuning.finetuning_type}; resume with the finetuning_type it was "
+                          "saved with.")
+    _check_same_model(config, ckpt, is_mca_ckpt)
+    state = read_json_object(os.path.join(ckpt, _MCA_STATE), f"{ckpt}/{_MCA_STATE}", ConfigError)
+    _check_same_batch(config, ckpt, state, is_mca_ckpt)
+
+
+def _check_same_model(config, ckpt: str, is_mca_ckpt: bool) -> None:
+    model_config = os.path.join(config.model.model_name_or_path or "", "config.json")
+    if not os.path.isfile(model_config):
+        return
+    if is_mca_ckpt:
+        mca_config = read_json_object(os.path.join(ckpt, _MCA_CONFIG), f"{ckpt}/{_MCA_CONFIG}")
+        saved = mca_config.get("hf_config") or {}
+    elif os.path.isfile(os.path.join(ckpt, "config.json")):
+        saved = read_json_object(os.path.join(ckpt, "config.json"), f"{ckpt}/config.json")
+    else:
+        return  # a LoRA checkpoint of the standard backend holds adapters only
+    current = read_json_object(model_config, model_config, ModelError)
+    saved, current = saved.get("text_config") or saved, current.get("text_config") or current
+    differ = [f"{key} {saved.get(key)} there, {current.get(key)} here" for key in ARCHITECTURE_KEYS
+              if key in saved and key in current and saved[key] != current[key]]
+    if differ:
+        raise ConfigError(f"resume_from_checkpoint={ckpt!r} is of another model than model_name_or_path="
+                          f"{config.model.model_name_or_path!r} ({'; '.join(differ)}). Resume with the "
+                          "model_name_or_path it was trained from, or start a fresh run.")
+
+
+def _check_same_batch(config, ckpt: str, state: dict, is_mca_ckpt: bool) -> None:
+    t = config.training
+    if is_mca_ckpt:
+        saved = state.get("global_batch_size")
+        dp = config.layout.dp if config.layout is not None else t.world_size_from_launch
+        now = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
+        detail = (f"per_device_train_batch_size {t.per_device_train_batch_size} * "
+                  f"gradient_accumulation_steps {t.gradient_accumulation_steps} * data-parallel size {dp}")
+    else:
+        # HF's trainer_state records the per-device batch; its rng_state_R.pth files, the world size.
+        # (It does not record gradient_accumulation_steps.)
+        ranks = len(glob.glob(os.path.join(ckpt, "rng_state_*.pth"))) or 1
+        per_device = state.get("train_batch_size")
+        saved = None if per_device is None else per_device * ranks
+        now = t.per_device_train_batch_size * t.world_size_from_launch
+        detail = (f"per_device_train_batch_size {t.per_device_train_batch_size} on "
+                  f"{t.world_size_from_launch} process(es)")
+    if saved is not None and saved != now:
+        raise ConfigError(f"resume_from_checkpoint={ckpt!r} was trained with a global batch of {saved} "
+                          f"samples per step (or micro-step), this run uses {now} ({detail}): the sample "
+                          "order would not continue. Keep the batch sizes and the number of processes of the "
+                          "run that wrote it, or start a fresh run.")

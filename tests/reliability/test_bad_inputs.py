@@ -1,0 +1,323 @@
+"""A catalogue of user mistakes: each case is a real ``roll-train`` process that must end with exit code 2
+(``EXIT_USAGE``), a ``roll-train: error:`` line holding a phrase that says what to change, no traceback, and
+the files that were already in output_dir unchanged.
+
+The cases cover the recipe, the command line, the data, the model directory, a checkpoint to resume from and
+the parallel layout. Most fail in roll-train's own process before anything is launched (config validation,
+``roll.preflight``); the data cases fail while the data is prepared; one case fails inside launched ranks, so
+the launcher's report path is covered too. The tiny model, data and one real trained run are built once per
+module (~30 s); each case then takes a few seconds (the Python start and imports of roll-train).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from tests.helpers import output_of, roll_train
+
+SFT_ROWS = [{"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
+            for a in range(4) for b in range(4)]
+PAIR_ROWS = [{"prompt": "What is 1 plus 1?", "chosen": "Two.", "rejected": "Three."}] * 4
+
+
+@dataclass
+class World:
+    """Everything the cases point at, built once."""
+
+    root: str
+    model: str
+    moe: str
+    trained: str
+    """output_dir of a finished standard run: final model, checkpoint-1 and -2 (per-device batch 2)."""
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def base(self, out: str, *extra: str) -> list[str]:
+        """A valid sft run of one step (every case changes one thing)."""
+        return [f"model_name_or_path={self.model}", "stage=sft", f"dataset={self.path('sft.json')}",
+                f"output_dir={out}", "max_steps=1", "cutoff_len=64", "per_device_train_batch_size=2",
+                "report_to=none", "save_strategy=no", *extra]
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return path
+
+
+def _model_copy(world_root: str, model: str, name: str, edit: Callable[[str], None]) -> str:
+    out = os.path.join(world_root, name)
+    shutil.copytree(model, out)
+    edit(out)
+    return out
+
+
+def _edit_json(path: str, **changes) -> None:
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    _write(path, json.dumps(data))
+
+
+def _truncate(model_dir: str) -> None:
+    weights = os.path.join(model_dir, "model.safetensors")
+    with open(weights, "r+b") as fh:
+        fh.truncate(os.path.getsize(weights) // 2)
+
+
+def _drop_chat_template(model_dir: str) -> None:
+    os.remove(os.path.join(model_dir, "chat_template.jinja"))
+    _edit_json(os.path.join(model_dir, "tokenizer_config.json"), chat_template=None)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_model_factory) -> World:
+    root = str(tmp_path_factory.mktemp("bad_inputs"))
+    model = tiny_model_factory("qwen2")
+    w = World(root=root, model=model, moe=tiny_model_factory("qwen2_moe"),
+              trained=os.path.join(root, "trained"))
+    _write(w.path("sft.json"), json.dumps(SFT_ROWS))
+    _write(w.path("pairs.json"), json.dumps(PAIR_ROWS))
+    _write(w.path("bad.jsonl"), json.dumps(SFT_ROWS[0]) + '\n{"instruction": "What is 1 plus 2?", "output\n')
+    _write(w.path("empty.jsonl"), "")
+    _write(w.path("no_answers.json"), json.dumps([{**row, "output": ""} for row in SFT_ROWS]))
+    _write(w.path("rows.xml"), "<rows/>")
+    _write(w.path("list.yaml"), "- stage: sft\n")
+    _write(w.path("broken.yaml"), "stage: sft\n  learning_rate: [1e-4\n")
+    _write(w.path("typo.yaml"), "stage: sft\nlearning_rat: 1.0e-4\n")
+    os.makedirs(w.path("weights_only"))
+    shutil.copy(os.path.join(model, "model.safetensors"), w.path("weights_only"))
+    _model_copy(root, model, "truncated", _truncate)
+    _model_copy(root, model, "remote_code", lambda d: _edit_json(
+        os.path.join(d, "config.json"), model_type="acme_lm", architectures=["AcmeForCausalLM"],
+        auto_map={"AutoConfig": "configuration_acme.AcmeConfig",
+                  "AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}))
+    _model_copy(root, model, "unknown_arch", lambda d: _edit_json(
+        os.path.join(d, "config.json"), model_type="acme_lm", architectures=["AcmeForCausalLM"]))
+    _model_copy(root, model, "gpt2_arch", lambda d: _edit_json(
+        os.path.join(d, "config.json"), model_type="gpt2", architectures=["GPT2LMHeadModel"]))
+    _model_copy(root, model, "no_template", _drop_chat_template)
+    # One real run, so the checkpoint cases resume from what roll writes (not a hand-made imitation).
+    proc = roll_train(*w.base(w.trained, "max_steps=2", "save_strategy=steps", "save_steps=1"), timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    assert os.path.isdir(os.path.join(w.trained, "checkpoint-2")), os.listdir(w.trained)
+    return w
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _machine_size() -> int:
+    """What roll.preflight.check_machine compares nproc_per_node with on this machine."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else _cpu_count()
+
+
+# id -> (argv builder(world, output_dir), phrase the error line must hold). Phrases are what a user must read
+# to fix the mistake: the key to change, or the file and row at fault.
+Build = Callable[[World, str], list[str]]
+
+
+def _with(*extra: str) -> Build:
+    """The base run with ``extra`` appended (a ``{name}`` in a value is the world's file or directory)."""
+    return lambda w, o: w.base(o, *[arg.format(**_places(w)) for arg in extra])
+
+
+def _places(w: World) -> dict[str, str]:
+    names = ("typo.yaml", "list.yaml", "broken.yaml", "bad.jsonl", "empty.jsonl", "rows.xml", "pairs.json",
+             "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch", "gpt2_arch",
+             "no_template")
+    places = {name.replace(".", "_"): w.path(name) for name in names}
+    return {**places, "moe": w.moe, "ckpt": os.path.join(w.trained, "checkpoint-2"),
+            "missing": w.path("no_such_thing")}
+
+
+def _recipe(name: str) -> Build:
+    return lambda w, o: [w.path(name), *w.base(o)]
+
+
+RESUME = "resume_from_checkpoint={ckpt}"
+MCA = "--use-mca"
+CASES: dict[str, tuple[Build, str]] = {
+    # ---- recipe ----
+    "recipe-unknown-key": (_recipe("typo.yaml"), "did you mean 'learning_rate'"),
+    "recipe-missing-file": (_recipe("nope.yaml"), "does not exist"),
+    "recipe-invalid-yaml": (_recipe("broken.yaml"), "is not valid YAML"),
+    "recipe-not-a-mapping": (_recipe("list.yaml"), "must be a mapping of key: value"),
+    "recipe-wrong-type": (_with("per_device_train_batch_size=two"), "'per_device_train_batch_size' takes"),
+    "recipe-bad-choice": (_with("stage=rlhf"), "stage"),
+    "recipe-missing-dataset": (lambda w, o: [a for a in w.base(o) if not a.startswith("dataset=")],
+                               "set `dataset:`"),
+    "recipe-two-precisions": (_with("bf16=true", "fp16=true"), "choose one precision"),
+    "recipe-deepspeed-file-missing": (_with("deepspeed=ds_nope.json"), "drop the 'deepspeed' key"),
+    "recipe-max-steps-zero": (_with("max_steps=0"), "max_steps must be a positive step count"),
+    # ---- command line ----
+    "cli-unknown-key": (_with("--lerning_rate", "1e-4"), "did you mean 'learning_rate'"),
+    "cli-unknown-switch": (_with("--frobnicate"), "unknown key 'frobnicate'"),
+    "cli-option-without-value": (_with("--output_dir"), "needs a value"),
+    "cli-two-recipes": (lambda w, o: [w.path("typo.yaml"), w.path("list.yaml"), *w.base(o)], "pass one"),
+    "cli-node-rank-out-of-range": (_with("nnodes=2", "node_rank=2", "master_addr=127.0.0.1"),
+                                   "node_rank must be in 0..nnodes-1"),
+    # ---- data ----
+    "data-missing-file": (_with("dataset={missing}"), "not found"),
+    "data-malformed-row": (_with("dataset={bad_jsonl}"), "bad.jsonl: invalid JSON on line 2"),
+    "data-empty-file": (_with("dataset={empty_jsonl}"), "empty.jsonl"),
+    "data-empty-after-filtering": (_with("dataset={no_answers_json}"), "empty_reply=16); fix the rows"),
+    "data-unsupported-file-type": (_with("dataset={rows_xml}"), "unsupported file type"),
+    "data-wrong-format-for-stage": (_with("dataset={pairs_json}"), "cannot be used for stage sft"),
+    "data-cutoff-shorter-than-every-prompt": (_with("cutoff_len=4"), "raise cutoff_len"),
+    # ---- model directory ----
+    "model-missing": (_with("model_name_or_path={missing}"), "does not exist"),
+    "model-no-config-json": (_with("model_name_or_path={weights_only}"), "has no config.json"),
+    "model-truncated-safetensors": (_with("model_name_or_path={truncated}"),
+                                    "model.safetensors is truncated"),
+    "model-needs-remote-code": (_with("model_name_or_path={remote_code}"),
+                                "set trust_remote_code: true if you trust this code"),
+    "model-unknown-architecture": (_with("model_name_or_path={unknown_arch}"), "model_type 'acme_lm'"),
+    "model-no-mca-template": (_with("model_name_or_path={gpt2_arch}", MCA),
+                              "'gpt2' has no Megatron conversion template"),
+    "model-tokenizer-without-chat-template": (_with("model_name_or_path={no_template}"),
+                                              "Set template: to one of"),
+    # ---- checkpoint ----
+    "resume-path-missing": (_with("resume_from_checkpoint={missing}"), "is not a checkpoint directory"),
+    "resume-true-without-checkpoint": (_with("resume_from_checkpoint=true"), "holds no checkpoint-N"),
+    "resume-from-another-model": (_with("model_name_or_path={moe}", RESUME), "is of another model"),
+    "resume-changed-global-batch": (_with("per_device_train_batch_size=4", RESUME),
+                                    "global batch of 2 samples"),
+    "resume-full-checkpoint-as-lora": (_with("finetuning_type=lora", RESUME),
+                                       "resume with the finetuning_type it was saved with"),
+    "resume-standard-checkpoint-with-mca": (_with(MCA, RESUME), "Resume with the backend that wrote it"),
+    # ---- parallel layout ----
+    "layout-product-not-world-size": (_with(MCA, "nproc_per_node=2", "tensor_model_parallel_size=4"),
+                                      "tp(4) * pp(1) * cp(1) * dp(?) != world_size(2)"),
+    "layout-heads-not-divisible-by-tp": (_with(MCA, "nproc_per_node=3", "tensor_model_parallel_size=3"),
+                                         "Set tensor_model_parallel_size to one of 1, 2, 4"),
+    "layout-layers-not-divisible-by-pp-vpp": (
+        _with(MCA, "nproc_per_node=2", "pipeline_model_parallel_size=2",
+              "virtual_pipeline_model_parallel_size=2", "gradient_accumulation_steps=2"),
+        "num_layers(2) is not divisible by pp(2) * vpp(2)"),
+    "layout-ep-not-dividing-experts": (
+        _with("model_name_or_path={moe}", MCA, "nproc_per_node=3", "expert_model_parallel_size=3"),
+        "Set expert_model_parallel_size to one of 1, 2, 4"),
+    "layout-more-processes-than-the-machine": (_with(f"nproc_per_node={_machine_size() + 1}"),
+                                               f"Set nproc_per_node to at most {_machine_size()}"),
+    # ---- output_dir ----
+    "output-dir-holds-a-trained-model": (_with(), "overwrite_output_dir: true"),
+    "output-dir-holds-checkpoints": (_with(), "resume_from_checkpoint: true"),
+}
+
+_FILLED_OUTPUT_DIRS = {"output-dir-holds-a-trained-model": None,
+                       "output-dir-holds-checkpoints": "checkpoint-1"}
+"""Cases whose output_dir starts as a copy of the trained run (all of it, or only this checkpoint)."""
+
+
+def _prepare_output_dir(world: World, case: str, out: str) -> None:
+    if case not in _FILLED_OUTPUT_DIRS:
+        os.makedirs(out)
+        _write(os.path.join(out, "notes.txt"), "the user's notes\n")
+        _write(os.path.join(out, "train_log.jsonl"), '{"step": 1, "loss": 5.0}\n')  # a crashed run's log
+        return
+    only = _FILLED_OUTPUT_DIRS[case]
+    if only is None:
+        shutil.copytree(world.trained, out)
+    else:
+        os.makedirs(out)
+        shutil.copytree(os.path.join(world.trained, only), os.path.join(out, only))
+
+
+def _snapshot(folder: str) -> dict[str, str]:
+    found = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as fh:
+                found[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return found
+
+
+def _assert_clean_mistake(proc, phrase: str, code: int = 2) -> None:
+    out = output_of(proc)
+    assert proc.returncode == code, out
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, out
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("roll-train: error: ")]
+    assert len(errors) == 1, out
+    assert phrase.lower() in errors[0].lower(), f"expected {phrase!r} in: {errors[0]}"
+
+
+def test_the_catalogue_has_at_least_30_distinct_mistakes():
+    assert len(CASES) >= 30
+    assert len({phrase for _, phrase in CASES.values()}) >= 25  # not one message for everything
+
+
+@dataclass
+class Outcome:
+    proc: subprocess.CompletedProcess
+    before: dict[str, str]
+    """output_dir's files (path -> sha256) before the run."""
+    after: dict[str, str]
+
+
+_CASE_TEST = "test_bad_input_exits_2_with_a_message_and_loses_nothing"
+_WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def outcomes(world, request, tmp_path_factory) -> dict[str, Outcome]:
+    """Every selected case's run, two at a time (each is one mostly single-threaded process)."""
+    selected = sorted({item.callspec.params["case"] for item in request.session.items
+                       if getattr(item, "originalname", "") == _CASE_TEST and hasattr(item, "callspec")})
+    root = str(tmp_path_factory.mktemp("cases"))
+
+    def run(case: str) -> Outcome:
+        out = os.path.join(root, case, "out")
+        _prepare_output_dir(world, case, out)
+        before = _snapshot(out)
+        proc = roll_train(*CASES[case][0](world, out), timeout=180)
+        return Outcome(proc, before, _snapshot(out))
+
+    with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+        return dict(zip(selected, pool.map(run, selected)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_exits_2_with_a_message_and_loses_nothing(case, outcomes):
+    outcome = outcomes[case]
+    _assert_clean_mistake(outcome.proc, CASES[case][1])
+    assert outcome.after == outcome.before, "output_dir changed"
+
+
+def test_a_mistake_found_inside_launched_ranks_is_reported_once(world, tmp_path):
+    """A data row that only the ranks read: the launcher's ranks fail, roll-train shows their message once."""
+    out = str(tmp_path / "out")
+    _prepare_output_dir(world, "launched", out)
+    before = _snapshot(out)
+    proc = roll_train(*world.base(out, f"dataset={world.path('bad.jsonl')}", "nproc_per_node=2"), timeout=240)
+    _assert_clean_mistake(proc, "bad.jsonl: invalid JSON on line 2")
+    assert _snapshot(out) == before, "output_dir changed"
+
+
+def test_overwrite_output_dir_replaces_a_trained_run(world, tmp_path):
+    """The way out the message names works: overwrite_output_dir trains afresh and deletes old checkpoints
+    (so resume_from_checkpoint: true cannot later pick the earlier run's)."""
+    out = str(tmp_path / "out")
+    shutil.copytree(world.trained, out)
+    proc = roll_train(*world.base(out, "overwrite_output_dir=true"), timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    assert not [name for name in os.listdir(out) if name.startswith("checkpoint-")], os.listdir(out)
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
