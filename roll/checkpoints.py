@@ -1,12 +1,16 @@
 """Where a run's checkpoints live and which one ``resume_from_checkpoint`` means: one rule for both backends.
 
 Checkpoints are ``OUTPUT_DIR/checkpoint-N`` (N = optimizer steps done). A backend writes one under a
-temporary name and renames it into place when complete, so a directory with this exact name is a
-whole checkpoint; anything else (``checkpoint-N.tmp``) is never picked.
+temporary name (``checkpoint-N.tmp``), flushes it to disk on every rank, and renames it into place when
+complete (``publish``), so a directory with this exact name is a whole checkpoint and a save killed at any
+moment leaves the previous one as the latest. Old checkpoints are renamed to ``*.old`` before they are
+deleted, so a half-deleted one is never picked either. ``clean_stale`` removes both kinds of leftovers at
+the next start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -14,8 +18,11 @@ import shutil
 from roll.config.coerce import coerce, is_bool_word
 from roll.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 PREFIX = "checkpoint-"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_STALE = re.compile(r"^checkpoint-\d+\.(tmp|old)$")
 
 
 def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
@@ -60,8 +67,49 @@ def rotate(output_dir: str, keep: int | None) -> list[str]:
         return []
     doomed = [path for _, path in checkpoint_dirs(output_dir)[:-keep]]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path, path + ".old")  # no longer a checkpoint name before any file of it goes
+        shutil.rmtree(path + ".old", ignore_errors=True)
     return doomed
+
+
+def flush_to_disk() -> None:
+    """Make this rank's writes durable before the checkpoint is published (every rank, before the barrier)."""
+    if hasattr(os, "sync"):
+        os.sync()
+
+
+def publish(tmp: str, final: str) -> None:
+    """Rename a complete ``checkpoint-N.tmp`` to ``checkpoint-N`` (rank 0, after every rank flushed)."""
+    if os.path.isdir(final):  # an older checkpoint of the same step (a rerun): retire it first
+        os.replace(final, final + ".old")
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final) or ".")
+
+
+def clean_stale(output_dir: str) -> list[str]:
+    """Delete what killed saves left (``checkpoint-N.tmp``, ``checkpoint-N.old``) in output_dir; log each."""
+    if not os.path.isdir(output_dir):
+        return []
+    stale = sorted(os.path.join(output_dir, name) for name in os.listdir(output_dir) if _STALE.match(name))
+    for path in stale:
+        logger.warning("removing %s, left by a save that did not finish (the last complete checkpoint is %s)",
+                       path, last_checkpoint(output_dir) or "none")
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 # ---- no lost work -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import typing
 import yaml
 
 from roll import __version__
-from roll.errors import RollError
+from roll.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, RollError,
+                         TrainingStopped)
 
 USAGE = """usage: roll-train [RECIPE.yaml] [key=value | --key value | --flag ...] [--use-mca]
                   [--print-config] [--dry-run [--json]] [--plan [--json] [gpu_memory_gb=80]] [--help]
@@ -82,18 +83,45 @@ def main(argv: list[str] | None = None) -> int:
 
             check_before_training(config, launching=launch.needs_launch(config))
         if not options.dry_run and launch.needs_launch(config):
-            return launch.relaunch(config, argv)
-        from roll import router
+            outcome = launch.relaunch(config, argv)
+            if outcome.message:
+                sys.stderr.write(f"roll-train: {_LABELS.get(outcome.code, 'error')}: {outcome.message}\n")
+            return outcome.code
+        from roll import reliability, router
 
-        router.run(config, dry_run=options.dry_run, as_json=options.json)
+        if not options.dry_run:
+            reliability.STOP.install()
+        try:
+            router.run(config, dry_run=options.dry_run, as_json=options.json)
+        except Exception as exc:
+            hung = reliability.collective_failure(exc, config.training.ddp_timeout)
+            if hung is None:
+                raise
+            raise hung from None
         return 0
     except RollError as exc:
-        sys.stderr.write(f"roll-train: error: {exc}\n")
-        return 2
+        return _report(EXIT_USAGE, str(exc))
+    except TrainingStopped as exc:
+        return _report(exc.exit_code, str(exc))
     except KeyboardInterrupt:
         sys.stderr.write("roll-train: interrupted\n")
-        return 130
+        return EXIT_INTERRUPTED
 
+
+_LABELS = {EXIT_USAGE: "error", EXIT_DIVERGED: "stopped", EXIT_HUNG: "error", EXIT_PREEMPTED: "stopped"}
+
+
+def _report(code: int, message: str) -> int:
+    """End this process with ``code``. A rank under roll-train's launcher reports to it (which shows the
+    message once for all ranks); a rank that stopped together with all others (preempted, diverged)
+    then exits 0 so the launcher does not tear the job down as failed."""
+    from roll import launch
+
+    if launch.under_roll_launcher():
+        launch.write_status(code, message)
+        return 0 if code in (EXIT_PREEMPTED, EXIT_DIVERGED) else code
+    sys.stderr.write(f"roll-train: {_LABELS.get(code, 'error')}: {message}\n")
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())

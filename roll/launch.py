@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -10,9 +11,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from roll.errors import ConfigError
+from roll.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError
 
 if TYPE_CHECKING:  # roll.config pulls in transformers; tests/helpers and the mca backend only need free_port
     from roll.config import RunConfig
@@ -66,7 +68,7 @@ def launch_command(config: RunConfig, argv: list[str]) -> list[str]:
         # --no_local_rank: roll reads LOCAL_RANK from the environment, not from an injected argument.
         return [*cmd, "--master_addr", addr, "--master_port", str(port), "--no_local_rank",
                 "--module", "roll.cli", *argv]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(t.nproc_per_node)]
+    cmd = [sys.executable, "-m", "roll.torchrun", "--nproc_per_node", str(t.nproc_per_node)]
     if t.nnodes > 1:
         cmd += ["--nnodes", str(t.nnodes), "--node_rank", str(t.node_rank)]
     return [*cmd, "--master_addr", addr, "--master_port", str(port), "-m", "roll.cli", *argv]
@@ -105,8 +107,18 @@ def deepspeed_hostfile(nnodes: int, nproc_per_node: int) -> str:
     return path
 
 
-def relaunch(config: RunConfig, argv: list[str]) -> int:
-    """Run the launcher as a child; forward Ctrl-C / SIGTERM so every rank stops; return its exit code."""
+@dataclass(frozen=True)
+class Outcome:
+    """How a launched run ended on this node: the exit code for roll-train, and the line to show."""
+
+    code: int
+    message: str | None = None
+
+
+def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
+    """Run the launcher as a child and wait; the first Ctrl-C / SIGTERM asks every rank to finish its step
+    and save (``roll.reliability``), a second one stops the launcher at once. The ranks report how they ended
+    in status files, so the exit code is theirs (2 user mistake, 3 diverged, 4 hung, 75 preempted)."""
     t = config.training
     cmd = launch_command(config, argv)
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
@@ -117,18 +129,41 @@ def relaunch(config: RunConfig, argv: list[str]) -> int:
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would detect it too, with a warning per rank
     where = f" (node {t.node_rank} of {t.nnodes})" if t.nnodes > 1 else ""
     logger.info("launching %d processes%s: %s", t.nproc_per_node, where, " ".join(cmd))
-    return run_child(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir:
+        env[STATUS_DIR_ENV] = status_dir
+        code = run_child(cmd, graceful=True, env=env)
+        first = (t.node_rank or 0) * t.nproc_per_node
+        return summarize(read_statuses(status_dir), range(first, first + t.nproc_per_node), code)
 
 
-def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, **popen_kwargs) -> int:
+def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, *, graceful: bool = False,
+              **popen_kwargs) -> int:
     """Run ``cmd`` and wait for it, forwarding Ctrl-C / SIGTERM to it (and telling ``on_signal``);
-    return its exit code."""
+    return its exit code.
+
+    ``graceful`` (``cmd`` is a launcher of roll ranks): the launcher runs in its own session, so a terminal's
+    Ctrl-C reaches only this process; the first signal goes straight to the ranks (which finish their step
+    and save), bypassing the launcher (torchrun and DeepSpeed's launcher kill ranks 30 s after forwarding);
+    the second goes to the launcher. The launcher gets SIGTERM if this process dies.
+    """
+    if graceful:
+        popen_kwargs.update(start_new_session=True, preexec_fn=_die_with_parent)
     child = subprocess.Popen(cmd, **popen_kwargs)
+    received: list[int] = []
 
     def forward(signum, _frame):
+        received.append(signum)
         if on_signal is not None:
             on_signal(signum)
-        if child.poll() is None:
+        if child.poll() is not None:
+            return
+        ranks = _rank_processes(child.pid) if graceful and len(received) == 1 else []
+        if ranks:
+            logger.warning("stopping: every rank finishes its step and saves a checkpoint (unless "
+                           "save_on_preemption is false); signal again to stop at once")
+            for rank in ranks:
+                _send(rank, signum)
+        else:
             child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -137,3 +172,89 @@ def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# ---- how the ranks ended ------------------------------------------------------------------------
+
+STATUS_DIR_ENV = "ROLL_STATUS_DIR"
+"""Set by ``relaunch`` in the ranks' environment: where each rank writes ``rank_R.json`` when it ends."""
+
+_SEVERITY = (EXIT_USAGE, EXIT_HUNG, EXIT_DIVERGED, EXIT_PREEMPTED)
+"""Which rank's report wins when ranks disagree: a user mistake explains everything after it."""
+
+
+def under_roll_launcher() -> bool:
+    return STATUS_DIR_ENV in os.environ
+
+
+def write_status(code: int, message: str) -> None:
+    """Tell the roll-train that launched this rank how it ended (a no-op without one)."""
+    folder = os.environ.get(STATUS_DIR_ENV)
+    if not folder:
+        return
+    rank = os.environ.get("RANK", "0")
+    try:
+        with open(os.path.join(folder, f"rank_{rank}.json"), "w", encoding="utf-8") as fh:
+            json.dump({"code": code, "message": message}, fh)
+    except OSError:  # the parent is gone; its status directory with it
+        pass
+
+
+def read_statuses(folder: str) -> dict[int, dict]:
+    found = {}
+    for name in os.listdir(folder):
+        if name.startswith("rank_") and name.endswith(".json"):
+            with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                found[int(name[5:-5])] = json.load(fh)
+    return found
+
+
+def summarize(statuses: dict[int, dict], ranks: range, launcher_code: int) -> Outcome:
+    """One exit code and message for this node from its ranks' reports and the launcher's exit code."""
+    silent = [rank for rank in ranks if rank not in statuses]
+    dead = f"rank {', '.join(map(str, silent))} ended without a report (killed, e.g. out of memory, or " \
+           "crashed: see its log above)" if silent and launcher_code != 0 else None
+    for code in _SEVERITY:
+        reports = [statuses[rank]["message"] for rank in sorted(statuses) if statuses[rank]["code"] == code]
+        if reports:
+            return Outcome(code, "; ".join(filter(None, [dead, reports[0]])))
+    if dead:
+        return Outcome(launcher_code or 1, dead)
+    return Outcome(launcher_code)
+
+
+def _rank_processes(launcher_pid: int) -> list:
+    """The roll-train ranks under the launcher (not the launcher processes themselves)."""
+    import psutil
+
+    ranks = []
+    try:
+        for proc in psutil.Process(launcher_pid).children(recursive=True):
+            cmdline = " ".join(proc.cmdline())
+            if "roll.cli" in cmdline and not any(name in cmdline for name in _LAUNCHERS):
+                ranks.append(proc)
+    except psutil.Error:
+        return []
+    return ranks
+
+
+_LAUNCHERS = ("roll.torchrun", "torch.distributed.run", "deepspeed.launcher", "deepspeed/launcher")
+
+
+def _send(proc, signum: int) -> None:
+    import psutil
+
+    try:
+        proc.send_signal(signum)
+    except psutil.Error:
+        pass
+
+
+def _die_with_parent() -> None:
+    """In the launcher child: get SIGTERM when roll-train dies (Linux), as it no longer shares its session."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from roll.checkpoints import clean_stale
 from roll.config import RunConfig
 from roll.contract import TrainJob, TrainResult
 from roll.logging import is_rank0, log_rank0

@@ -40,7 +40,7 @@ def test_sigterm_stops_all_ranks(tiny_model_dir, tmp_path):
         assert started, (tmp_path / "roll-train.log").read_text()[-3000:]
         # The launcher's own command line ends in `-m roll.cli` too: count only the ranks it started.
         cmdlines = [" ".join(p.cmdline()) for p in parent.children(recursive=True)]
-        ranks = [c for c in cmdlines if "roll.cli" in c and "torch.distributed.run" not in c]
+        ranks = [c for c in cmdlines if "roll.cli" in c and "roll.torchrun" not in c]
         assert len(ranks) == 2, cmdlines
         descendants = parent.children(recursive=True)
         proc.send_signal(signal.SIGTERM)

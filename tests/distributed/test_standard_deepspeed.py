@@ -54,7 +54,7 @@ def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum, 
     args = [f"{key}={value}" for key, value in recipe.items()]
     proc = roll_train(*args, timeout=420)
     assert proc.returncode == 0, output_of(proc)  # every rank exited cleanly (W2)
-    launcher = "deepspeed.launcher.runner" if ds_file else "torch.distributed.run"
+    launcher = "deepspeed.launcher.runner" if ds_file else "roll.torchrun"
     assert "launching 2 processes" in proc.stderr and launcher in proc.stderr
     return _logged(out_dir)
 

@@ -64,7 +64,7 @@ def test_launch_command_uses_torchrun_or_deepspeed(tmp_path):
     _, config = parse_args([str(recipe)])
     assert launch.needs_launch(config)
     cmd = launch.launch_command(config, [str(recipe)])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node" in cmd
+    assert cmd[1:3] == ["-m", "roll.torchrun"] and "--nproc_per_node" in cmd
     assert cmd[-3:] == ["-m", "roll.cli", str(recipe)]
 
     _, config = parse_args([str(recipe), "deepspeed=recipes/deepspeed/ds_z2.json"])
@@ -87,7 +87,7 @@ def test_multinode_launch_command_and_env_fallbacks(tmp_path, monkeypatch):
     recipe.write_text("stage: sft\nnproc_per_node: 2\nnnodes: 2\n")
     _, config = parse_args([str(recipe), "node_rank=1", "master_addr=10.0.0.1"])
     cmd = launch.launch_command(config, [str(recipe)])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "roll.torchrun"]
     for flag, value in (("--nnodes", "2"), ("--node_rank", "1"), ("--master_addr", "10.0.0.1"),
                         ("--master_port", "29500"), ("--nproc_per_node", "2")):
         assert cmd[cmd.index(flag) + 1] == value

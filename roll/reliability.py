@@ -1,0 +1,174 @@
+"""What a rank does when a run goes wrong, the same on both backends.
+
+- **Preemption** (``StopSignal``): SIGTERM / SIGINT set a flag; the training loop asks at the end of
+  every optimizer step whether *any* rank got one (one tiny all-reduce), so all ranks stop after the
+  same step, save a checkpoint (``save_on_preemption``) and end with ``Preempted`` (exit code 75).
+  A second signal stops at once.
+- **Non-finite steps** (``SkipCounter``): a step whose loss or grad norm is not finite makes no
+  update and is counted; ``max_consecutive_skipped_steps`` in a row end the run with ``Diverged``
+  (exit code 3), naming the step and the samples of its global batch.
+- **Collective failures** (``collective_failure``): a gloo / NCCL collective that timed out after
+  ``ddp_timeout`` or lost its peer becomes ``Hung`` (exit code 4), naming the rank and what it was
+  doing (``set_activity``) instead of a C++ backtrace.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from roll.errors import Diverged, Hung
+from roll.logging import get_rank
+
+logger = logging.getLogger(__name__)
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignal:
+    """The process's preemption flag; ``install()`` once per rank, before training."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        """Catch SIGTERM / SIGINT (main thread only; a no-op elsewhere)."""
+        self.signum = None
+        try:
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOP_SIGNALS}
+        except ValueError:  # not the main thread (e.g. a notebook's worker thread)
+            self._previous = {}
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is not None:  # the second signal: stop now, the default way
+            self.uninstall()
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        logger.warning("rank %d got %s: finishing this step, then saving a checkpoint and stopping "
+                       "(send it again to stop at once)", get_rank(), signal.Signals(signum).name)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "a stop signal"
+
+    def requested(self) -> bool:
+        """Whether any rank got a stop signal. Collective when a process group exists: call it at the
+        same point on every rank."""
+        return any_rank(self.signum is not None)
+
+
+STOP = StopSignal()
+"""The one flag of this process (signal handlers are process-global)."""
+
+
+def any_rank(flag: bool) -> bool:
+    """``flag`` OR-ed over all ranks (one all-reduce when a multi-rank process group exists)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = f"cuda:{torch.cuda.current_device()}"
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+# ---- non-finite steps ---------------------------------------------------------------------------
+
+def global_batch_samples(step: int, global_batch_size: int, num_samples: int) -> range:
+    """Positions in the (shuffled) training set of global step ``step``'s samples (0-based step):
+    ``[j*B, (j+1)*B)`` of its epoch, the epoch's last step taking what is left (DESIGN.md section 3)."""
+    steps_per_epoch = max(1, math.ceil(num_samples / global_batch_size))
+    start = (step % steps_per_epoch) * global_batch_size
+    return range(start, min(start + global_batch_size, num_samples))
+
+
+@dataclass
+class SkipCounter:
+    """Counts skipped (non-finite) steps; raises ``Diverged`` after ``limit`` in a row (0: never)."""
+
+    limit: int
+    total: int = 0
+    consecutive: int = 0
+
+    def record(self, skipped: bool, step: int, samples: Sequence[int] = ()) -> None:
+        """``step`` is 1-based (the step just done); ``samples`` the global batch's positions."""
+        if not skipped:
+            self.consecutive = 0
+            return
+        self.total += 1
+        self.consecutive += 1
+        logger.warning("step %d skipped: the loss or grad norm is not finite, no update made (%d in a row, "
+                       "%d in all)", step, self.consecutive, self.total)
+        if self.limit and self.consecutive >= self.limit:
+            raise Diverged(f"step {step}: the loss or grad norm was not finite for {self.consecutive} steps in a "
+                           f"row (max_consecutive_skipped_steps={self.limit}), so training stopped; no update was "
+                           f"made in those steps. Step {step}'s global batch held training samples "
+                           f"{_ranges(samples)} (positions in the seed-shuffled training set). Lower "
+                           "learning_rate, check those samples, or raise max_consecutive_skipped_steps (0: never "
+                           "stop); resume_from_checkpoint: true continues from the last checkpoint.")
+
+
+def _ranges(values: Sequence[int]) -> str:
+    values = sorted(values)
+    if not values:
+        return "(unknown)"
+    parts, start, prev = [], values[0], values[0]
+    for value in [*values[1:], None]:
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return ", ".join(parts)
+
+
+# ---- collective failures ------------------------------------------------------------------------
+
+_activity = "setting up"
+
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl communicator was aborted",
+                 "remote process exited", "connection refused")
+
+
+def set_activity(text: str) -> None:
+    """What this rank is doing now (``"training step 12"``), for the message when a collective fails."""
+    global _activity
+    _activity = text
+
+
+def collective_failure(exc: BaseException, timeout_seconds: float | None = None) -> Hung | None:
+    """``exc`` as a ``Hung`` when it is a collective that timed out or lost a peer; None otherwise."""
+    text = str(exc)
+    lowered = text.lower()
+    is_dist_error = type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError") or (
+        isinstance(exc, RuntimeError) and ("gloo" in lowered or "nccl" in lowered))
+    if not is_dist_error:
+        return None
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    rank = get_rank()
+    if any(marker in lowered for marker in _TIMEOUT_MARKERS):
+        limit = f" after ddp_timeout={timeout_seconds:g}s" if timeout_seconds else ""
+        return Hung(f"rank {rank}: a collective did not complete{limit} while {_activity}: another rank hangs or is "
+                    f"much slower (see its log). Detail: {first_line}. If that rank is merely slow (e.g. a long "
+                    "save or data preprocessing on rank 0), raise ddp_timeout.")
+    if any(marker in lowered for marker in _PEER_MARKERS):
+        return Hung(f"rank {rank}: lost a peer rank while {_activity}: another rank died (out of memory, killed, "
+                    f"or crashed: see its log above). Detail: {first_line}")
+    return None
+

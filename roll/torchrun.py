@@ -1,0 +1,27 @@
+"""``python -m roll.torchrun ARGS``: torchrun, minus its Python traceback when a rank fails.
+
+torchrun ends a failed job by raising ``ChildFailedError`` out of its ``main``, so every failed run shows a
+traceback of the launcher itself, even when a rank stopped cleanly on a user's mistake (exit code 2) and
+already said why. roll-train launches ranks through this module instead: the same argument parser and
+launch (``torch.distributed.run.run``), torchrun's one-line log of which rank failed, and exit code 1.
+roll-train then reports the ranks' own exit codes (``roll.launch.summarize``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
