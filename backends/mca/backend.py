@@ -56,7 +56,9 @@ class McaBackend(Backend):
         from backends.mca.initialize import initialize_megatron
 
         assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"
-        return initialize_megatron(self.config.layout, seed=self.config.training.seed)  # logs the layout
+        training = self.config.training
+        return initialize_megatron(self.config.layout, seed=training.seed,  # logs the layout
+                                   timeout_seconds=training.ddp_timeout)
 
     def load_models(self, stage: str, tokenizer) -> ModelBundle:
         """Policy chunks (and, for dpo, frozen reference chunks) from the configured checkpoints."""

@@ -29,7 +29,7 @@ _state: dict[str, object] = {}
 """What this module set up: 'layout', 'info', and 'owns_process_group' (we created it)."""
 
 
-def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes: int = 30) -> DistributedInfo:
+def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_seconds: float = 1800) -> DistributedInfo:
     """Initialise torch.distributed, Megatron's model-parallel groups and all RNGs for ``layout``.
 
     - torch.distributed from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (torchrun), or a one-process
@@ -51,7 +51,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
     local_rank = launch.local_rank()
     if platform.is_accelerator:  # before the process group, so nccl/hccl bind this rank's device
         getattr(torch, platform.device_type).set_device(local_rank)
-    owns_group = _init_process_group(platform.dist_backend, timeout_minutes)
+    owns_group = _init_process_group(platform.dist_backend, timeout_seconds)
     world = dist.get_world_size()
     if world != layout.world_size:
         if owns_group:
@@ -71,7 +71,7 @@ def initialize_megatron(layout: ParallelLayout, seed: int = 42, timeout_minutes:
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,
-            distributed_timeout_minutes=timeout_minutes,
+            distributed_timeout_minutes=timeout_seconds / 60,  # a float works (timedelta(minutes=...))
         )
     _check_groups_match(layout)
     set_seed(seed)
@@ -117,11 +117,11 @@ def destroy_megatron() -> None:
     _state.clear()
 
 
-def _init_process_group(backend: str, timeout_minutes: int) -> bool:
+def _init_process_group(backend: str, timeout_seconds: float) -> bool:
     """Initialise torch.distributed unless a launcher or caller already did; True if we did."""
     if dist.is_initialized():
         return False
-    timeout = timedelta(minutes=timeout_minutes)
+    timeout = timedelta(seconds=timeout_seconds)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)  # env:// (MASTER_ADDR/PORT from the launcher)
     else:

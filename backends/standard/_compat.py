@@ -82,7 +82,7 @@ def restore_env(previous: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def init_deepspeed_comm() -> None:
+def init_deepspeed_comm(timeout_seconds: float = 1800) -> None:
     """W3: initialise deepspeed.comm before any HF config exists.
 
     With ZeRO-3, a model loaded after ``TrainingArguments(deepspeed=...)`` goes through
@@ -94,7 +94,9 @@ def init_deepspeed_comm() -> None:
     _verified("W3", "transformers", "deepspeed")
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=current_platform().dist_backend)
+    from datetime import timedelta
+
+    deepspeed.init_distributed(dist_backend=current_platform().dist_backend, timeout=timedelta(seconds=timeout_seconds))
 
 
 def drop_hf_deepspeed_config() -> None:
@@ -157,7 +159,7 @@ def destroy_process_group(*, barrier: bool) -> None:
         dist.destroy_process_group()
 
 
-def install_clean_exit() -> None:
+def install_clean_exit(code: int = 0) -> None:
     """W2 (second half): end a launched worker with ``os._exit(0)`` at interpreter exit.
 
     Even after ``destroy_process_group`` leftover gloo threads make some ranks abort at
@@ -166,7 +168,7 @@ def install_clean_exit() -> None:
     tests in tests/distributed/test_standard_deepspeed.py exit 0 without it, run after run.
     Only installed in launched workers (``roll.launch.inside_launcher``: roll-train's launch,
     torchrun, or ``deepspeed --module roll.cli`` run by hand), and only after a successful run (a
-    failing rank keeps its non-zero exit code). A script that goes on after the run and then dies
+    failing rank keeps its non-zero exit code; a planned stop exits with its ``code``). A script that goes on after the run and then dies
     of an exception still exits 1: Python records the exception in ``sys.last_value`` before
     atexit handlers run (a later ``sys.exit(n)`` is not seen: exit 0).
 
@@ -187,6 +189,6 @@ def install_clean_exit() -> None:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1 if failed else 0)
+        os._exit(1 if failed else code)
 
     atexit.register(_exit_now)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 from backends.base import Backend, register_backend
 from backends.standard import _compat
@@ -20,6 +21,7 @@ from backends.standard.hf_args import build_hf_args
 from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
+from roll.errors import Preempted, TrainingStopped
 from roll.launch import local_rank
 from roll.logging import log_rank0, warn_once
 
@@ -40,6 +42,8 @@ class StandardBackend(Backend):
         self._restore_env: dict[str, str | None] = {}
         self._owns_process_group = False
         self._succeeded = False
+        self._planned_stop: int | None = None
+        """The exit code of a stop all ranks made together (preempted, diverged); None otherwise."""
 
     # ---- set-up ---------------------------------------------------------------------------------
 
@@ -60,9 +64,10 @@ class StandardBackend(Backend):
             if self._deepspeed is not None:
                 check_combination(self._deepspeed, training)
                 self._restore_env = _compat.single_process_env()  # W5
-                _compat.init_deepspeed_comm()  # W3: before any HF config exists
+                _compat.init_deepspeed_comm(training.ddp_timeout)  # W3: before any HF config exists
             elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-                dist.init_process_group(backend=current_platform().dist_backend)
+                dist.init_process_group(backend=current_platform().dist_backend,
+                                        timeout=timedelta(seconds=training.ddp_timeout))
             self._hf_args = build_hf_args(self.config, self._deepspeed)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         return DistributedInfo(rank=rank, world_size=world, local_rank=local_rank(),
@@ -125,6 +130,7 @@ class StandardBackend(Backend):
         return RollTrainer(model=models.policy, data_collator=job.collator, **common)
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
+        from backends.standard.reliability import ReliabilityCallback
         from backends.standard.trainers import JsonlLogCallback
 
         self._succeeded = False
@@ -132,7 +138,17 @@ class StandardBackend(Backend):
         self._trainer, self._trainer_job = self._make_trainer(job, models), job
         log_file = JsonlLogCallback(self._hf_args.output_dir, fresh=resume is None)
         self._trainer.add_callback(log_file)
-        output = self._trainer.train(resume_from_checkpoint=resume)
+        training = self.config.training
+        guard = ReliabilityCallback(self._trainer, training.max_consecutive_skipped_steps, training.save_on_preemption)
+        self._trainer.add_callback(guard)
+        try:
+            output = self._trainer.train(resume_from_checkpoint=resume)
+            if guard.stopped_at is not None:
+                raise Preempted(_preempted_message(guard.stopped_at, self._hf_args.output_dir,
+                                                   training.save_on_preemption))
+        except TrainingStopped as exc:  # every rank stops at the same step: leave together (teardown)
+            self._planned_stop = exc.exit_code
+            raise
         self._succeeded = True
         history = list(self._trainer.state.log_history)
         losses = [entry["loss"] for entry in history if "loss" in entry]
@@ -169,11 +185,25 @@ class StandardBackend(Backend):
 
     def teardown(self) -> None:
         """Release the process group and per-process state (W2, W6); restore the env we set (W5)."""
+        together = self._succeeded or self._planned_stop is not None
         if self._owns_process_group:
-            _compat.destroy_process_group(barrier=self._succeeded)
+            _compat.destroy_process_group(barrier=together)
         if self._deepspeed is not None:
             _compat.reset_process_state()
         _compat.restore_env(self._restore_env)
         self._restore_env = {}
-        if self._succeeded:
-            _compat.install_clean_exit()
+        if together:
+            from roll.launch import under_roll_launcher
+
+            # roll-train's launcher reads a planned stop's code from the rank's report; by hand it is the exit code
+            _compat.install_clean_exit(0 if self._succeeded or under_roll_launcher() else self._planned_stop)
+
+
+def _preempted_message(step: int, output_dir: str, saved: bool) -> str:
+    where = "no checkpoint written (save_on_preemption is false)"
+    if saved:
+        where = (f"checkpoint written to {os.path.join(output_dir, f'checkpoint-{step}')}; resume_from_checkpoint: "
+                 "true continues from it")
+    from roll import reliability
+
+    return f"stopped by {reliability.STOP.name} after step {step}: {where}."

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 
+from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
 from roll import IGNORE_INDEX
 from roll.logging import TRAIN_LOG_FILE
 from roll.perf import SpeedMeter, training_dtype
@@ -111,7 +112,7 @@ class JsonlLogCallback(TrainerCallback):
                 fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
-class RollTrainer(RollTrainerMixin, Trainer):
+class RollTrainer(SafeCheckpointMixin, SafeStepMixin, RollTrainerMixin, Trainer):
     """HF Trainer for pt and sft: the model's own causal-LM loss with HF's global token count."""
 
 
@@ -151,7 +152,7 @@ def make_dpo_trainer_class():
     """Build RollDPOTrainer lazily: importing trl costs seconds and pt/sft runs never need it."""
     from trl import DPOTrainer
 
-    class RollDPOTrainer(RollTrainerMixin, DPOTrainer):
+    class RollDPOTrainer(SafeCheckpointMixin, SafeStepMixin, RollTrainerMixin, DPOTrainer):
         """TRL's DPO loss and metrics on roll's tokenized pairwise rows (TRL does not re-tokenize).
 
         ``ref_free``: reference log-probs are 0 (TRL has no reference-free switch in 1.16; use its

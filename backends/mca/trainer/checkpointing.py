@@ -12,8 +12,9 @@ A checkpoint holds, in one directory:
   the checkpoint as adapter-only; the base weights come from ``model_name_or_path`` again on resume.
 
 The learning-rate schedule is a function of the step count (``optim.LRSchedule``), so the trainer
-state restores it. Writes go to ``checkpoint-N.tmp`` and are renamed into place by rank 0 after
-every rank finished, so ``checkpoint-N`` always names a complete checkpoint.
+state restores it. Writes go to ``checkpoint-N.tmp``, are flushed to disk by every rank and renamed into
+place by rank 0 after all finished (``roll.checkpoints.publish``), so ``checkpoint-N`` always names a complete
+checkpoint.
 """
 
 from __future__ import annotations
@@ -81,10 +82,10 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
         model_config.save_pretrained(tmp)
         if state.lora:
             _write_adapter_config(chunks, tmp)
+    checkpoints.flush_to_disk()
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)  # an older checkpoint of the same step (a rerun)
-        os.replace(tmp, final)
+        checkpoints.publish(tmp, final)
         for path in checkpoints.rotate(output_dir, keep):
             logger.info("deleted old checkpoint %s (save_total_limit %s)", path, keep)
     dist.barrier()

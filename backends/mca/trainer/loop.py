@@ -4,7 +4,8 @@ One optimizer step: this rank's micro-batches of the global batch (``data.BatchP
 Megatron's schedule (``step.run_schedule``) with the objective's loss function (``step``: language
 model or DPO); ``finalize_model_grads`` reduces the gradients and divides them by the global batch's
 count (tokens or pairs); the optimizer steps with the learning rate of the schedule. A step whose loss
-is not finite is skipped (no update) and counted.
+or gradient norm is not finite is skipped (no update) and counted (``roll.reliability``: too many in a row stop
+the run). After every step all ranks agree whether one got SIGTERM / SIGINT; if so they save and stop.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
 from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
-from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_name, wrap_ddp
+from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_name, step_if_finite,
+                                        wrap_ddp)
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
+from roll import reliability
 from roll.contract import TrainResult
+from roll.errors import Preempted
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ class MegatronTrainer:
         # hold the same loss); real tokens are counted before the CP split, so on CP rank 0 only.
         self._owns_loss = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
         self._owns_tokens = self._owns_loss and self.cp_rank == 0
+        self.skips = reliability.SkipCounter(training.max_consecutive_skipped_steps)
         self.state = checkpointing.TrainerState(global_batch_size=self.plan.global_batch_size,
                                                 layout=self._layout_dict(),
                                                 distributed_optimizer=megatron_args.use_distributed_optimizer,
@@ -101,16 +106,20 @@ class MegatronTrainer:
             for chunk in self.chunks:
                 chunk.train()
             while self.state.global_step < total:
+                reliability.set_activity(f"training step {self.state.global_step + 1}")
                 stats = self._train_step(dataset, collator, schedule)
+                self.skips.record(stats.skipped, self.state.global_step, reliability.global_batch_samples(
+                    self.state.global_step - 1, self.plan.global_batch_size, len(dataset)))
                 window.append(stats)
                 writer.step_done()
                 step = self.state.global_step
                 if step % every(t.logging_steps, total) == 0 or step == total:
                     writer.log(step, self._log_record(window, time.perf_counter() - window_start, len(dataset)))
                     window, window_start = [], time.perf_counter()
+                if reliability.STOP.requested():
+                    self._stop_on_signal(window, writer, len(dataset), window_start)
                 if self._should_save(step, total, len(dataset)):
-                    checkpointing.save(t.output_dir, self.chunks, self.optimizer, self.state, self.model_config,
-                                       keep=t.save_total_limit)
+                    self._save()
         finally:
             writer.close()
         losses = [entry["loss"] for entry in writer.history if "loss" in entry]
@@ -119,6 +128,23 @@ class MegatronTrainer:
                       losses[0], losses[-1], self.state.global_step, writer.path)
         return TrainResult(log_history=writer.history, output_dir=t.output_dir,
                            metrics={"skipped_steps": self.state.skipped_steps})
+
+    def _save(self) -> str:
+        reliability.set_activity(f"saving checkpoint-{self.state.global_step}")
+        return checkpointing.save(self.training.output_dir, self.chunks, self.optimizer, self.state,
+                                  self.model_config, keep=self.training.save_total_limit)
+
+    def _stop_on_signal(self, window: list[StepStats], writer: MetricsWriter, num_samples: int,
+                        window_start: float) -> None:
+        """Log the steps since the last log, save (``save_on_preemption``), raise ``Preempted``."""
+        step = self.state.global_step
+        if window:
+            writer.log(step, self._log_record(window, time.perf_counter() - window_start, num_samples))
+            window.clear()
+        where = "no checkpoint written (save_on_preemption is false)"
+        if self.training.save_on_preemption:
+            where = f"checkpoint written to {self._save()}; resume_from_checkpoint: true continues from it"
+        raise Preempted(f"stopped by {reliability.STOP.name} after step {step}: {where}.")
 
     def _train_step(self, dataset, collator, schedule: LRSchedule) -> StepStats:
         indices = self.plan.micro_batch_indices(self.state.global_step, len(dataset))
@@ -131,15 +157,13 @@ class MegatronTrainer:
         metrics, real = self._reduce(outputs, batches)
         loss = metrics.pop("loss")
         aux_loss = moe_aux_loss(self.model_config, len(batches))
-        skipped = not math.isfinite(loss)
+        skipped = not math.isfinite(loss)  # all-reduced: every rank decides alike
         grad_norm = None
         if not skipped:
-            updated, grad_norm, _ = self.optimizer.step()
-            skipped = not updated  # fp16: the grad scaler found inf/nan
+            updated, grad_norm = step_if_finite(self.optimizer)
+            skipped = not updated  # a non-finite grad norm, or fp16's grad scaler found inf/nan
         if skipped:
             self.state.skipped_steps += 1
-            logger.warning("step %d skipped: loss %s (skipped so far: %d)", self.state.global_step + 1, loss,
-                           self.state.skipped_steps)
         self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
         self.state.global_step += 1
         return StepStats(loss, metrics, real, None if grad_norm is None else float(grad_norm), lr, skipped, aux_loss)

@@ -118,3 +118,28 @@ def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> No
             config.param_sync_func = config.param_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+
+
+def step_if_finite(optimizer) -> tuple[bool, float | None]:
+    """Megatron's ``optimizer.step()``, except that a non-finite gradient norm skips the update.
+
+    megatron-core's fp32 / bf16 optimizers only skip on the fp16 grad scaler's inf check; a NaN gradient
+    in fp32 would be applied and poison every weight. Same order as ``ChainedOptimizer.step``: prepare
+    the grads (unscale, fp16 inf check), one global norm (collective over the model-parallel groups, so
+    every rank decides alike), clip by that norm, update. Returns (updated, grad norm).
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():  # the fp16 grad scaler found inf/nan and lowered its scale
+        return False, None
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
+            continue
+        parameters = inner.get_parameters()
+        if parameters:
+            clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm

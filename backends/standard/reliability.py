@@ -1,0 +1,114 @@
+"""HF Trainer additions for runs that go wrong (the policy itself is ``roll.reliability``).
+
+- ``SafeStepMixin``: a step whose loss (any micro-batch, any rank) or gradient norm is not finite makes
+  no update: the gradients are dropped (``set_to_none``), so the optimizer skips every parameter. Under
+  DeepSpeed the engine steps inside the last backward; ZeRO stages 1-3 skip a non-finite step
+  themselves (fp32 and fp16; HF then logs an inf grad norm), and roll counts it.
+- ``SafeCheckpointMixin``: ``checkpoint-N`` is written as ``checkpoint-N.tmp/checkpoint-N`` by HF (and
+  DeepSpeed), flushed on every rank and renamed into place by rank 0 (``roll.checkpoints.publish``).
+- ``ReliabilityCallback``: counts skipped steps (``max_consecutive_skipped_steps`` in a row raise
+  ``Diverged``) and, after every step, asks all ranks whether one got SIGTERM / SIGINT; then HF saves
+  (``save_on_preemption``) and stops, and the backend raises ``Preempted``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from transformers import TrainerCallback
+
+from roll import checkpoints, reliability
+
+
+class SafeStepMixin:
+    """Skip the update of a step with a non-finite loss or gradient norm (mixed in before HF's Trainer)."""
+
+    _roll_bad_loss = False
+    roll_step_skipped = False
+    roll_skipped_total = 0
+    """Set by ``ReliabilityCallback``; logged as ``skipped_steps`` once non-zero (as the mca backend does)."""
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.roll_skipped_total:
+            logs["skipped_steps"] = self.roll_skipped_total
+        super().log(logs, start_time)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # kept as a tensor: a .item() per micro-batch would wait for the GPU each time
+        self._roll_bad_loss = self._roll_bad_loss | ~torch.isfinite(loss.detach()).all()
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        bad_loss = bool(self._roll_bad_loss)
+        self._roll_bad_loss = False
+        value = float(grad_norm) if grad_norm is not None else 0.0
+        self.roll_step_skipped = reliability.any_rank(bad_loss or not math.isfinite(value))
+        if self.roll_step_skipped:
+            model.zero_grad(set_to_none=True)  # the optimizer skips parameters without a gradient
+        return grad_norm
+
+
+class SafeCheckpointMixin:
+    """Write ``checkpoint-N`` under a temporary name and publish it once every rank finished."""
+
+    _roll_staging: str | None = None
+
+    def _get_output_dir(self, trial):
+        return self._roll_staging or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = super()._get_output_dir(trial)
+        final = os.path.join(run_dir, f"{checkpoints.PREFIX}{self.state.global_step}")
+        self._roll_staging = final + ".tmp"
+        reliability.set_activity(f"saving checkpoint-{self.state.global_step}")
+        try:
+            super()._save_checkpoint(model, trial)  # writes STAGING/checkpoint-N (HF names it)
+        finally:
+            self._roll_staging = None
+        checkpoints.flush_to_disk()
+        _barrier()
+        if self.args.should_save:  # global rank 0 (or every node's local 0 with save_on_each_node)
+            checkpoints.publish(os.path.join(final + ".tmp", os.path.basename(final)), final)
+            os.rmdir(final + ".tmp")
+            checkpoints.rotate(run_dir, self.args.save_total_limit)
+        _barrier()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class ReliabilityCallback(TrainerCallback):
+    """Counts skipped steps and turns a stop signal into save-and-stop, on every rank at the same step."""
+
+    def __init__(self, trainer, max_consecutive_skipped: int, save_on_preemption: bool) -> None:
+        self.trainer = trainer
+        self.skips = reliability.SkipCounter(max_consecutive_skipped)
+        self.save_on_preemption = save_on_preemption
+        self.stopped_at: int | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        reliability.set_activity(f"training step {state.global_step + 1}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.roll_step_skipped:
+            global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+            samples = reliability.global_batch_samples(state.global_step - 1, global_batch,
+                                                       len(self.trainer.train_dataset))
+            self.skips.record(True, state.global_step, samples)
+        else:
+            self.skips.record(False, state.global_step)
+        self.trainer.roll_skipped_total = self.skips.total
+        if reliability.STOP.requested():
+            self.stopped_at = state.global_step
+            control.should_training_stop = True
+            control.should_save = self.save_on_preemption
+        return control
+

@@ -1,0 +1,268 @@
+"""What is left when a 2-process run dies, is preempted, diverges or hangs — on both backends.
+
+- SIGKILL of every process at seeded random moments inside checkpoint saves (10 trials): each restart with
+  ``resume_from_checkpoint: true`` finds a complete checkpoint, and the per-step losses of the whole
+  chain equal an uninterrupted run's;
+- SIGTERM to roll-train: every rank finishes its step, a checkpoint is written, exit code 75; resuming
+  gives the uninterrupted run's losses;
+- a model whose loss is NaN: every step skipped and counted, then exit code 3 naming the step and samples;
+- a rank killed (dead peer) or stopped (hang, ddp_timeout=10 s): the others end with exit code 4 and a
+  message naming the rank and what it was doing, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from roll.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_PREEMPTED
+from tests.helpers import REPO, clean_env
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT = 240
+TOLERANCE = 1e-5
+"""Resuming restores weights, optimizer, LR schedule, RNG and data position exactly; fp32 on CPU."""
+
+
+def _args(model_dir: str, out: str, use_mca: bool, **extra) -> list[str]:
+    keys = dict(model_name_or_path=model_dir, stage="sft", dataset="recipes/demo/data/arithmetic_sft.json",
+                cutoff_len=64, output_dir=out, per_device_train_batch_size=2, nproc_per_node=2,
+                learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                save_hf_model="false", report_to="none", disable_tqdm="true", use_mca=str(use_mca).lower())
+    keys.update(extra)
+    return [f"{key}={value}" for key, value in keys.items()]
+
+
+def _start(args: list[str], log_path: str) -> subprocess.Popen:
+    log = open(log_path, "a", encoding="utf-8")
+    return subprocess.Popen([sys.executable, "-m", "roll.cli", *args], cwd=REPO, env=clean_env(), stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, log_path: str, timeout: float = TIMEOUT) -> tuple[int, str]:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        _kill_tree(proc)
+    with open(log_path, encoding="utf-8") as fh:
+        return proc.returncode, fh.read()
+
+
+def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        parent = psutil.Process(proc.pid)
+        return [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL roll-train, its launcher and every rank at once: what a dying node does to a job."""
+    procs = _tree(proc)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    proc.wait(timeout=30)
+
+
+def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
+    found = []
+    for p in _tree(proc)[1:]:
+        try:
+            cmdline = " ".join(p.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "roll.cli" in cmdline and "roll.torchrun" not in cmdline:
+            found.append(p)
+    return found
+
+
+def _rank_process(proc: subprocess.Popen, rank: int) -> psutil.Process:
+    for p in _ranks(proc):
+        try:
+            if p.environ().get("RANK") == str(rank):
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"rank {rank} not found")
+
+
+def _steps_logged(out: str) -> int:
+    path = os.path.join(out, "train_log.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as fh:
+        steps = [json.loads(line).get("step", 0) for line in fh if line.strip()]
+    return max(steps, default=0)
+
+
+def _wait_until(predicate, timeout: float, interval: float = 0.005) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def _losses(out: str) -> dict[int, float]:
+    """step -> loss; a step logged again after a resume keeps its last value."""
+    losses = {}
+    with open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") as fh:
+        for entry in map(json.loads, fh):
+            if "loss" in entry:
+                losses[entry["step"]] = entry["loss"]
+    return losses
+
+
+STEPS = 14
+"""Steps of the uninterrupted reference run (constant LR: a stopped run may be longer, its resume this long)."""
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_factory, tmp_path_factory):
+    """``reference(use_mca)``: the per-step losses of an uninterrupted 2-process run of STEPS steps."""
+    cache: dict[bool, dict[int, float]] = {}
+
+    def run(use_mca: bool) -> dict[int, float]:
+        if use_mca not in cache:
+            out = str(tmp_path_factory.mktemp("reference") / "out")
+            proc = _start(_args(tiny_model_factory("qwen2"), out, use_mca, max_steps=STEPS), out + ".log")
+            code, log = _finish(proc, out + ".log")
+            assert code == 0, log[-4000:]
+            cache[use_mca] = _losses(out)
+        return cache[use_mca]
+
+    return run
+
+
+def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=TOLERANCE), (step, got[step], want[step])
+
+
+@pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])
+def test_sigkill_during_checkpoint_saves_always_resumes(tiny_model_dir, tmp_path, use_mca, reference):
+    """5 trials per backend, chained: each restart resumes from what the previous kill left."""
+    steps, trials = STEPS, 5
+    rng = random.Random(1234 + use_mca)
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+    args = _args(tiny_model_dir, out, use_mca, max_steps=steps, save_strategy="steps", save_steps=1,
+                 save_total_limit=2, resume_from_checkpoint="true", overwrite_output_dir="true")
+    fresh = [a for a in args if not a.startswith("resume_from_checkpoint")]
+    left_partial = 0
+    for _ in range(trials):
+        # a kill inside the very first save leaves nothing to resume from: start afresh then
+        proc = _start(args if glob.glob(os.path.join(out, "checkpoint-*[0-9]")) else fresh, log)
+        try:
+            target = _steps_logged(out) + rng.randint(1, 2)
+            assert _wait_until(lambda: _steps_logged(out) >= target, TIMEOUT, 0.05), open(log).read()[-4000:]
+            saving = _wait_until(lambda: glob.glob(os.path.join(out, "checkpoint-*.tmp")), 30)
+            assert saving, "no checkpoint save started"
+            time.sleep(rng.uniform(0.0, 0.25))
+        finally:
+            _kill_tree(proc)
+        left_partial += bool(glob.glob(os.path.join(out, "checkpoint-*.tmp")))
+    code, text = _finish(_start(args if glob.glob(os.path.join(out, "checkpoint-*[0-9]")) else fresh, log), log)
+    assert code == 0, text[-4000:]
+    assert left_partial >= 1, "no kill landed inside a save: the test did not test what it claims"
+    assert "left by a save that did not finish" in text
+    assert not glob.glob(os.path.join(out, "checkpoint-*.tmp"))
+    _assert_same_losses(_losses(out), reference(use_mca))
+
+
+@pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])
+def test_sigterm_saves_a_checkpoint_exits_75_and_resumes(tiny_model_dir, tmp_path, use_mca, reference):
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+    steps = STEPS
+    # a schedule that does not depend on max_steps, so the stopped run can be long and the resumed one short
+    proc = _start(_args(tiny_model_dir, out, use_mca, max_steps=10_000), log)
+    try:
+        assert _wait_until(lambda: _steps_logged(out) >= 3, TIMEOUT, 0.05), open(log).read()[-4000:]
+        proc.send_signal(signal.SIGTERM)
+        code, text = _finish(proc, log, timeout=120)
+    finally:
+        _kill_tree(proc)
+    assert code == EXIT_PREEMPTED, text[-4000:]
+    stopped = _steps_logged(out)
+    assert f"stopped by SIGTERM after step {stopped}" in text and "Traceback" not in text
+    assert os.path.isdir(os.path.join(out, f"checkpoint-{stopped}")), os.listdir(out)
+    assert stopped < steps - 1, "stopped too late to check the resumed steps"
+    resumed = _args(tiny_model_dir, out, use_mca, max_steps=steps, resume_from_checkpoint="true")
+    code, text = _finish(_start(resumed, log), log)
+    assert code == 0, text[-4000:]
+    _assert_same_losses(_losses(out), reference(use_mca))
+
+
+@pytest.fixture(scope="module")
+def nan_model_dir(tiny_model_factory, tmp_path_factory) -> str:
+    """The tiny model with a NaN in its final norm: every loss is NaN."""
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_factory("qwen2")
+    target = tmp_path_factory.mktemp("nan_model")
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors"):
+            os.symlink(os.path.join(source, name), target / name)
+    for path in glob.glob(os.path.join(source, "*.safetensors")):
+        tensors = load_file(path)
+        for key in tensors:
+            if key.endswith("model.norm.weight"):
+                tensors[key][0] = float("nan")
+        save_file(tensors, str(target / os.path.basename(path)), metadata={"format": "pt"})
+    return str(target)
+
+
+@pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])
+def test_nan_steps_are_skipped_counted_then_stop_the_run(nan_model_dir, tmp_path, use_mca):
+    out = str(tmp_path / "run")
+    args = _args(nan_model_dir, out, use_mca, max_steps=20, nproc_per_node=1, max_consecutive_skipped_steps=3)
+    code, text = _finish(_start(args, out + ".log"), out + ".log")
+    assert code == EXIT_DIVERGED, text[-4000:]
+    assert "step 3: the loss or grad norm was not finite for 3 steps in a row" in text, text[-3000:]
+    assert "training samples 4-5" in text and "Traceback" not in text  # step 3's global batch of 2
+    with open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") as fh:
+        skipped = [entry.get("skipped_steps") for entry in map(json.loads, fh) if "loss" in entry]
+    assert skipped == [1, 2], skipped  # step 3's record is not logged: the run stopped inside it
+
+
+def test_a_dead_rank_ends_the_others_with_a_message(tiny_model_dir, tmp_path):
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+    proc = _start(_args(tiny_model_dir, out, False, max_steps=10_000), log)
+    try:
+        assert _wait_until(lambda: _steps_logged(out) >= 2, TIMEOUT, 0.05), open(log).read()[-4000:]
+        _rank_process(proc, 1).kill()
+        start = time.monotonic()
+        code, text = _finish(proc, log, timeout=90)
+    finally:
+        _kill_tree(proc)
+    assert code == EXIT_HUNG, text[-4000:]
+    assert time.monotonic() - start < 60
+    assert "rank 1 ended without a report" in text and "rank 0: lost a peer rank while training step" in text
+
+
+def test_a_hung_rank_times_out_after_ddp_timeout(tiny_model_dir, tmp_path):
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+    proc = _start(_args(tiny_model_dir, out, True, max_steps=10_000, ddp_timeout=10), log)
+    try:
+        assert _wait_until(lambda: _steps_logged(out) >= 2, TIMEOUT, 0.05), open(log).read()[-4000:]
+        _rank_process(proc, 1).suspend()  # SIGSTOP: alive, but never joins the next collective
+        code, text = _finish(proc, log, timeout=120)
+    finally:
+        _kill_tree(proc)
+    assert code == EXIT_HUNG, text[-4000:]
+    assert "rank 0: a collective did not complete after ddp_timeout=10s while training step" in text, text[-3000:]
