@@ -263,9 +263,9 @@ def run_bench(options: BenchOptions) -> dict:
     started = time.perf_counter()
     model_dir, model_config = prepare_model(os.path.join(root, "model"), options.model_shape)
     data_path = prepare_data(os.path.join(root, "data.jsonl"), options, options.data)
-    bf16_ok, bf16_reason = bf16_support(options.device_kind)
+    report["peak_flops"] = bench_report.peak_flops(("fp32", "bf16"))  # bf16's probe decides whether it runs
+    bf16_ok, bf16_reason = bf16_support(options.device_kind, report["peak_flops"], options.dtype_forced)
     report["bf16"] = {"supported": bf16_ok, "reason": bf16_reason}
-    report["peak_flops"] = bench_report.peak_flops(options.dtypes)
     results: list[CaseResult] = []
     for case in plan_cases(options):
         if case.dtype == "bf16" and not bf16_ok:
@@ -275,7 +275,7 @@ def run_bench(options: BenchOptions) -> dict:
         results.append(run_case(case, options, model_dir, data_path, os.path.join(root, "runs")))
         logger.info("case %s: %s, %s tokens/s, %.0f s wall", case.name, results[-1].status,
                     _fmt(results[-1].metrics.get("tokens_per_second")), results[-1].wall_s)
-    end_peaks = bench_report.peak_flops(options.dtypes)
+    end_peaks = bench_report.peak_flops(("fp32", "bf16"))
     for name, peak in report["peak_flops"].items():
         peak["probes"] = [peak["flops"], end_peaks[name]["flops"]]
         peak["flops"] = max(peak["probes"])

@@ -43,6 +43,8 @@ class BenchOptions:
     """Steps run but not timed (first steps allocate optimizer state and warm allocators)."""
     seqs: tuple[int, ...] = (256, 1024)
     dtypes: tuple[str, ...] = ("fp32", "bf16")
+    dtype_forced: bool = False
+    """--dtype was given: run bf16 even where this machine's bf16 is slower than fp32."""
     tokens_per_step: int = 512
     only: tuple[str, ...] = ()
     model_shape: str = "bench"
@@ -101,6 +103,7 @@ def parse_options(argv: list[str]) -> BenchOptions:
     for name in ("steps", "warmup", "seqs", "dtypes", "tokens_per_step", "model_shape"):
         if getattr(args, name) is not None:
             setattr(opts, name, getattr(args, name))
+    opts.dtype_forced = args.dtypes is not None
     opts.json_out = args.json_out or os.path.join(opts.work_dir, "bench.json")
     opts.markdown_out = args.markdown_out or (os.path.join(opts.work_dir, "bench.md") if args.quick
                                               else os.path.join(REPO, "docs", "performance.md"))
@@ -128,19 +131,32 @@ def _validate(opts: BenchOptions) -> None:
                               "use --device-kind cpu here.")
 
 
-def bf16_support(device_kind: str) -> tuple[bool, str]:
-    """Whether bf16 cases run here, and why (CPU: the avx512_bf16 / amx_bf16 instructions)."""
-    if device_kind != "cpu":
-        return True, f"{device_kind}: bf16 tensor cores"
+def cpu_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
     except OSError:
-        return False, "CPU flags unreadable (/proc/cpuinfo)"
-    have = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    if have:
-        return True, f"CPU has {', '.join(have)}"
-    return False, "this CPU has neither avx512_bf16 nor amx_bf16: bf16 would be emulated, slower than fp32"
+        return []
+
+
+def bf16_support(device_kind: str, peaks: dict[str, dict], forced: bool = False,
+                 flags: list[str] | None = None) -> tuple[bool, str]:
+    """Whether bf16 cases are worth running here, and why. CPU: AMX (amx_bf16) makes bf16 matmuls faster
+    than fp32; avx512_bf16 alone only converts and dot-products, so the measured peaks decide (``peaks``:
+    bench_report.peak_flops). ``forced`` (bf16 named in --dtype) runs them anyway, reason recorded."""
+    if device_kind != "cpu":
+        return True, f"{device_kind}: bf16 tensor cores"
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return True, "CPU has amx_bf16"
+    fp32, bf16 = (peaks.get(k, {}).get("flops") for k in ("fp32", "bf16"))
+    if "avx512_bf16" in flags and fp32 and bf16 and bf16 >= 0.9 * fp32:
+        return True, f"CPU has avx512_bf16 and bf16 GEMMs run at {bf16 / fp32:.2f}x fp32"
+    why = "CPU has avx512_bf16 but no AMX" if "avx512_bf16" in flags else "CPU has no bf16 instructions"
+    if fp32 and bf16:
+        why += f": a bf16 GEMM runs at {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} (probe)"
+    return forced, why + ("; run anyway (--dtype names bf16)" if forced else ", so bf16 would be slower; "
+                          "--dtype fp32,bf16 runs it anyway")
 
 
 def prepare_model(out_dir: str, shape: str) -> tuple[str, dict]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from roll import bench, bench_report
+from roll import bench, bench_report, bench_setup
 from roll.bench_setup import BenchOptions, parse_options
 from roll.errors import ConfigError
 
@@ -56,6 +56,20 @@ def test_summarize_log_skips_warmup_and_weights_steps_by_their_time():
     harmonic = 2 / (1 / 100 + 1 / 50)
     assert bench.summarize_log(no_time, warmup=1)["tokens_per_second"] == pytest.approx(harmonic)
     assert "tokens_per_second" not in bench.summarize_log(records[:1], warmup=1)
+
+
+def test_bf16_runs_on_cpu_only_where_it_is_not_slower_than_fp32_unless_asked_for():
+    slow = {"fp32": {"flops": 150e9}, "bf16": {"flops": 80e9}}
+    fast = {"fp32": {"flops": 150e9}, "bf16": {"flops": 300e9}}
+    assert bench_setup.bf16_support("cpu", slow, flags=["avx512_bf16"]) == (
+        False, "CPU has avx512_bf16 but no AMX: a bf16 GEMM runs at 80 GFLOP/s vs fp32 150 (probe), so bf16 "
+        "would be slower; --dtype fp32,bf16 runs it anyway")
+    assert bench_setup.bf16_support("cpu", slow, forced=True, flags=["avx512_bf16"])[0] is True
+    assert bench_setup.bf16_support("cpu", fast, flags=["avx512_bf16"])[0] is True
+    assert bench_setup.bf16_support("cpu", slow, flags=["amx_bf16"])[0] is True
+    assert bench_setup.bf16_support("cpu", fast, flags=[])[0] is False
+    assert bench_setup.bf16_support("nvidia-h100", {})[0] is True
+    assert parse_options(["--dtype", "bf16"]).dtype_forced and not parse_options([]).dtype_forced
 
 
 def test_options_are_checked_before_anything_runs():
