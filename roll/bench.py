@@ -61,8 +61,9 @@ def _all_runner_layouts() -> list[tuple[str, str]]:
 
 def plan_cases(options: BenchOptions) -> list[Case]:
     """The cases to run. ``--full``: every runner/layout x dtype x seq x packing. Default: a cut that fits
-    in ~10 minutes on 2 cores (every runner at the first seq, bf16 and packing on a subset, the second seq
-    on the baseline and mca only). ``--quick``: fp32, the first seq, no packing."""
+    in ~10 minutes on 2 cores (every runner/layout at fp32, the first seq, no packing; (a), (b), (c) at the
+    other dtypes; (a) and (c) with packing, and at the other seqs with and without packing). ``--quick``:
+    fp32, the first seq, no packing."""
     seqs, dtypes = options.seqs, options.dtypes
     if options.full:
         cases = [Case(r, lay, d, s, p) for s in seqs for p in (False, True) for d in dtypes
@@ -74,7 +75,7 @@ def plan_cases(options: BenchOptions) -> list[Case]:
         cases = [Case(r, lay, "fp32", first, False) for r, lay in _all_runner_layouts()]
         cases += [Case(r, "1p", d, first, False) for d in dtypes if d != "fp32" for r in RUNNERS]
         cases += [Case(r, "1p", "fp32", first, True) for r in ("hf", "mca")]
-        cases += [Case(r, "1p", "fp32", s, True) for s in seqs[1:] for r in ("hf", "mca")]
+        cases += [Case(r, "1p", "fp32", s, p) for s in seqs[1:] for p in (False, True) for r in ("hf", "mca")]
     if options.only:
         wanted = set(options.only)
         cases = [c for c in cases if wanted & {c.name, *c.name.split("-")}]
