@@ -1,4 +1,4 @@
-"""Layout planner (``roll-train RECIPE --plan``): the memory one GPU rank needs for a run, from its config alone.
+"""Layout planner (``roll-train RECIPE --plan``): the memory one GPU rank needs for a run, from its config.
 
 Nothing heavy is loaded: the model shape comes from ``config.json`` read as JSON (never ``AutoConfig``, which
 may reach the network), or from the small built-in table below for the Hub ids the recipes name. Per rank:
@@ -21,7 +21,8 @@ from roll.errors import ModelError
 
 GIB = 2 ** 30
 RUNTIME_RESERVE_BYTES = 2 * GIB
-"""CUDA context (~0.5 GiB on an H100), NCCL buffers and caching-allocator slack: an estimate, not measured here."""
+"""CUDA context (~0.5 GiB on an H100), NCCL buffers and caching-allocator slack: an estimate, not measured
+(no GPU run so far; docs/planner.md)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ModelShape:
 
     def attention_params(self) -> int:
         proj = self.projections()
-        weights = sum(i * o for name, (i, o) in proj.items() if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+        weights = sum(i * o for name, (i, o) in proj.items() if name in _ATTENTION)
         bias = self.num_heads * self.head_dim + 2 * self.num_kv_heads * self.head_dim if self.qkv_bias else 0
         return weights + bias + (2 * self.head_dim if self.qk_norm else 0)
 
@@ -67,22 +68,24 @@ class ModelShape:
     def moe_dense_params(self) -> int:
         """Router, plus the shared expert and its gate when there is one (replicated like attention)."""
         shared = self.shared_expert_intermediate_size
-        return self.hidden_size * self.num_experts + (3 * self.hidden_size * shared + self.hidden_size if shared else 0)
+        h = self.hidden_size
+        return h * self.num_experts + (3 * h * shared + h if shared else 0)
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def total_params(self) -> int:
         dense_layers = self.num_layers - self.moe_layers
+        moe = self.expert_params() + self.moe_dense_params()
         layers = self.num_layers * (self.attention_params() + 2 * self.hidden_size) \
-            + dense_layers * self.dense_mlp_params() + self.moe_layers * (self.expert_params() + self.moe_dense_params())
+            + dense_layers * self.dense_mlp_params() + self.moe_layers * moe
         head = 0 if self.tie_word_embeddings else self.embedding_params()
         return layers + self.embedding_params() + head + self.hidden_size
 
 
-# Shapes of the models the shipped recipes name, copied from each model's public config.json on the Hugging Face
-# Hub (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim or hidden/heads,
-# intermediate_size, vocab_size, tie_word_embeddings; MoE: num_experts, num_experts_per_tok,
+# Shapes of the models the shipped recipes name, copied from each model's public config.json on the
+# Hugging Face Hub (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim or
+# hidden/heads, intermediate_size, vocab_size, tie_word_embeddings; MoE: num_experts, num_experts_per_tok,
 # moe_intermediate_size). Used only when model_name_or_path is not a local directory.
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen2.5-0.5b": ModelShape(896, 24, 14, 2, 64, 4864, 151936, True, qkv_bias=True),
@@ -93,6 +96,7 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False),  # Llama-3.1-8B has the same shape
 }
 _ALIASES = {"llama-3.1-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b", "meta-llama-3.1-8b": "llama-3-8b"}
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _UNTIED_BY_DEFAULT = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral", "mixtral"}
 
 
@@ -103,23 +107,27 @@ def shape_from_hf_config(cfg: dict) -> ModelShape:
     h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     step, dense_only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
-    moe_layers = sum(1 for i in range(layers) if (i + 1) % step == 0 and i not in dense_only) if experts else 0
+    sparse = [i for i in range(layers) if (i + 1) % step == 0 and i not in dense_only]
+    moe_layers = len(sparse) if experts else 0
     return ModelShape(
-        hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        hidden_size=h, num_layers=layers, num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or h // heads, intermediate_size=cfg.get("intermediate_size") or 4 * h,
         vocab_size=cfg["vocab_size"],
         tie_word_embeddings=cfg.get("tie_word_embeddings", model_type not in _UNTIED_BY_DEFAULT),
-        qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))), qk_norm=model_type.startswith("qwen3"),
+        qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))),
+        qk_norm=model_type.startswith("qwen3"),
         num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok") or 0,
         moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
-        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0, moe_layers=moe_layers)
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+        moe_layers=moe_layers)
 
 
 def resolve_shape(model_name_or_path: str | None) -> tuple[ModelShape, str]:
     """(shape, where it came from): the local config.json, else the built-in table; ModelError if neither."""
     if not model_name_or_path:
-        raise ModelError("--plan needs model_name_or_path (a local model directory or one of the built-in shapes: "
-                         f"{', '.join(KNOWN_SHAPES)}).")
+        raise ModelError("--plan needs model_name_or_path (a local model directory or one of the built-in "
+                         f"shapes: {', '.join(KNOWN_SHAPES)}).")
     config_file = os.path.join(model_name_or_path, "config.json")
     if os.path.isfile(config_file):
         cfg = read_json_object(config_file, f"{config_file} (model_name_or_path)", ModelError)
@@ -132,9 +140,10 @@ def resolve_shape(model_name_or_path: str | None) -> tuple[ModelShape, str]:
         base = base.removesuffix(suffix)
     key = _ALIASES.get(base, base)
     if key not in KNOWN_SHAPES:
-        raise ModelError(f"model_name_or_path={model_name_or_path!r} is not a local directory with a config.json "
-                         f"and not a built-in shape ({', '.join(KNOWN_SHAPES)}); point it at the model directory.")
-    return KNOWN_SHAPES[key], f"roll's built-in table ({key}, from its public config.json; no local directory)"
+        raise ModelError(f"model_name_or_path={model_name_or_path!r} is not a local directory with a "
+                         f"config.json and not a built-in shape ({', '.join(KNOWN_SHAPES)}); point it at the "
+                         "model directory.")
+    return KNOWN_SHAPES[key], f"roll's built-in table ({key}, from its public config.json; no local dir)"
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,8 @@ def strategy_for(config: RunConfig, shape: ModelShape) -> Strategy:
             optim_shard=dp_cp if m.use_distributed_optimizer else 1,
             expert_optim_shard=expert_dp if m.use_distributed_optimizer else 1,
             optimizer_on_cpu=m.optimizer_cpu_offload, recompute=m.recompute_granularity,
-            recompute_method=m.recompute_method or "uniform", recompute_num_layers=m.recompute_num_layers or 1,
+            recompute_method=m.recompute_method or "uniform",
+            recompute_num_layers=m.recompute_num_layers or 1,
             flash=m.transformer_impl != "local", act_bytes=2 if mixed else 4,
             vocab_multiple=m.make_vocab_size_divisible_by * lay.tp)
     recompute = "full" if t.gradient_checkpointing else None
@@ -208,13 +218,16 @@ def strategy_for(config: RunConfig, shape: ModelShape) -> Strategy:
     stage = int(zero.get("stage", 0))
     bucket = zero.get("reduce_bucket_size", 5e8)  # DeepSpeed's default; HF fills "auto" with hidden_size ** 2
     bucket = shape.hidden_size ** 2 if bucket == "auto" else float(bucket)
-    offload = {k: (zero.get(k) or {}).get("device", "none") == "cpu" for k in ("offload_optimizer", "offload_param")}
-    # DeepSpeed casts the model to 16 bits and keeps fp32 master weights + Adam m, v (the ZeRO paper's 2 + 2 + 12);
-    # ZeRO-1/2/3 copy the fp32 master partition in fp32 training too (measured: docs/planner.md).
+    offload = {k: (zero.get(k) or {}).get("device", "none") == "cpu"
+               for k in ("offload_optimizer", "offload_param")}
+    # DeepSpeed casts the model to 16 bits and keeps fp32 master weights + Adam m, v (the ZeRO paper's
+    # 2 + 2 + 12); ZeRO-1/2/3 copy the fp32 master partition in fp32 training too (measured: docs/planner.md).
     return Strategy(**common, weight_bytes=2 if mixed else 4, grad_bytes=2 if mixed else 4,
-                    optim_bytes=12 if mixed or stage >= 1 else 8, zero_stage=stage, reduce_bucket=bucket if stage else 0, param_shard=world if stage >= 3 else 1,
+                    optim_bytes=12 if mixed or stage >= 1 else 8, zero_stage=stage,
+                    reduce_bucket=bucket if stage else 0, param_shard=world if stage >= 3 else 1,
                     grad_shard=world if stage >= 2 else 1, optim_shard=world if stage >= 1 else 1,
-                    expert_optim_shard=world if stage >= 1 else 1, optimizer_on_cpu=offload["offload_optimizer"],
+                    expert_optim_shard=world if stage >= 1 else 1,
+                    optimizer_on_cpu=offload["offload_optimizer"],
                     params_on_cpu=offload["offload_param"] and stage >= 3)
 
 
@@ -229,7 +242,7 @@ class StageParams:
     largest_module: float  # the biggest single layer or embedding, unsharded (what ZeRO-3 gathers at once)
 
 
-def _lora_params(shape: ModelShape, targets: list[str] | str, rank: int, dims: dict[str, tuple[int, int]]) -> int:
+def _lora_params(targets: list[str] | str, rank: int, dims: dict[str, tuple[int, int]]) -> int:
     return sum(rank * (i + o) for name, (i, o) in dims.items() if targets == "all" or name in targets)
 
 
@@ -249,23 +262,25 @@ def stage_params(shape: ModelShape, st: Strategy, finetuning, stage: int) -> Sta
     kind = finetuning.finetuning_type
     if kind == "lora":
         proj = shape.projections()
-        attn = {k: v for k, v in proj.items() if k in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        attn = {k: v for k, v in proj.items() if k in _ATTENTION}
         mlp_dims = {k: v for k, v in proj.items() if k not in attn}
-        moe_dims = {k: (h if i == h else shape.moe_intermediate_size, h if o == h else shape.moe_intermediate_size)
-                    for k, (i, o) in mlp_dims.items()}
+        ffn = shape.moe_intermediate_size
+        moe_dims = {k: (h if i == h else ffn, h if o == h else ffn) for k, (i, o) in mlp_dims.items()}
         r, targets = finetuning.lora_rank, finetuning.lora_targets
-        dense_lora = _lora_params(shape, targets, r, attn) + (1 - moe_frac) * _lora_params(shape, targets, r, mlp_dims)
-        expert_lora = moe_frac * shape.num_experts * _lora_params(shape, targets, r, moe_dims)
+        dense_lora = _lora_params(targets, r, attn) + (1 - moe_frac) * _lora_params(targets, r, mlp_dims)
+        expert_lora = moe_frac * shape.num_experts * _lora_params(targets, r, moe_dims)
         adapters_dense, adapters_expert = layers * dense_lora / tp, layers * expert_lora / (st.ep * st.etp)
-        return StageParams(dense + adapters_dense, expert + adapters_expert, adapters_dense, adapters_expert, largest)
-    if kind == "freeze":  # only the last freeze_trainable_layers decoder layers train (embeddings and head frozen)
+        return StageParams(dense + adapters_dense, expert + adapters_expert, adapters_dense, adapters_expert,
+                           largest)
+    if kind == "freeze":  # only the last freeze_trainable_layers layers train (embeddings and head frozen)
         lo = max(shape.num_layers - finetuning.freeze_trainable_layers, stage * layers)
         trained = max(0, (stage + 1) * layers - lo)
         return StageParams(dense, expert, trained * layer_dense, trained * layer_expert, largest)
     return StageParams(dense, expert, dense, expert, largest)
 
 
-def activation_bytes(shape: ModelShape, st: Strategy, seq: int, batch: int, micro_batches: int, stage: int) -> float:
+def activation_bytes(shape: ModelShape, st: Strategy, seq: int, batch: int, micro_batches: int,
+                     stage: int) -> float:
     """Activations one rank of ``stage`` keeps for backward (Korthikanti et al. 2022, eqs. 1-5, 16-bit).
 
     Per layer and micro-batch: s*b*h*(34 + 5*a*s/h) bytes; the 5*a*s/h term (the s x s attention scores,
@@ -345,14 +360,16 @@ class MemoryPlan:
         return "\n".join(out) + "\n"
 
 
-def _state_lines(shape: ModelShape, st: Strategy, p: StageParams, config: RunConfig) -> tuple[list[PlanLine], float]:
-    """Parameters, gradients, optimizer states (and DDP buckets, ZeRO-3 gathers, a DPO reference); CPU bytes."""
+def _state_lines(shape: ModelShape, st: Strategy, p: StageParams,
+                 config: RunConfig) -> tuple[list[PlanLine], float]:
+    """Parameters, gradients, optimizer states (and DDP / ZeRO buffers, a DPO reference); and CPU bytes."""
     w = {2: "16-bit", 4: "fp32"}
     params = (p.dense + p.expert) * st.weight_bytes / st.param_shard
     trainable = p.trainable_dense + p.trainable_expert
     where = f"ZeRO-{st.zero_stage}" if st.zero_stage is not None else "distributed optimizer"
     optim = (p.trainable_dense / st.optim_shard + p.trainable_expert / st.expert_optim_shard) * st.optim_bytes
-    split = f"TP{st.tp}" + (f", EP{st.ep}" if shape.num_experts else "") + (f", PP{st.pp}" if st.pp > 1 else "")
+    split = f"TP{st.tp}" + (f", EP{st.ep}" if shape.num_experts else "") \
+        + (f", PP{st.pp}" if st.pp > 1 else "")
     lines = [
         PlanLine("parameters", 0.0 if st.params_on_cpu else params,
                  f"{w[st.weight_bytes]}, {(p.dense + p.expert) / 1e9:.3g}B on this rank ({split})"
@@ -364,7 +381,8 @@ def _state_lines(shape: ModelShape, st: Strategy, p: StageParams, config: RunCon
         PlanLine("optimizer states", 0.0 if st.optimizer_on_cpu else optim,
                  f"Adam m, v{' + fp32 master' if st.optim_bytes == 12 else ''} ({st.optim_bytes} B/param)"
                  + (f", /{st.optim_shard} {where}" if st.optim_shard > 1 else ", not sharded")
-                 + (f" (experts /{st.expert_optim_shard})" if shape.num_experts and st.optim_shard > 1 else "")
+                 + (f" (experts /{st.expert_optim_shard})"
+                    if shape.num_experts and st.optim_shard > 1 else "")
                  + (" -> offloaded to CPU" if st.optimizer_on_cpu else "")),
     ]
     if st.ddp_buckets:
@@ -372,20 +390,23 @@ def _state_lines(shape: ModelShape, st: Strategy, p: StageParams, config: RunCon
     if st.zero_stage:
         bucket = min(st.reduce_bucket, trainable) * st.grad_bytes
         lines.append(PlanLine("ZeRO grad buffers", bucket + trainable * 4 / st.optim_shard,
-                              f"reduce bucket of {min(st.reduce_bucket, trainable) / 1e6:.4g}M elements + fp32 "
-                              f"gradient partition (4 B/param, /{st.optim_shard})"))
+                              f"reduce bucket of {min(st.reduce_bucket, trainable) / 1e6:.4g}M elements "
+                              f"+ fp32 gradient partition (4 B/param, /{st.optim_shard})"))
     if st.zero_stage == 3:
         lines.append(PlanLine("ZeRO-3 gathers", 2 * p.largest_module * st.weight_bytes,
                               "current + prefetched layer (or embedding), gathered in full"))
-    if config.finetuning.stage == "dpo" and not config.finetuning.ref_free and config.finetuning.finetuning_type != "lora":
+    ft = config.finetuning
+    if ft.stage == "dpo" and not ft.ref_free and ft.finetuning_type != "lora":  # LoRA: adapters off
         lines.append(PlanLine("reference model", params, "frozen copy of the policy for DPO (same sharding)"))
     cpu = (optim if st.optimizer_on_cpu else 0.0) + (params if st.params_on_cpu else 0.0)
     return lines, cpu
 
 
-def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig, stage: int) -> tuple[list[PlanLine], float]:
+def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
+                 stage: int) -> tuple[list[PlanLine], float]:
     t, d = config.training, config.data
-    batch = t.per_device_train_batch_size * (2 if config.finetuning.stage == "dpo" else 1)  # chosen + rejected
+    dpo = config.finetuning.stage == "dpo"
+    batch = t.per_device_train_batch_size * (2 if dpo else 1)  # DPO: chosen + rejected
     p = stage_params(shape, st, config.finetuning, stage)
     lines, cpu = _state_lines(shape, st, p, config)
     recompute = st.recompute or "no"
@@ -393,12 +414,14 @@ def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig, stage: int)
         "activations", activation_bytes(shape, st, d.cutoff_len, batch, t.gradient_accumulation_steps, stage),
         f"s={d.cutoff_len} b={batch}, {recompute} recompute, {'flash' if st.flash else 'unfused'} attention"
         + (f", SP over TP{st.tp}" if st.sp else "") + (f", CP{st.cp}" if st.cp > 1 else "")
-        + (f", {min(st.pp - stage, t.gradient_accumulation_steps)} micro-batches in flight" if st.pp > 1 else "")))
+        + (f", {min(st.pp - stage, t.gradient_accumulation_steps)} micro-batches in flight"
+           if st.pp > 1 else "")))
     if stage == st.pp - 1:
         vocab = -(-shape.vocab_size // st.vocab_multiple) * st.vocab_multiple
         lines.append(PlanLine("logits", d.cutoff_len * batch * vocab * 4 / st.tp,
                               f"fp32 s*b*V{f'/TP{st.tp}' if st.tp > 1 else ''}, V={vocab}"))
-    lines.append(PlanLine("runtime reserve", RUNTIME_RESERVE_BYTES, "CUDA context, NCCL, allocator slack (estimate)"))
+    lines.append(PlanLine("runtime reserve", RUNTIME_RESERVE_BYTES,
+                          "CUDA context, NCCL, allocator slack (estimate)"))
     return lines, cpu
 
 
@@ -409,16 +432,18 @@ def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list
     b = t.per_device_train_batch_size
     if st.backend == "mca":
         if st.optim_shard == 1 and st.dp * st.cp > 1:
-            state.append(f"use_distributed_optimizer: true (shards optimizer states over {st.dp * st.cp} ranks)")
-        state.append(f"raise tensor_model_parallel_size (now {st.tp}) or pipeline_model_parallel_size (now {st.pp}): "
-                     "both divide parameters, gradients, optimizer states and activations")
+            state.append(f"use_distributed_optimizer: true (shards optimizer states over {st.dp * st.cp} "
+                         "ranks)")
+        state.append(f"raise tensor_model_parallel_size (now {st.tp}) or pipeline_model_parallel_size (now "
+                     f"{st.pp}): both divide parameters, gradients, optimizer states and activations")
         if shape.num_experts and st.ep < shape.num_experts:
             state.append(f"raise expert_model_parallel_size (now {st.ep}) to spread the experts")
         if not st.optimizer_on_cpu:
             state.append("optimizer_cpu_offload: true (optimizer states and fp32 masters in CPU memory)")
         if st.recompute != "full":
             acts.append("recompute_granularity: full (keeps only each layer's input)")
-        acts.append(f"raise context_parallel_size (now {st.cp}) or lower cutoff_len (now {config.data.cutoff_len})")
+        acts.append(f"raise context_parallel_size (now {st.cp}) or lower cutoff_len (now "
+                    f"{config.data.cutoff_len})")
     else:
         if (st.zero_stage or 0) < 3:
             state.append("deepspeed: recipes/deepspeed/ds_z3.json (ZeRO-3 shards parameters, gradients and "
@@ -432,7 +457,8 @@ def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list
     if b > 1:
         acts.insert(0, f"lower per_device_train_batch_size (now {b}) and raise gradient_accumulation_steps "
                        "to keep the global batch")
-    if by.get("activations", 0) + by.get("logits", 0) > by["parameters"] + by["gradients"] + by["optimizer states"]:
+    states = by["parameters"] + by["gradients"] + by["optimizer states"]
+    if by.get("activations", 0) + by.get("logits", 0) > states:
         return acts + state
     return state + acts
 
@@ -457,8 +483,10 @@ def plan_run(config: RunConfig, gpu_memory_gb: float | None = None) -> MemoryPla
     setup += f", {st.precision}, micro-batch {t.per_device_train_batch_size} x gradient_accumulation_steps " \
              f"{t.gradient_accumulation_steps}"
     model = (f"{config.model.model_name_or_path}: {shape.total_params() / 1e9:.3g}B parameters (hidden "
-             f"{shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads} heads / {shape.num_kv_heads} KV, "
+             f"{shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads} heads / "
+             f"{shape.num_kv_heads} KV, "
              f"vocab {shape.vocab_size}" + (f", {shape.num_experts} experts top-{shape.experts_per_token}"
                                             if shape.num_experts else "") + f"); shape from {source}")
     capacity = t.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb
-    return MemoryPlan(st.backend, setup, model, stage, lines, capacity, cpu, _suggestions(st, shape, config, lines))
+    return MemoryPlan(st.backend, setup, model, stage, lines, capacity, cpu,
+                      _suggestions(st, shape, config, lines))

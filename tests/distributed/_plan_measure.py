@@ -57,7 +57,8 @@ def main() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{prefix}.rank{rank}.json", "w", encoding="utf-8") as fh:
-        json.dump({"rank": rank, "baseline": baseline, "peak": peak, "delta": peak - baseline, "code": code}, fh)
+        json.dump({"rank": rank, "baseline": baseline, "peak": peak, "delta": peak - baseline,
+                   "code": code}, fh)
     return code
 
 

@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.distributed]
 TOLERANCE = 0.10
 """|measured - planned| / measured; observed 1% (standard) and 4% (mca), see docs/planner.md."""
 WORKER = os.path.join(REPO, "tests", "distributed", "_plan_measure.py")
-RECIPE = dict(stage="sft", dataset="recipes/demo/data/arithmetic_sft.json", cutoff_len=64, per_device_train_batch_size=4,
-              max_steps=2, logging_steps=1, learning_rate=1e-4, save_strategy="no", save_hf_model=False,
-              report_to="none", seed=0)
+RECIPE = dict(stage="sft", dataset="recipes/demo/data/arithmetic_sft.json", cutoff_len=64,
+              per_device_train_batch_size=4, max_steps=2, logging_steps=1, learning_rate=1e-4,
+              save_strategy="no", save_hf_model=False, report_to="none", seed=0)
 # glibc's malloc raises its mmap threshold after the first large free and then keeps freed heap memory
 # resident (the HF model a conversion drops, a checkpoint's buffers): RSS would count dead tensors. A fixed
 # threshold returns every tensor-sized block on free, so RSS follows live tensors as a GPU allocator's
@@ -57,6 +57,7 @@ def test_plan_matches_measured_peak(wide_model, tmp_path, monkeypatch, backend):
     assert proc.returncode == 0, output_of(proc)
     measured = json.loads((tmp_path / "memory.rank0.json").read_text())["delta"]
     error = abs(measured - planned) / measured
-    assert error <= TOLERANCE, (f"{backend}: planned {planned / 1e6:.0f} MB, measured {measured / 1e6:.0f} MB "
+    assert error <= TOLERANCE, (f"{backend}: planned {planned / 1e6:.0f} MB, measured "
+                                f"{measured / 1e6:.0f} MB "
                                 f"over the post-import RSS ({100 * error:.1f}% > {100 * TOLERANCE:.0f}%)\n"
                                 + plan.format())

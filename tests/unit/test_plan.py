@@ -89,7 +89,8 @@ def test_standard_fp32_without_deepspeed(model_dir):
     (3, 2 * N / 4, 2 * N / 4, 12 * N / 4),
 ])
 def test_zero_stages_shard_over_all_ranks(model_dir, tmp_path, stage, params, grads, optim):
-    """bf16 with DeepSpeed: 2 + 2 + 12 bytes per parameter; ZeRO-1 shards the optimizer, -2 the grads, -3 params."""
+    """bf16 with DeepSpeed: 2 + 2 + 12 bytes per parameter; ZeRO-1 shards the optimizer, -2 also the grads,
+    -3 also the parameters."""
     _, by = plan_of(model_dir, bf16=True, nproc_per_node=4, deepspeed=deepspeed_file(tmp_path, stage))
     assert (by["parameters"], by["gradients"], by["optimizer states"]) == (params, grads, optim)
     assert ("ZeRO-3 gathers" in by) == (stage == 3)
@@ -103,7 +104,8 @@ def test_zero_keeps_an_fp32_master_partition_in_fp32_training_too(model_dir, tmp
 
 
 def test_zero3_offload_moves_params_and_optimizer_to_cpu(model_dir, tmp_path):
-    plan, by = plan_of(model_dir, bf16=True, nproc_per_node=4, deepspeed=deepspeed_file(tmp_path, 3, offload=True))
+    ds = deepspeed_file(tmp_path, 3, offload=True)
+    plan, by = plan_of(model_dir, bf16=True, nproc_per_node=4, deepspeed=ds)
     assert by["parameters"] == 0 and by["optimizer states"] == 0
     assert plan.cpu_offload_bytes == 12 * N / 4 + 2 * N / 4
 
@@ -119,7 +121,8 @@ def test_mca_tensor_parallel_and_distributed_optimizer(model_dir):
     main_grad buffer; the distributed optimizer shards the 12 bytes of fp32 master + m + v over DP."""
     per_rank = 98880
     _, by = plan_of(model_dir, use_mca=True, nproc_per_node=2, tensor_model_parallel_size=2)
-    assert (by["parameters"], by["gradients"], by["optimizer states"]) == (4 * per_rank, 4 * per_rank, 8 * per_rank)
+    assert (by["parameters"], by["gradients"], by["optimizer states"]) == (4 * per_rank, 4 * per_rank,
+                                                                            8 * per_rank)
     _, by = plan_of(model_dir, use_mca=True, nproc_per_node=4, tensor_model_parallel_size=2, bf16=True,
                     use_distributed_optimizer=True)
     assert (by["parameters"], by["gradients"], by["optimizer states"]) == (2 * per_rank, 4 * per_rank,
@@ -153,7 +156,8 @@ def test_pipeline_stages_split_layers_embedding_and_head():
 ])
 def test_activations_korthikanti(overrides, stage, expected):
     st = Strategy(**{"backend": "mca", "world_size": 1, **overrides})
-    assert activation_bytes(SHAPE, st, seq=8, batch=1, micro_batches=4, stage=stage) == pytest.approx(expected)
+    got = activation_bytes(SHAPE, st, seq=8, batch=1, micro_batches=4, stage=stage)
+    assert got == pytest.approx(expected)
 
 
 def test_lora_trains_only_the_adapters(model_dir):
@@ -177,7 +181,7 @@ def test_moe_experts_divide_by_expert_parallel(tiny_model_factory):
 def test_fits_and_what_to_change(model_dir):
     plan, _ = plan_of(model_dir, gpu_memory_gb=80)
     assert plan.fits and "fits" in plan.format()
-    plan, _ = plan_of(model_dir, use_mca=True, gpu_memory_gb=0.5)  # the 2 GiB runtime reserve alone exceeds it
+    plan, _ = plan_of(model_dir, use_mca=True, gpu_memory_gb=0.5)  # the 2 GiB runtime reserve exceeds it
     assert not plan.fits and plan.total_bytes > 0.5 * GIB
     text = plan.format()
     assert "does not fit" in text and "use_distributed_optimizer" not in text  # DP1: nothing to shard over
@@ -203,5 +207,6 @@ def test_shape_defaults_for_missing_keys():
     """GQA and head_dim default like HF: kv heads = heads, head_dim = hidden / heads."""
     shape = shape_from_hf_config({"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 1,
                                   "num_attention_heads": 4, "vocab_size": 10, "intermediate_size": 8})
-    assert (shape.num_kv_heads, shape.head_dim, shape.qkv_bias, shape.tie_word_embeddings) == (4, 16, True, False)
+    got = (shape.num_kv_heads, shape.head_dim, shape.qkv_bias, shape.tie_word_embeddings)
+    assert got == (4, 16, True, False)
     assert isinstance(shape, ModelShape)
