@@ -63,13 +63,13 @@ def plan_cases(options: BenchOptions) -> list[Case]:
     """The cases to run. ``--full``: every runner/layout x dtype x seq x packing. Default: a cut that fits
     in ~10 minutes on 2 cores (every runner/layout at fp32, the first seq, no packing; (a), (b), (c) at the
     other dtypes; (a) and (c) with packing, and at the other seqs with and without packing). ``--quick``:
-    fp32, the first seq, no packing."""
+    every runner/layout at the first seq, no packing (fp32 unless --dtype says otherwise)."""
     seqs, dtypes = options.seqs, options.dtypes
     if options.full:
         cases = [Case(r, lay, d, s, p) for s in seqs for p in (False, True) for d in dtypes
                  for r, lay in _all_runner_layouts()]
     elif options.quick:
-        cases = [Case(r, lay, "fp32", seqs[0], False) for r, lay in _all_runner_layouts()]
+        cases = [Case(r, lay, d, seqs[0], False) for d in dtypes for r, lay in _all_runner_layouts()]
     else:
         first = seqs[0]
         cases = [Case(r, lay, "fp32", first, False) for r, lay in _all_runner_layouts()]
