@@ -114,12 +114,13 @@ class SkipCounter:
         logger.warning("step %d skipped: the loss or grad norm is not finite, no update made (%d in a row, "
                        "%d in all)", step, self.consecutive, self.total)
         if self.limit and self.consecutive >= self.limit:
-            raise Diverged(f"step {step}: the loss or grad norm was not finite for {self.consecutive} steps in a "
-                           f"row (max_consecutive_skipped_steps={self.limit}), so training stopped; no update was "
-                           f"made in those steps. Step {step}'s global batch held training samples "
-                           f"{_ranges(samples)} (positions in the seed-shuffled training set). Lower "
-                           "learning_rate, check those samples, or raise max_consecutive_skipped_steps (0: never "
-                           "stop); resume_from_checkpoint: true continues from the last checkpoint.")
+            raise Diverged(
+                f"step {step}: the loss or grad norm was not finite for {self.consecutive} steps in a row "
+                f"(max_consecutive_skipped_steps={self.limit}), so training stopped; no update was made in those "
+                f"steps. Step {step}'s global batch held training samples {_ranges(samples)} (positions in the "
+                "seed-shuffled training set). Lower learning_rate, check those samples, or raise "
+                "max_consecutive_skipped_steps (0: never stop); resume_from_checkpoint: true continues from the "
+                "last checkpoint.")
 
 
 def _ranges(values: Sequence[int]) -> str:
@@ -142,8 +143,8 @@ def _ranges(values: Sequence[int]) -> str:
 _activity = "setting up"
 
 _TIMEOUT_MARKERS = ("timed out", "timeout")
-_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl communicator was aborted",
-                 "remote process exited", "connection refused")
+_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                 "nccl communicator was aborted", "remote process exited", "connection refused")
 
 
 def set_activity(text: str) -> None:
@@ -164,11 +165,11 @@ def collective_failure(exc: BaseException, timeout_seconds: float | None = None)
     rank = get_rank()
     if any(marker in lowered for marker in _TIMEOUT_MARKERS):
         limit = f" after ddp_timeout={timeout_seconds:g}s" if timeout_seconds else ""
-        return Hung(f"rank {rank}: a collective did not complete{limit} while {_activity}: another rank hangs or is "
-                    f"much slower (see its log). Detail: {first_line}. If that rank is merely slow (e.g. a long "
-                    "save or data preprocessing on rank 0), raise ddp_timeout.")
+        return Hung(f"rank {rank}: a collective did not complete{limit} while {_activity}: another rank hangs "
+                    f"or is much slower (see its log). Detail: {first_line}. If that rank is merely slow (e.g. a "
+                    "long save or data preprocessing on rank 0), raise ddp_timeout.")
     if any(marker in lowered for marker in _PEER_MARKERS):
-        return Hung(f"rank {rank}: lost a peer rank while {_activity}: another rank died (out of memory, killed, "
-                    f"or crashed: see its log above). Detail: {first_line}")
+        return Hung(f"rank {rank}: lost a peer rank while {_activity}: another rank died (out of memory, "
+                    f"killed, or crashed: see its log above). Detail: {first_line}")
     return None
 

@@ -139,7 +139,8 @@ class StandardBackend(Backend):
         log_file = JsonlLogCallback(self._hf_args.output_dir, fresh=resume is None)
         self._trainer.add_callback(log_file)
         training = self.config.training
-        guard = ReliabilityCallback(self._trainer, training.max_consecutive_skipped_steps, training.save_on_preemption)
+        guard = ReliabilityCallback(self._trainer, training.max_consecutive_skipped_steps,
+                                    training.save_on_preemption)
         self._trainer.add_callback(guard)
         try:
             output = self._trainer.train(resume_from_checkpoint=resume)
@@ -195,15 +196,16 @@ class StandardBackend(Backend):
         if together:
             from roll.launch import under_roll_launcher
 
-            # roll-train's launcher reads a planned stop's code from the rank's report; by hand it is the exit code
+            # roll-train's launcher reads a planned stop's code from the rank's report; by hand it is the
+            # exit code
             _compat.install_clean_exit(0 if self._succeeded or under_roll_launcher() else self._planned_stop)
 
 
 def _preempted_message(step: int, output_dir: str, saved: bool) -> str:
     where = "no checkpoint written (save_on_preemption is false)"
     if saved:
-        where = (f"checkpoint written to {os.path.join(output_dir, f'checkpoint-{step}')}; resume_from_checkpoint: "
-                 "true continues from it")
+        path = os.path.join(output_dir, f"checkpoint-{step}")
+        where = f"checkpoint written to {path}; resume_from_checkpoint: true continues from it"
     from roll import reliability
 
     return f"stopped by {reliability.STOP.name} after step {step}: {where}."

@@ -99,7 +99,8 @@ class ReliabilityCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.trainer.roll_step_skipped:
-            global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+            per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+            global_batch = per_rank * args.world_size
             samples = reliability.global_batch_samples(state.global_step - 1, global_batch,
                                                        len(self.trainer.train_dataset))
             self.skips.record(True, state.global_step, samples)

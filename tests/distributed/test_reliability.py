@@ -129,7 +129,7 @@ def _losses(out: str) -> dict[int, float]:
 
 
 STEPS = 14
-"""Steps of the uninterrupted reference run (constant LR: a stopped run may be longer, its resume this long)."""
+"""Steps of the uninterrupted reference run (constant LR: a stopped run may be longer, resumed to this)."""
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,8 @@ def test_sigkill_during_checkpoint_saves_always_resumes(tiny_model_dir, tmp_path
         finally:
             _kill_tree(proc)
         left_partial += bool(glob.glob(os.path.join(out, "checkpoint-*.tmp")))
-    code, text = _finish(_start(args if glob.glob(os.path.join(out, "checkpoint-*[0-9]")) else fresh, log), log)
+    last = _start(args if glob.glob(os.path.join(out, "checkpoint-*[0-9]")) else fresh, log)
+    code, text = _finish(last, log)
     assert code == 0, text[-4000:]
     assert left_partial >= 1, "no kill landed inside a save: the test did not test what it claims"
     assert "left by a save that did not finish" in text
@@ -265,4 +266,5 @@ def test_a_hung_rank_times_out_after_ddp_timeout(tiny_model_dir, tmp_path):
     finally:
         _kill_tree(proc)
     assert code == EXIT_HUNG, text[-4000:]
-    assert "rank 0: a collective did not complete after ddp_timeout=10s while training step" in text, text[-3000:]
+    expected = "rank 0: a collective did not complete after ddp_timeout=10s while training step"
+    assert expected in text, text[-3000:]

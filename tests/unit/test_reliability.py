@@ -40,7 +40,7 @@ def test_skip_counter_limit_zero_never_stops():
 def test_collective_failures_become_hung_with_rank_and_activity(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     reliability.set_activity("training step 7")
-    timeout = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
     hung = reliability.collective_failure(timeout, 5)
     assert hung is not None and "rank 1" in str(hung) and "training step 7" in str(hung)
     assert "ddp_timeout=5s" in str(hung)

@@ -140,6 +140,7 @@ def step_if_finite(optimizer) -> tuple[bool, float | None]:
             continue
         parameters = inner.get_parameters()
         if parameters:
+            decoupled = inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
             clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
-                                         use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                                         use_decoupled_grad=decoupled)
     return optimizer.step_with_ready_grads(), grad_norm
