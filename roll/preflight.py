@@ -99,7 +99,7 @@ def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -
         if not trust_remote_code:
             names = sorted(hf_config["auto_map"])
             raise ModelError(f"{where} ships its own Python code (auto_map: {names}), which roll does "
-                             "not run by default. Set trust_remote_code: true if you trust this code.")
+                             "not run by default: set trust_remote_code: true if you trust this code.")
         return
     if model_type not in CONFIG_MAPPING_NAMES:
         remote = "" if trust_remote_code else (

@@ -81,8 +81,10 @@ class TrainingArguments(transformers.TrainingArguments):
     """Write the final model in Hugging Face format (safetensors + config + tokenizer) to output_dir."""
 
     overwrite_output_dir: bool = False
-    """Allow a fresh run in an output_dir that already holds a trained model or checkpoints (they are replaced).
-    Off by default so no finished work is lost; resuming (resume_from_checkpoint) needs no overwrite."""
+    """Allow a fresh run in an output_dir that already holds a trained model or checkpoints: its
+    checkpoint-N directories are deleted at the start, the final model is replaced at the end. Off by
+    default so no finished work is lost; resuming (resume_from_checkpoint) needs no overwrite, and logs
+    alone (train_log.jsonl, loss.png, runs/ of a run that saved nothing) never block."""
 
     save_on_preemption: bool = True
     """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
