@@ -13,7 +13,7 @@ data here and checked by the measurement test, not imported.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from roll.config.run import RunConfig
 from roll.config.training import read_deepspeed_json, read_json_object
@@ -466,6 +466,8 @@ def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list
 def plan_run(config: RunConfig, gpu_memory_gb: float | None = None) -> MemoryPlan:
     """The plan of a validated RunConfig: the fuller of the first and last pipeline stage."""
     shape, source = resolve_shape(config.model.model_name_or_path)
+    if config.layout is not None:  # validate() checked this only for a local config.json
+        config.layout.check_num_layers(shape.num_layers)
     st = strategy_for(config, shape)
     best: tuple[float, int, list[PlanLine], float] | None = None
     for stage in sorted({0, st.pp - 1}):

@@ -198,6 +198,15 @@ def test_plan_switch_prints_and_exits_zero(model_dir, capsys):
     assert record["total_bytes"] == pytest.approx(sum(line["bytes"] for line in record["lines"]))
 
 
+def test_builtin_shape_layers_must_divide_the_pipeline(monkeypatch):
+    """Qwen2.5-7B has 28 layers: PP8 cannot split them (validate() only sees a local config.json)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = resolve({"model_name_or_path": "Qwen/Qwen2.5-7B-Instruct", "use_mca": True, "nproc_per_node": 8,
+                      "pipeline_model_parallel_size": 8}, {}, None)
+    with pytest.raises(ConfigError, match="num_layers\\(28\\) is not divisible"):
+        plan_run(config)
+
+
 def test_gpu_memory_gb_is_validated(model_dir):
     with pytest.raises(ConfigError, match="gpu_memory_gb"):
         resolve({"model_name_or_path": model_dir, "gpu_memory_gb": 0}, {}, None)
