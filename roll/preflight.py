@@ -34,7 +34,12 @@ def check_before_training(config, *, launching: bool) -> None:
     check_output_dir(training)
     if launching:
         check_machine(training)
-    check_model_dir(config.model, use_mca=training.use_mca)
+    model = config.model
+    check_model_dir(model.model_name_or_path, trust_remote_code=model.trust_remote_code,
+                    use_mca=training.use_mca)
+    if config.finetuning.stage == "dpo" and config.finetuning.ref_model:
+        check_model_dir(config.finetuning.ref_model, trust_remote_code=model.trust_remote_code,
+                        use_mca=training.use_mca, key="ref_model")
     check_chat_template(config)
     check_resume(config)
 
@@ -62,31 +67,31 @@ def check_machine(training) -> None:
 
 # ---- the model directory ------------------------------------------------------------------------
 
-def check_model_dir(model_args, *, use_mca: bool) -> None:
-    """A local model directory is complete and loadable without surprises (a hub id is left to the loader)."""
+def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
+                    key: str = "model_name_or_path") -> None:
+    """A local model directory (the value of ``key``) is complete and loadable without surprises; a hub id
+    is left to the loader."""
     from roll.data.loading import hub_offline
 
-    path = model_args.model_name_or_path
     if not path:
-        raise ConfigError("model_name_or_path is not set: point it at a Hugging Face model directory.")
+        raise ConfigError(f"{key} is not set: point it at a Hugging Face model directory.")
     if not os.path.exists(path):
         if hub_offline() or path.startswith((".", "/", "~")) or path.count("/") != 1:
-            raise ModelError(f"model_name_or_path={path!r} does not exist (roll never downloads a model "
-                             "while the hub is offline). Point it at a local model directory, e.g. one made "
-                             "by "
+            raise ModelError(f"{key}={path!r} does not exist (roll never downloads a model while the hub is "
+                             "offline). Point it at a local model directory, e.g. one made by "
                              "`python scripts/make_tiny_model.py --out DIR`.")
         return
     if not os.path.isdir(path):
-        raise ModelError(f"model_name_or_path={path!r} is a file; give the directory that holds config.json.")
+        raise ModelError(f"{key}={path!r} is a file; give the directory that holds config.json.")
     config_file = os.path.join(path, "config.json")
     if use_mca and os.path.isfile(os.path.join(path, _MCA_CONFIG)):
         return  # a roll Megatron checkpoint: its own loader checks it
     if not os.path.isfile(config_file):
-        raise ModelError(f"model_name_or_path={path!r} has no config.json: it is not a Hugging Face model "
+        raise ModelError(f"{key}={path!r} has no config.json: it is not a Hugging Face model "
                          "directory (a run's checkpoint-N is resumed with resume_from_checkpoint).")
     hf_config = read_json_object(config_file, config_file, ModelError)
-    check_remote_code(hf_config, config_file, trust_remote_code=model_args.trust_remote_code)
-    check_weight_files(path, use_mca=use_mca)
+    check_remote_code(hf_config, config_file, trust_remote_code=trust_remote_code)
+    check_weight_files(path, use_mca=use_mca, key=key)
 
 
 def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
@@ -120,7 +125,7 @@ def weight_files(model_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
-def check_weight_files(model_dir: str, *, use_mca: bool) -> None:
+def check_weight_files(model_dir: str, *, use_mca: bool, key: str = "model_name_or_path") -> None:
     """Weights exist and every safetensors file is as long as its header says (a copy cut short is the
     common case); pickled ``*.bin`` weights only on the standard backend, which loads them weights_only."""
     files = weight_files(model_dir)
@@ -130,7 +135,7 @@ def check_weight_files(model_dir: str, *, use_mca: bool) -> None:
             return  # transformers loads these with torch.load(weights_only=True)
         detail = ("has only pickled .bin weights, which the mca backend does not read" if has_bin
                   else "has no model.safetensors")
-        raise ModelError(f"model_name_or_path={model_dir!r} {detail}: re-save the model with "
+        raise ModelError(f"{key}={model_dir!r} {detail}: re-save the model with "
                          "save_pretrained(DIR, safe_serialization=True) or point at a complete model "
                          "directory.")
     for path in files:

@@ -1,12 +1,13 @@
 """A catalogue of user mistakes: each case is a real ``roll-train`` process that must end with exit code 2
-(``EXIT_USAGE``), a ``roll-train: error:`` line holding a phrase that says what to change, no traceback, and
+(``EXIT_USAGE``), one ``roll-train: error:`` line holding a phrase that says what to change, no traceback, and
 the files that were already in output_dir unchanged.
 
-The cases cover the recipe, the command line, the data, the model directory, a checkpoint to resume from and
-the parallel layout. Most fail in roll-train's own process before anything is launched (config validation,
-``roll.preflight``); the data cases fail while the data is prepared; one case fails inside launched ranks, so
-the launcher's report path is covered too. The tiny model, data and one real trained run are built once per
-module (~30 s); each case then takes a few seconds (the Python start and imports of roll-train).
+The cases cover the recipe, the command line, the data, the model directory, a checkpoint to resume from, the
+parallel layout and output_dir. Most fail in roll-train's own process before anything is launched (config
+validation, ``roll.preflight``); the data cases fail while the data is prepared; three more fail inside
+launched ranks (torchrun, the DeepSpeed launcher, Megatron at TP2), so the ranks' report path is covered too.
+The tiny models, data and one real trained run are built once per module; the cases then run two at a time,
+each a few seconds of CPU (Python start-up and roll-train's imports).
 """
 
 from __future__ import annotations
@@ -192,6 +193,8 @@ CASES: dict[str, tuple[Build, str]] = {
     "model-unknown-architecture": (_with("model_name_or_path={unknown_arch}"), "model_type 'acme_lm'"),
     "model-no-mca-template": (_with("model_name_or_path={gpt2_arch}", MCA),
                               "'gpt2' has no Megatron conversion template"),
+    "model-dpo-reference-missing": (_with("stage=dpo", "dataset={pairs_json}", "ref_model={missing}"),
+                                    "ref_model="),
     "model-tokenizer-without-chat-template": (_with("model_name_or_path={no_template}"),
                                               "Set template: to one of"),
     # ---- checkpoint ----
@@ -302,12 +305,19 @@ def test_bad_input_exits_2_with_a_message_and_loses_nothing(case, outcomes):
     assert outcome.after == outcome.before, "output_dir changed"
 
 
-def test_a_mistake_found_inside_launched_ranks_is_reported_once(world, tmp_path):
-    """A data row that only the ranks read: the launcher's ranks fail, roll-train shows their message once."""
+@pytest.mark.parametrize("launcher", [
+    pytest.param([], id="torchrun"),
+    pytest.param(["deepspeed=recipes/deepspeed/ds_z2.json"], id="deepspeed-launcher"),
+    pytest.param([MCA, "tensor_model_parallel_size=2"], id="torchrun-megatron-tp2"),
+])
+def test_a_mistake_found_inside_launched_ranks_is_reported_once(world, tmp_path, launcher):
+    """A data row that only the ranks read (after Megatron's set-up on the mca backend): the ranks fail,
+    roll-train shows their message once, with exit code 2 and no launcher traceback."""
     out = str(tmp_path / "out")
     _prepare_output_dir(world, "launched", out)
     before = _snapshot(out)
-    proc = roll_train(*world.base(out, f"dataset={world.path('bad.jsonl')}", "nproc_per_node=2"), timeout=240)
+    args = world.base(out, f"dataset={world.path('bad.jsonl')}", "nproc_per_node=2", *launcher)
+    proc = roll_train(*args, timeout=240)
     _assert_clean_mistake(proc, "bad.jsonl: invalid JSON on line 2")
     assert _snapshot(out) == before, "output_dir changed"
 
