@@ -12,9 +12,11 @@ import os
 import torch
 from torch import nn
 
+from roll.config.training import read_json_object
 from roll.data.loading import hub_offline
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
+from roll.preflight import check_remote_code, check_weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +37,6 @@ def check_causal_lm(path: str | None, *, trust_remote_code: bool = False,
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelError(f"{what}={path!r} has no config.json: it is not a Hugging Face model directory.")
     if os.path.isdir(path):  # remote code or an unknown architecture: name the key to set (not HF's error)
-        from roll.config.training import read_json_object
-        from roll.preflight import check_remote_code
-
         config_file = os.path.join(path, "config.json")
         check_remote_code(read_json_object(config_file, config_file, ModelError), f"{what}={path!r}",
                           trust_remote_code=trust_remote_code)
@@ -52,6 +51,8 @@ def check_causal_lm(path: str | None, *, trust_remote_code: bool = False,
         architectures = getattr(config, "architectures", None)
         raise ModelError(f"{what}={path!r} is a {model_type!r} model ({architectures}), "
                          "not a causal language model; roll trains decoder-only causal LMs.")
+    if os.path.isdir(path):
+        check_weight_files(path, use_mca=False, key=what)  # a truncated copy: not safetensors' own error
 
 
 def resolve_dtype(dtype: str, *, bf16: bool, fp16: bool) -> torch.dtype:

@@ -112,3 +112,20 @@ def test_more_processes_than_cpu_cores(monkeypatch):
     preflight.check_machine(_training("out", nproc=2))
     with pytest.raises(ConfigError, match="2 CPU core.*Set nproc_per_node to at most 2"):
         preflight.check_machine(_training("out", nproc=3))
+
+
+def test_the_standard_backends_own_model_check_finds_remote_code_and_truncated_weights(tmp_path):
+    """Library use (roll.router.run without roll-train) gets the same messages from the backend's check."""
+    from backends.standard.models import check_causal_lm
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2",
+                                                      "architectures": ["Qwen2ForCausalLM"]}))
+    _safetensors(tmp_path / "model.safetensors", actual_len=8)
+    with pytest.raises(ModelError, match="model.safetensors is truncated"):
+        check_causal_lm(str(tmp_path))
+    _safetensors(tmp_path / "model.safetensors")
+    check_causal_lm(str(tmp_path))
+    remote = {"model_type": "acme_lm", "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig"}}
+    (tmp_path / "config.json").write_text(json.dumps(remote))
+    with pytest.raises(ModelError, match="set trust_remote_code: true if you trust this code"):
+        check_causal_lm(str(tmp_path), what="ref_model")
