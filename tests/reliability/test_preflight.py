@@ -129,3 +129,36 @@ def test_the_standard_backends_own_model_check_finds_remote_code_and_truncated_w
     (tmp_path / "config.json").write_text(json.dumps(remote))
     with pytest.raises(ModelError, match="set trust_remote_code: true if you trust this code"):
         check_causal_lm(str(tmp_path), what="ref_model")
+
+
+def _resume_config(ckpt, model_dir, *, use_mca, finetuning_type="full", per_device=4, dp=2):
+    training = SimpleNamespace(resume_from_checkpoint=str(ckpt), output_dir=str(ckpt.parent), use_mca=use_mca,
+                               per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
+                               world_size_from_launch=dp)
+    return SimpleNamespace(training=training, layout=SimpleNamespace(dp=dp) if use_mca else None,
+                           backend_name="mca" if use_mca else "standard",
+                           finetuning=SimpleNamespace(finetuning_type=finetuning_type),
+                           model=SimpleNamespace(model_name_or_path=str(model_dir)))
+
+
+def test_a_megatron_checkpoint_is_checked_against_the_run(tmp_path):
+    """The files a --use-mca checkpoint holds (backends/mca/trainer/checkpointing.py): trainer_state.json with
+    the global batch, mca_config.json with the HF config, adapter_config.json for LoRA."""
+    hf = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2}
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(hf))
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 3, "global_batch_size": 8}))
+    (ckpt / "mca_config.json").write_text(json.dumps({"hf_config": hf}))
+    preflight.check_resume(_resume_config(ckpt, model, use_mca=True))  # 4 * 1 * dp 2 = 8
+    with pytest.raises(ConfigError, match="global batch of 8 samples .* this run uses 16"):
+        preflight.check_resume(_resume_config(ckpt, model, use_mca=True, per_device=8))
+    with pytest.raises(ConfigError, match="written by a --use-mca"):
+        preflight.check_resume(_resume_config(ckpt, model, use_mca=False))
+    with pytest.raises(ConfigError, match="full-model checkpoint but this run has finetuning_type=lora"):
+        preflight.check_resume(_resume_config(ckpt, model, use_mca=True, finetuning_type="lora"))
+    (model / "config.json").write_text(json.dumps({**hf, "hidden_size": 128}))
+    with pytest.raises(ConfigError, match=r"another model .*\(hidden_size 64 there, 128 here\)"):
+        preflight.check_resume(_resume_config(ckpt, model, use_mca=True))
