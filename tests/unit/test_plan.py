@@ -15,8 +15,8 @@ import pytest
 from roll.cli import main as roll_train
 from roll.config.parser import resolve
 from roll.errors import ConfigError, ModelError
-from roll.plan import (KNOWN_SHAPES, GIB, ModelShape, Strategy, activation_bytes, plan_run, resolve_shape,
-                       shape_from_hf_config, stage_params)
+from roll.model_shape import KNOWN_SHAPES, ModelShape, resolve_shape, shape_from_hf_config
+from roll.plan import GIB, Strategy, activation_bytes, plan_run, stage_params
 
 N = 197184
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
