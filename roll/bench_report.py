@@ -114,12 +114,13 @@ def cases_table(rows: list[dict]) -> list[str]:
     for r in rows:
         m = r["metrics"]
         step, mfu = m.get("step_time"), r.get("mfu")
+        status = "skipped (see bf16 above)" if r["status"].startswith("skipped: CPU") else r["status"]
         lines.append(
             f"| {labels[r['runner']]} | {r['processes']} | {r['layout']} | {r['dtype']} | {r['seq']} "
             f"| {'on' if r['packing'] else 'off'} | {_num(m.get('tokens_per_second'), '.0f')} "
             f"| {_num(step, '.2f')} | {_num(mfu * 100 if mfu else None, '.1f')} "
             f"| {_num(r.get('peak_rss_gb'), '.2f')} | {_num(m.get('loss'), '.4f')} "
-            f"| {_num(r.get('ratio_to_hf'), '.2f')} | {_num(r.get('wall_s'), '.0f')} | {r['status']} |")
+            f"| {_num(r.get('ratio_to_hf'), '.2f')} | {_num(r.get('wall_s') or None, '.0f')} | {status} |")
     return lines
 
 

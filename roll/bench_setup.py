@@ -96,7 +96,7 @@ def parse_options(argv: list[str]) -> BenchOptions:
                         threads=args.threads, timeout=args.timeout,
                         dataloader_workers=args.dataloader_workers,
                         work_dir=args.work_dir, no_convert=args.no_convert, only=args.only or (),
-                        command="roll-bench " + " ".join(argv))
+                        command=" ".join(["roll-bench", *argv]))
     if args.quick:
         opts.steps, opts.warmup, opts.seqs, opts.dtypes, opts.tokens_per_step = 2, 1, (64,), ("fp32",), 128
         opts.model_shape = "tiny"
