@@ -40,6 +40,18 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 300, **extra_env: str)
     return run(cmd, timeout=timeout, **extra_env)
 
 
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout`` seconds passed (False)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
 def output_of(proc: subprocess.CompletedProcess, tail: int = 4000) -> str:
     """The end of a process's stdout + stderr, for assertion messages."""
     return (proc.stdout[-tail:] + "\n--- stderr ---\n" + proc.stderr[-tail:])

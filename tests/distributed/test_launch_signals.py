@@ -5,20 +5,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 
-from tests.helpers import REPO, clean_env
-
-
-def _wait_for(predicate, timeout: float, interval: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
+from tests.helpers import REPO, clean_env, wait_until
 
 
 def test_sigterm_stops_all_ranks(tiny_model_dir, tmp_path):
@@ -35,7 +25,7 @@ def test_sigterm_stops_all_ranks(tiny_model_dir, tmp_path):
     descendants: list[psutil.Process] = []
     try:
         # Training has started on every rank once the log has a few steps.
-        started = _wait_for(lambda: (out / "train_log.jsonl").exists()
+        started = wait_until(lambda: (out / "train_log.jsonl").exists()
                             and len((out / "train_log.jsonl").read_text().splitlines()) >= 2, timeout=240)
         assert started, (tmp_path / "roll-train.log").read_text()[-3000:]
         # The launcher's own command line ends in `-m roll.cli` too: count only the ranks it started.

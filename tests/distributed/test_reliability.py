@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from roll.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_PREEMPTED
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, clean_env, wait_until
 
 pytestmark = pytest.mark.distributed
 
@@ -109,15 +109,6 @@ def _steps_logged(out: str) -> int:
     return max(steps, default=0)
 
 
-def _wait_until(predicate, timeout: float, interval: float = 0.005) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
-
-
 def _losses(out: str) -> dict[int, float]:
     """step -> loss; a step logged again after a resume keeps its last value."""
     losses = {}
@@ -170,8 +161,8 @@ def test_sigkill_during_checkpoint_saves_always_resumes(tiny_model_dir, tmp_path
         proc = _start(args if glob.glob(os.path.join(out, "checkpoint-*[0-9]")) else fresh, log)
         try:
             target = _steps_logged(out) + rng.randint(1, 2)
-            assert _wait_until(lambda: _steps_logged(out) >= target, TIMEOUT, 0.05), open(log).read()[-4000:]
-            saving = _wait_until(lambda: glob.glob(os.path.join(out, "checkpoint-*.tmp")), 30)
+            assert wait_until(lambda: _steps_logged(out) >= target, TIMEOUT, 0.05), open(log).read()[-4000:]
+            saving = wait_until(lambda: glob.glob(os.path.join(out, "checkpoint-*.tmp")), 30, 0.005)
             assert saving, "no checkpoint save started"
             time.sleep(rng.uniform(0.0, 0.25))
         finally:
@@ -193,7 +184,7 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resumes(tiny_model_dir, tmp_pat
     # a schedule that does not depend on max_steps, so the stopped run can be long and the resumed one short
     proc = _start(_args(tiny_model_dir, out, use_mca, max_steps=10_000), log)
     try:
-        assert _wait_until(lambda: _steps_logged(out) >= 3, TIMEOUT, 0.05), open(log).read()[-4000:]
+        assert wait_until(lambda: _steps_logged(out) >= 3, TIMEOUT, 0.05), open(log).read()[-4000:]
         proc.send_signal(signal.SIGTERM)
         code, text = _finish(proc, log, timeout=120)
     finally:
@@ -245,7 +236,7 @@ def test_a_dead_rank_ends_the_others_with_a_message(tiny_model_dir, tmp_path):
     out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
     proc = _start(_args(tiny_model_dir, out, False, max_steps=10_000), log)
     try:
-        assert _wait_until(lambda: _steps_logged(out) >= 2, TIMEOUT, 0.05), open(log).read()[-4000:]
+        assert wait_until(lambda: _steps_logged(out) >= 2, TIMEOUT, 0.05), open(log).read()[-4000:]
         _rank_process(proc, 1).kill()
         start = time.monotonic()
         code, text = _finish(proc, log, timeout=90)
@@ -260,7 +251,7 @@ def test_a_hung_rank_times_out_after_ddp_timeout(tiny_model_dir, tmp_path):
     out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
     proc = _start(_args(tiny_model_dir, out, True, max_steps=10_000, ddp_timeout=10), log)
     try:
-        assert _wait_until(lambda: _steps_logged(out) >= 2, TIMEOUT, 0.05), open(log).read()[-4000:]
+        assert wait_until(lambda: _steps_logged(out) >= 2, TIMEOUT, 0.05), open(log).read()[-4000:]
         _rank_process(proc, 1).suspend()  # SIGSTOP: alive, but never joins the next collective
         code, text = _finish(proc, log, timeout=120)
     finally:
