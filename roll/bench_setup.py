@@ -172,7 +172,7 @@ def prepare_model(out_dir: str, shape: str) -> tuple[str, dict]:
     spec = dict(SHAPES[shape])
     tok = tiny.build_bpe_tokenizer() if spec.pop("tokenizer") == "bpe" else tiny.load_qwen_tokenizer()
     vocab = len(tok) if len(tok) < 1000 else QWEN_VOCAB
-    config = transformers.Qwen2Config(vocab_size=vocab, max_position_embeddings=max(4096, 2 * 2048),
+    config = transformers.Qwen2Config(vocab_size=vocab, max_position_embeddings=32768,  # as Qwen2.5
                                       tie_word_embeddings=True, rms_norm_eps=1e-6, **spec)
     config.pad_token_id, config.eos_token_id, config.bos_token_id = tok.pad_token_id, tok.eos_token_id, None
     torch.manual_seed(0)
