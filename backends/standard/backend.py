@@ -130,7 +130,7 @@ class StandardBackend(Backend):
         return RollTrainer(model=models.policy, data_collator=job.collator, **common)
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
-        from backends.standard.reliability import ReliabilityCallback
+        from backends.standard.reliability import ReliabilityCallback, RunComplete
         from backends.standard.trainers import JsonlLogCallback
 
         self._succeeded = False
@@ -143,7 +143,12 @@ class StandardBackend(Backend):
                                     training.save_on_preemption)
         self._trainer.add_callback(guard)
         try:
-            output = self._trainer.train(resume_from_checkpoint=resume)
+            try:
+                metrics = dict(self._trainer.train(resume_from_checkpoint=resume).metrics)
+            except RunComplete:
+                log_rank0(logger, "%s already holds all %d steps: nothing left to train", resume,
+                          self._trainer.state.max_steps)
+                metrics = {}
             if guard.stopped_at is not None:
                 raise Preempted(_preempted_message(guard.stopped_at, self._hf_args.output_dir,
                                                    training.save_on_preemption))
@@ -156,8 +161,7 @@ class StandardBackend(Backend):
         if losses:
             log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); "
                       "logs in %s", losses[0], losses[-1], self._trainer.state.global_step, log_file.path)
-        return TrainResult(log_history=history, output_dir=self._hf_args.output_dir,
-                           metrics=dict(output.metrics))
+        return TrainResult(log_history=history, output_dir=self._hf_args.output_dir, metrics=metrics)
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         if job.eval_dataset is None:

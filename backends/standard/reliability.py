@@ -85,6 +85,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class RunComplete(Exception):
+    """Raised before a step past ``max_steps``: HF 5.23 resumed from the final checkpoint trains one more step."""
+
+
 class ReliabilityCallback(TrainerCallback):
     """Counts skipped steps and turns a stop signal into save-and-stop, on every rank at the same step."""
 
@@ -95,6 +99,10 @@ class ReliabilityCallback(TrainerCallback):
         self.stopped_at: int | None = None
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if 0 < state.max_steps <= state.global_step:
+            # HF checks max_steps only after a step; resumed at the end of a max_steps run (its epoch not
+            # finished) it would train one more. The checkpoint is loaded by now: stop before the step.
+            raise RunComplete
         reliability.set_activity(f"training step {state.global_step + 1}")
 
     def on_step_end(self, args, state, control, **kwargs):
