@@ -123,5 +123,6 @@ def _report(code: int, message: str) -> int:
     sys.stderr.write(f"roll-train: {_LABELS.get(code, 'error')}: {message}\n")
     return code
 
+
 if __name__ == "__main__":
     sys.exit(main())
