@@ -21,6 +21,7 @@ import torch
 from roll import IGNORE_INDEX
 from roll.data.collators import cu_seqlens_from_positions
 from roll.data.policy import PAIR_PREFIXES
+from roll.reliability import global_batch_samples
 
 
 @dataclass(frozen=True)
@@ -49,17 +50,20 @@ class BatchPlan:
             micro_batch_indices(1, 10) -> [[None, None], [None, None]]   (samples 8, 9 are rank 0's)
             micro_batch_indices(2, 10) -> [[2, 3], [6, 7]]               (the next epoch)
         """
-        start = (step % self.steps_per_epoch(num_samples)) * self.global_batch_size
+        start = self.step_samples(step, num_samples).start
         out = []
         for m in range(self.grad_accum):
             first = start + (m * self.dp_size + self.dp_rank) * self.micro_batch_size
             out.append([i if i < num_samples else None for i in range(first, first + self.micro_batch_size)])
         return out
 
+    def step_samples(self, step: int, num_samples: int) -> range:
+        """Dataset indices global step ``step`` consumes on all ranks (the one rule both backends follow)."""
+        return global_batch_samples(step, self.global_batch_size, num_samples)
+
     def samples_in_step(self, step: int, num_samples: int) -> int:
         """Real samples global step ``step`` consumes on all ranks (fewer at an epoch's end)."""
-        start = (step % self.steps_per_epoch(num_samples)) * self.global_batch_size
-        return min(self.global_batch_size, num_samples - start)
+        return len(self.step_samples(step, num_samples))
 
     def total_steps(self, max_steps: int, num_train_epochs: float, num_samples: int) -> int:
         """``max_steps`` when positive, else ``num_train_epochs`` epochs."""

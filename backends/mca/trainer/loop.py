@@ -108,8 +108,8 @@ class MegatronTrainer:
             while self.state.global_step < total:
                 reliability.set_activity(f"training step {self.state.global_step + 1}")
                 stats = self._train_step(dataset, collator, schedule)
-                self.skips.record(stats.skipped, self.state.global_step, reliability.global_batch_samples(
-                    self.state.global_step - 1, self.plan.global_batch_size, len(dataset)))
+                self.skips.record(stats.skipped, self.state.global_step,
+                                  self.plan.step_samples(self.state.global_step - 1, len(dataset)))
                 window.append(stats)
                 writer.step_done()
                 step = self.state.global_step
