@@ -40,5 +40,9 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest -q -ra tests/distributed
 
+# ruff with the rules in pyproject.toml ([tool.ruff.lint]); CI (.ci/run) runs it next to `make test`.
+lint: install
+	$(PY) -m ruff check .
+
 clean:
 	rm -rf .demo outputs .pytest_cache
