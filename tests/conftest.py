@@ -14,6 +14,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _from_the_repo_root():
+    """Tests run from the repo root whatever directory pytest was started in: recipes name their data and
+    DeepSpeed files relative to it, as `make test` runs them."""
+    repo, previous = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd()
+    os.chdir(repo)
+    yield
+    os.chdir(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """``make(kind='qwen2', tokenizer='bpe', **config_overrides) -> model dir``, cached per session."""

@@ -38,7 +38,8 @@ def test_missing_module_skips_without_ci_and_fails_under_ci(tmp_path):
     local = _pytest(tmp_path, ci="")
     assert local.returncode == 0, output_of(local)
     assert "2 passed, 2 skipped" in local.stdout, output_of(local)
-    assert "skipped: 2 test(s) (1 x could not import 'roll_no_such_module_b'" in local.stdout, output_of(local)
+    assert "skipped: 2 test(s) (1 x could not import 'roll_no_such_module_b'" in local.stdout, \
+        output_of(local)
 
     ci = _pytest(tmp_path, ci="true")
     assert ci.returncode == 1, output_of(ci)
@@ -55,4 +56,5 @@ def test_a_module_skipped_whole_at_collection(tmp_path, ci, code):
         assert "CI=true: could not import 'roll_no_such_module_a'" in proc.stdout, output_of(proc)
     else:
         assert "1 passed, 1 skipped" in proc.stdout, output_of(proc)
-        assert "skipped: 1 test(s) (1 x could not import 'roll_no_such_module_a'" in proc.stdout, output_of(proc)
+        summary = "skipped: 1 test(s) (1 x could not import 'roll_no_such_module_a'"
+        assert summary in proc.stdout, output_of(proc)
