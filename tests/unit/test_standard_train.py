@@ -281,7 +281,13 @@ def test_dpo_lora_reference_is_a_frozen_adapter_copy_left_out_of_the_export(tiny
     assert models.ref is None and set(models.policy.peft_config) == {"default", "ref"}
     assert not any(p.requires_grad for name, p in models.policy.named_parameters() if ".ref." in name)
     assert result.log_history[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # reference == initial policy
-    assert result.log_history[1]["loss"] != pytest.approx(0.6931, abs=1e-4)  # ...and it stays fixed
+    # ...and it stays fixed: step 2's loss is that of the policy after step 1 against the initial model
+    # (a reference that followed the policy would give log 2 again)
+    _, _, after_one, _ = train_in_process(tiny_model_dir, tmp_path / "one", stage="dpo", max_steps=1,
+                                          finetuning_type="lora", lora_rank=4)
+    pairs = _dpo_rows(_tokenizer(tiny_model_dir), 8)[4:]
+    expected = _dpo_loss(after_one.policy, tiny_model_dir, pairs)
+    assert result.log_history[1]["loss"] == pytest.approx(expected, rel=1e-5)
     assert os.path.isfile(os.path.join(result.hf_model_dir, "adapter_model.safetensors"))
     assert not os.path.exists(os.path.join(result.hf_model_dir, "ref"))
 
