@@ -28,8 +28,11 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The tiny recipe on both backends (standard; mca TP2 on 2 processes): losses side by side, loss.png, a sample.
+# CI runs it with DEMO_STEPS=10 (.ci/run).
+DEMO_STEPS ?= 60
+DEMO_DIR ?= outputs/demo/tiny_sft
 demo: install
-	$(PY) scripts/demo.py --output-dir outputs/demo/tiny_sft
+	$(PY) scripts/demo.py --output-dir $(DEMO_DIR) --steps $(DEMO_STEPS)
 
 test: install
 	$(PY) -m pytest -q -ra tests
@@ -39,6 +42,10 @@ test-unit: install
 
 test-distributed: install
 	$(PY) -m pytest -q -ra tests/distributed
+
+# ruff with the rules in pyproject.toml ([tool.ruff.lint]); CI (.ci/run) runs it next to `make test`.
+lint: install
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf .demo outputs .pytest_cache

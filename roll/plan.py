@@ -305,7 +305,7 @@ def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
 
 def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list[PlanLine]) -> list[str]:
     """What to change, the fix for the largest part first."""
-    t, m, by = config.training, config.megatron, {line.key: line.bytes for line in lines}
+    t, by = config.training, {line.key: line.bytes for line in lines}
     state, acts = [], []
     b = t.per_device_train_batch_size
     if st.backend == "mca":

@@ -14,6 +14,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _from_the_repo_root():
+    """Tests run from the repo root whatever directory pytest was started in: recipes name their data and
+    DeepSpeed files relative to it, as `make test` runs them."""
+    repo, previous = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd()
+    os.chdir(repo)
+    yield
+    os.chdir(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """``make(kind='qwen2', tokenizer='bpe', **config_overrides) -> model dir``, cached per session."""
@@ -56,3 +66,66 @@ def roll_warnings(caplog, monkeypatch):
     monkeypatch.setattr(logging.getLogger("roll"), "propagate", True)
     caplog.set_level(logging.WARNING, logger="roll")
     return caplog
+
+
+# ---- what a run skipped, and CI=true: no passing by skipping -------------------------------------
+
+_DISTRIBUTED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed")
+_MISSING_MODULE = "could not import"
+"""How ``pytest.importorskip`` starts its skip reason (keep calls to it without ``reason=``)."""
+
+
+def under_ci() -> bool:
+    """``CI=true`` (GitHub Actions, GitLab and most CI services set it; ``.ci/run`` does too)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/distributed starts processes: it carries the ``distributed`` marker, so
+    ``-m "not distributed"`` selects the in-process tests whatever a module declares."""
+    for item in items:
+        if str(item.path).startswith(_DISTRIBUTED_DIR + os.sep):
+            item.add_marker(pytest.mark.distributed)
+
+
+def _missing_module(longrepr) -> str | None:
+    """The reason of a skip made by ``pytest.importorskip``, else None."""
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else ""
+    reason = reason.removeprefix("Skipped: ")
+    return reason if reason.startswith(_MISSING_MODULE) else None
+
+
+def _fail_under_ci(report) -> None:
+    """Under CI a test group skipped for want of an optional dependency (megatron-core, matplotlib, ...)
+    is an error: a CI that skipped every mca test would otherwise pass while testing nothing of them."""
+    reason = _missing_module(report.longrepr) if report.skipped and under_ci() else None
+    if reason:
+        report.outcome = "failed"
+        report.longrepr = (f"CI=true: {reason}. Every optional dependency the tests use must be installed "
+                           "in CI (`make install` installs the mca, deepspeed and dev extras).")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _fail_under_ci(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_under_ci(report)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line with the number of skipped tests and why (``-ra`` lists each one above it)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "longrepr", None)]
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    why = "; ".join(f"{count} x {reason}" for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    terminalreporter.write_line(f"skipped: {len(skipped)} test(s)" + (f" ({why})" if why else ""))

@@ -7,9 +7,17 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from roll.launch import free_port
+from roll.platform import current_platform
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ON_ACCELERATOR = current_platform().is_accelerator
+cpu_only = pytest.mark.skipif(ON_ACCELERATOR, reason="checks what happens on a machine without a GPU "
+                              "(CPU patches, the local layer spec, gloo)")
+"""For a test whose expected values hold only without a GPU: it is skipped on one, not failed."""
+
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "ROLL_LAUNCHED", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 

@@ -35,7 +35,8 @@ def test_sigterm_stops_all_ranks(tiny_model_dir, tmp_path):
         descendants = parent.children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
-        assert proc.returncode != 0  # interrupted, not finished
+        # every rank finished its step and saved (save_on_preemption, on by default): the documented 75
+        assert proc.returncode == 75, (tmp_path / "roll-train.log").read_text()[-3000:]
         gone, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
     finally:  # never leave ranks behind, even when the test fails

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.distributed.test_mca_train import WORKERS, assert_close, standard_log, train_runs
+from tests.distributed.test_mca_train import WORKERS, standard_log, train_runs
 from tests.helpers import output_of, results, roll_train, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]

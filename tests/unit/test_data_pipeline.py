@@ -159,7 +159,7 @@ def test_mixed_types_in_a_column_name_the_row(bpe, tmp_path, bad_value, lines):
     rows[0]["output"] = "3"
     rows[9]["output"] = bad_value
     path = write_json(tmp_path / ("m.jsonl" if lines else "m.json"), rows, lines=lines)
-    with pytest.raises(DataError, match=rf"m\.jsonl?, row 9 \(0-based\): column 'output' holds a"):
+    with pytest.raises(DataError, match=r"m\.jsonl?, row 9 \(0-based\): column 'output' holds a"):
         build(bpe, dataset=path)
 
 

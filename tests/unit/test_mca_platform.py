@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from roll.errors import ConfigError
 from roll.platform import Platform
-from tests.helpers import REPO, output_of, results, run
+from tests.helpers import REPO, cpu_only, output_of, results, run
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.mca
@@ -33,6 +33,7 @@ def _config(**overrides):
 
 # -- transformer_impl ---------------------------------------------------------------------------------
 
+@cpu_only
 def test_auto_and_local_resolve_to_local_without_a_gpu():
     from backends.mca.spec import resolve_transformer_impl
 
@@ -40,6 +41,7 @@ def test_auto_and_local_resolve_to_local_without_a_gpu():
     assert resolve_transformer_impl("local") == "local"
 
 
+@cpu_only
 def test_transformer_engine_without_a_gpu_is_a_clear_error():
     from backends.mca.spec import resolve_transformer_impl
 
@@ -160,6 +162,7 @@ def test_each_patch_follows_its_own_condition(fake_patches, monkeypatch):
     assert calls == ["old_bug"] and platform.applied_patches() == ("old_bug",)
 
 
+@cpu_only
 def test_real_patch_conditions_on_this_machine(monkeypatch):
     import backends.mca.platform as platform
 
@@ -177,6 +180,7 @@ def test_real_patch_conditions_on_this_machine(monkeypatch):
 
 # -- initialize_megatron (one process, no launcher) ---------------------------------------------------
 
+@cpu_only
 def test_initialize_megatron_single_process_idempotent_and_reproducible():
     proc = run([sys.executable, os.path.join(WORKERS, "platform_init.py"), "single"], timeout=120)
     assert proc.returncode == 0, output_of(proc)

@@ -165,6 +165,27 @@ def _fake_chunk(shapes: dict[str, tuple]) -> torch.nn.Module:
     return root
 
 
+def _tp2_rank1_by_hand(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Layer 0 and the embeddings of the tiny Qwen2 (hidden 64, 4 heads of 16 in 2 KV groups, FFN 128,
+    vocab 512, untied) as Megatron's TP rank 1 of 2 holds them: vocab rows 256-511; the second query group,
+    [q heads 2-3; k 1; v 1]; the second halves of gate and up stacked; o/down's second half of columns."""
+    at = "model.layers.0."
+    q, k, v = (hf[at + f"self_attn.{p}_proj.weight"] for p in "qkv")
+    qb, kb, vb = (hf[at + f"self_attn.{p}_proj.bias"] for p in "qkv")
+    gate, up, down = (hf[at + f"mlp.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    return {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"][256:],
+        "output_layer.weight": hf["lm_head.weight"][256:],
+        "decoder.layers.0.self_attention.linear_qkv.weight": torch.cat([q[32:64], k[16:32], v[16:32]]),
+        "decoder.layers.0.self_attention.linear_qkv.bias": torch.cat([qb[32:64], kb[16:32], vb[16:32]]),
+        "decoder.layers.0.self_attention.linear_proj.weight": hf[at + "self_attn.o_proj.weight"][:, 32:],
+        "decoder.layers.0.mlp.linear_fc1.weight": torch.cat([gate[64:], up[64:]]),
+        "decoder.layers.0.mlp.linear_fc2.weight": down[:, 64:],
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": hf[at + "input_layernorm.weight"],
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": hf[at + "post_attention_layernorm.weight"],
+    }
+
+
 @pytest.mark.parametrize("kind,tp_rank,ep_rank", [("qwen2", 1, 0), ("qwen3_moe", 0, 1)])
 def test_streaming_loader_fills_a_te_layout_chunk_as_any_rank(tiny_model_factory, tmp_path, kind, tp_rank, ep_rank):
     """TE names (fused norms, grouped experts weight{e}), TP2 / EP2 shards, strict: no NaN left."""
@@ -199,6 +220,10 @@ def test_streaming_loader_fills_a_te_layout_chunk_as_any_rank(tiny_model_factory
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in loaded
+    if kind == "qwen2":  # TP rank 1 of 2, sliced by hand from the HF tensors (not by roll's sharding code)
+        assert loaded.keys() >= _tp2_rank1_by_hand(hf_sd).keys()
+        for name, tensor in _tp2_rank1_by_hand(hf_sd).items():
+            assert torch.equal(loaded[name], tensor), name
     if kind == "qwen3_moe":
         assert torch.equal(loaded["decoder.layers.0.mlp.experts.linear_fc2.weight0"],  # local 0 = global 2
                            hf_sd["model.layers.0.mlp.experts.2.down_proj.weight"])

@@ -7,6 +7,7 @@ import torch
 
 from roll import IGNORE_INDEX
 
+pytestmark = pytest.mark.mca
 pytest.importorskip("megatron.core")
 
 from backends.mca.trainer.data import BatchPlan, filler_row, model_inputs, pad_to_length  # noqa: E402
