@@ -137,7 +137,9 @@ def test_every_doc_command_works_in_a_fresh_clone(tmp_path):
             proc = subprocess.run(["bash", "-c", command.shell], cwd=clone, env=env, capture_output=True,
                                   text=True, timeout=400)
             ran.append(command.shell)
-            if proc.returncode != command.expected_code or "Traceback" in proc.stderr:
+            # megatron-core's 7 import-time TE/Apex warnings per rank: roll says it once, in its own log line
+            noisy = "UserWarning: Transformer Engine" in proc.stderr or "Apex is not installed" in proc.stderr
+            if proc.returncode != command.expected_code or "Traceback" in proc.stderr or noisy:
                 failures.append(f"{command.where}: `{command.shell}` exited {proc.returncode} (expected "
                                 f"{command.expected_code}):\n{(proc.stdout + proc.stderr)[-2500:]}")
     assert not failures, "\n\n".join(failures)
