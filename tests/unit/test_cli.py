@@ -124,6 +124,12 @@ def test_launch_keys_are_validated(override, key):
         parse_args(["nnodes=2", override])
 
 
+def test_a_mistyped_recipe_path_names_the_closest_recipe():
+    with pytest.raises(ConfigError, match=r"'recipes/qwen_sf.yaml' does not exist \(did you mean "
+                                          r"'recipes/qwen_sft.yaml'\?\)"):
+        parse_args(["recipes/qwen_sf.yaml"])
+
+
 def test_bare_roll_train_prints_usage(capsys):
     from roll.cli import main
 
