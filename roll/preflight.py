@@ -122,9 +122,10 @@ def check_model_exists(path: str | None, key: str = "model_name_or_path") -> Non
                          "(recipes/demo/tiny_sft.yaml on the standard backend). Run `make demo` (or `python "
                          "scripts/demo.py`) first, or point it at another model directory.")
     if where.split(os.sep)[0] == os.path.normpath(DEMO_MODEL_DIR).split(os.sep)[0]:
+        also = "; `make tiny-model` and `make demo` build it too" if where == os.path.normpath(DEMO_MODEL_DIR) else ""
         raise ModelError(f"{key}={path!r} does not exist yet: it is the demo's tiny model. Build it with "
-                         f"`python scripts/make_tiny_model.py --out {path}` (seconds, no download; `make "
-                         "tiny-model` and `make demo` build it too), then run this command again.")
+                         f"`python scripts/make_tiny_model.py --out {path}` (seconds, no download{also}), then "
+                         "run this command again.")
     if _looks_like_hub_id(path):
         use = f"pass {key} DIR" if key.startswith("-") else f"set {key}=DIR in the recipe or on the command line"
         raise ModelError(f"{key}={path!r} is not a directory on this machine, and roll never downloads a "
