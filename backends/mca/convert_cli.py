@@ -47,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in specs.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text,
                              formatter_class=_DefaultsFormatter)
-        cmd.add_argument("--input", required=True, help="source model directory")
+        cmd.add_argument("--input", required=True, metavar="DIR", help="source model directory")
         if name != "check":
-            cmd.add_argument("--output", required=True, help="directory to write")
+            cmd.add_argument("--output", required=True, metavar="DIR", help="directory to write")
         cmd.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size")
         cmd.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size")
         cmd.add_argument("--vpp", type=_positive_int, default=None, help="virtual pipeline stages per pipeline rank")
