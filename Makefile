@@ -13,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
 
-.PHONY: install demo test test-unit test-distributed lint clean
+.PHONY: install tiny-model demo test test-unit test-distributed lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The demo recipes' model: a 2-layer Qwen2 with the real Qwen2.5 tokenizer in .demo/tiny-qwen2 (no download).
+tiny-model: install
+	$(PY) scripts/make_tiny_model.py --out .demo/tiny-qwen2
 
 # The tiny recipe on both backends (standard; mca TP2 on 2 processes): losses side by side, loss.png, a sample.
 # CI runs it with DEMO_STEPS=10 (.ci/run).

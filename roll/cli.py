@@ -22,7 +22,8 @@ Train a model with one recipe on either backend: the standard one (HF Trainer / 
 or, with --use-mca, Megatron-Core. Precedence: defaults < recipe < command line.
 
 switches:
-  --print-config   print the resolved config as YAML and exit (loads nothing)
+  --print-config   print the resolved config as YAML (with --use-mca, also its parallel layout) and exit;
+                   loads nothing
   --dry-run        build tokenizer, dataset and collator, print a data summary and one example, exit
   --plan           print the per-rank GPU memory (parameters, gradients, optimizer states, activations) of this
                    layout and whether it fits gpu_memory_gb (a key, default 80); loads nothing (docs/planner.md)
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     from roll.logging import setup_logging
 
     setup_logging()
+    if not argv:  # a bare roll-train: what to type, not a complaint about model_name_or_path
+        sys.stderr.write(USAGE + "\nGive a recipe, e.g. `roll-train recipes/demo/tiny_sft.yaml` (its tiny model: "
+                         "`python scripts/make_tiny_model.py --out .demo/tiny-qwen2`); every key: "
+                         "`roll-train --help`.\n")
+        return EXIT_USAGE
     try:
         from roll.config import parse_args
 
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(f"roll-train {__version__}\n")
             return 0
         if options.print_config:
-            sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            sys.stdout.write(yaml.safe_dump(_printable(config), sort_keys=False))
             return 0
         if options.plan:
             from roll.plan import plan_run
@@ -76,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_run(config)
             sys.stdout.write(json.dumps(plan.to_dict()) + "\n" if options.json else plan.format())
             return 0
-        from roll import launch
+        from roll import launch, preflight
 
-        if not options.dry_run:  # mistakes found from files alone, before any process starts
-            from roll.preflight import check_before_training
-
-            check_before_training(config, launching=launch.needs_launch(config))
+        if options.dry_run:  # the tokenizer (and, with --use-mca, the model's config) must be on this machine
+            preflight.check_model_paths(config)
+        else:  # mistakes found from files alone, before any process starts
+            preflight.check_before_training(config, launching=launch.needs_launch(config))
         if not options.dry_run and launch.needs_launch(config):
             outcome = launch.relaunch(config, argv)
             if outcome.message:
@@ -106,6 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("roll-train: interrupted\n")
         return EXIT_INTERRUPTED
+
+
+def _printable(config) -> dict:
+    """--print-config's mapping: every group, and with --use-mca the parallel layout it resolves to."""
+    resolved = config.to_dict()
+    layout = config.layout
+    if layout is not None:
+        resolved["layout"] = {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
+                              "vpp": layout.vpp_size, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,
+                              "etp": layout.expert_tp, "sequence_parallel": layout.sequence_parallel}
+    return resolved
 
 
 _LABELS = {EXIT_USAGE: "error", EXIT_DIVERGED: "stopped", EXIT_HUNG: "error", EXIT_PREEMPTED: "stopped"}

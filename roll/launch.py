@@ -136,6 +136,21 @@ def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
         return summarize(read_statuses(status_dir), range(first, first + t.nproc_per_node), code)
 
 
+def relaunch_tool(module: str, argv: list[str], nproc: int) -> Outcome:
+    """Run ``python -m module argv`` on ``nproc`` local processes under torchrun (127.0.0.1, a free port) and
+    wait: for a tool whose parallel layout needs several ranks (``roll-convert --tp 2``). Its ranks report
+    how they ended with ``write_status`` as roll-train's do; the exit code and message are theirs."""
+    cmd = [sys.executable, "-m", "roll.torchrun", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", module, *argv]
+    env = dict(os.environ, **{LAUNCHED_ENV: "1"})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    logger.info("launching %d processes: %s", nproc, " ".join(cmd))
+    with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir:
+        env[STATUS_DIR_ENV] = status_dir
+        code = run_child(cmd, env=env)
+        return summarize(read_statuses(status_dir), range(nproc), code)
+
+
 def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, *, graceful: bool = False,
               **popen_kwargs) -> int:
     """Run ``cmd`` and wait for it, forwarding Ctrl-C / SIGTERM to it (and telling ``on_signal``);

@@ -218,6 +218,9 @@ def resolve_runs(options: ParityOptions, root: str) -> tuple[Run, Run, RunConfig
                     options.recipe)
     if probe.training.nnodes > 1:
         raise ConfigError("roll-parity runs on one node; set nnodes=1 (the layout may use every local process).")
+    from roll.preflight import check_model_paths
+
+    check_model_paths(probe)  # the Hub-or-missing-model message here, not in both runs' logs
     std, mca = plan_runs(options, recipe, probe, root)
     resolve(recipe, std.config_overrides(), options.recipe)
     return std, mca, resolve(recipe, mca.config_overrides(), options.recipe)

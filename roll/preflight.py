@@ -37,6 +37,8 @@ def check_before_training(config, *, launching: bool) -> None:
     model = config.model
     check_model_dir(model.model_name_or_path, trust_remote_code=model.trust_remote_code,
                     use_mca=training.use_mca)
+    if model.tokenizer_name_or_path:
+        check_model_exists(model.tokenizer_name_or_path, "tokenizer_name_or_path")
     if config.finetuning.stage == "dpo" and config.finetuning.ref_model:
         check_model_dir(config.finetuning.ref_model, trust_remote_code=model.trust_remote_code,
                         use_mca=training.use_mca, key="ref_model")
@@ -69,18 +71,8 @@ def check_machine(training) -> None:
 
 def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
                     key: str = "model_name_or_path") -> None:
-    """A local model directory (the value of ``key``) is complete and loadable without surprises; a hub id
-    is left to the loader."""
-    from roll.data.loading import hub_offline
-
-    if not path:
-        raise ConfigError(f"{key} is not set: point it at a Hugging Face model directory.")
-    if not os.path.exists(path):
-        if hub_offline() or path.startswith((".", "/", "~")) or path.count("/") != 1:
-            raise ModelError(f"{key}={path!r} does not exist (roll never downloads a model while the hub is "
-                             "offline). Point it at a local model directory, e.g. one made by "
-                             "`python scripts/make_tiny_model.py --out DIR`.")
-        return
+    """A local model directory (the value of ``key``) is complete and loadable without surprises."""
+    check_model_exists(path, key)
     if not os.path.isdir(path):
         raise ModelError(f"{key}={path!r} is a file; give the directory that holds config.json.")
     config_file = os.path.join(path, "config.json")
@@ -92,6 +84,63 @@ def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
     hf_config = read_json_object(config_file, config_file, ModelError)
     check_remote_code(hf_config, config_file, trust_remote_code=trust_remote_code)
     check_weight_files(path, use_mca=use_mca, key=key)
+
+
+DEMO_MODEL_DIR = ".demo/tiny-qwen2"
+"""Where the demo recipes expect the tiny model (``python scripts/make_tiny_model.py --out`` it)."""
+
+DEMO_SFT_OUTPUT = "outputs/demo/tiny_sft/standard"
+"""The tiny sft model ``make demo`` trains on the standard backend (tiny_dpo starts from it)."""
+
+
+def check_model_paths(config) -> None:
+    """The model, tokenizer and (dpo) reference directories the run names exist on this machine: the
+    check for commands that load only part of a model (--dry-run, roll-parity before its runs)."""
+    model, finetuning = config.model, config.finetuning
+    check_model_exists(model.model_name_or_path, "model_name_or_path")
+    if model.tokenizer_name_or_path:
+        check_model_exists(model.tokenizer_name_or_path, "tokenizer_name_or_path")
+    if finetuning.stage == "dpo" and finetuning.ref_model:
+        check_model_exists(finetuning.ref_model, "ref_model")
+
+
+def check_model_exists(path: str | None, key: str = "model_name_or_path") -> None:
+    """ModelError saying how to get the model when ``path`` (the value of ``key``) is not on this machine.
+
+    roll reads models from local directories and never downloads one: a Hub id (``Qwen/Qwen2.5-7B``) in a
+    recipe names the model to fetch, and without this check transformers would try the Hub and answer with
+    a network or repo-id error.
+    """
+    if not path:
+        raise ConfigError(f"{key} is not set: point it at a Hugging Face model directory (config.json + "
+                          "safetensors), in the recipe or as key=value on the command line.")
+    if os.path.exists(path):
+        return
+    where = os.path.normpath(path)
+    if where == os.path.normpath(DEMO_SFT_OUTPUT):
+        raise ModelError(f"{key}={path!r} does not exist yet: it is the tiny sft model `make demo` trains "
+                         "(recipes/demo/tiny_sft.yaml on the standard backend). Run `make demo` (or `python "
+                         "scripts/demo.py`) first, or point it at another model directory.")
+    if where.split(os.sep)[0] == os.path.normpath(DEMO_MODEL_DIR).split(os.sep)[0]:
+        also = "; `make tiny-model` and `make demo` build it too" if where == os.path.normpath(DEMO_MODEL_DIR) else ""
+        raise ModelError(f"{key}={path!r} does not exist yet: it is the demo's tiny model. Build it with "
+                         f"`python scripts/make_tiny_model.py --out {path}` (seconds, no download{also}), then "
+                         "run this command again.")
+    if _looks_like_hub_id(path):
+        use = f"pass {key} DIR" if key.startswith("-") else f"set {key}=DIR in the recipe or on the command line"
+        raise ModelError(f"{key}={path!r} is not a directory on this machine, and roll never downloads a "
+                         "model. If it is a Hub id, on a machine with network run `huggingface-cli download "
+                         f"{path} --local-dir DIR` (copy DIR here if needed), then {use}.")
+    what = "the tokenizer files" if key.startswith("tokenizer") else "config.json + safetensors"
+    raise ModelError(f"{key}={path!r} does not exist. Point it at a local Hugging Face model directory "
+                     f"({what}); `python scripts/make_tiny_model.py --out DIR` builds a tiny one to try "
+                     "roll with.")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``org/name`` as the Hub spells it: one slash, neither part empty nor a relative-path marker."""
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and ".." not in parts
 
 
 def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:

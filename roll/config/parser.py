@@ -116,7 +116,12 @@ def _is_bool(tp: Any) -> bool:
 def load_recipe(path: str) -> dict[str, Any]:
     """Read a YAML recipe into a flat ``key -> value`` mapping."""
     if not os.path.isfile(path):
-        raise ConfigError(f"recipe file {path!r} does not exist.")
+        folder = os.path.dirname(path) or "."
+        near = [os.path.join(os.path.dirname(path), name) for name in
+                (os.listdir(folder) if os.path.isdir(folder) else []) if name.endswith((".yaml", ".yml"))]
+        hint = closest(path, near)
+        raise ConfigError(f"recipe file {path!r} does not exist" + (f" (did you mean {hint!r}?)" if hint else "")
+                          + ". The shipped recipes are recipes/*.yaml and, for a CPU, recipes/demo/*.yaml.")
     try:
         with open(path, encoding="utf-8") as fh:
             content = yaml.safe_load(fh)

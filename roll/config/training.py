@@ -1,10 +1,12 @@
 """Training arguments: every Hugging Face ``TrainingArguments`` field, plus the backend switch and launch sizes.
 
-The class subclasses HF's so users keep every familiar key and its help text, but its
-``__post_init__`` only validates: HF's own set-up (device and distributed initialisation,
-DeepSpeed plugin) would run at config time. The standard backend builds the real HF object
-with :meth:`TrainingArguments.hf_kwargs`; the Megatron backend reads the fields directly. Megatron's
-own settings are a separate group (``roll.config.megatron.MegatronArguments``).
+The class subclasses a generated copy of HF's fields (``roll.config.hf_training``, kept equal to the
+installed transformers by a test) so users keep every familiar key and its help text while --help,
+--print-config and config mistakes import neither transformers nor torch. Its ``__post_init__`` only
+validates: HF's own set-up (device and distributed initialisation, DeepSpeed plugin) would run at config
+time. The standard backend builds the real HF object with :meth:`TrainingArguments.hf_kwargs`; the
+Megatron backend reads the fields directly. Megatron's own settings are a separate group
+(``roll.config.megatron.MegatronArguments``).
 """
 
 from __future__ import annotations
@@ -14,17 +16,13 @@ import json
 import os
 from dataclasses import dataclass
 
-import transformers
-
+from roll.config.hf_training import HFTrainingFields
 from roll.errors import ConfigError, RollError
 
 LAUNCH_ENV_FALLBACKS = {"nnodes": "NNODES", "node_rank": "NODE_RANK", "master_addr": "MASTER_ADDR",
                         "master_port": "MASTER_PORT"}
 """Keys read from these environment variables when neither the recipe nor the command line sets them
 (the names torchrun, DeepSpeed and cluster schedulers' job scripts use)."""
-
-_HF_FIELDS = frozenset(f.name for f in dataclasses.fields(transformers.TrainingArguments))
-
 
 def read_json_object(path: str, what: str, error: type[RollError] = ConfigError) -> dict:
     """The JSON object in an existing file; ``error`` naming ``what`` when it is not JSON or not an object."""
@@ -47,7 +45,7 @@ def read_deepspeed_json(path: str) -> dict:
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
+class TrainingArguments(HFTrainingFields):
     output_dir: str = "outputs/roll"
     """Where checkpoints, logs and the final HF-format model are written."""
 
@@ -132,6 +130,9 @@ class TrainingArguments(transformers.TrainingArguments):
         return self.nproc_per_node * self.nnodes
 
     def hf_kwargs(self) -> dict:
-        """The HF ``TrainingArguments`` fields as constructor kwargs (for HF/TRL config classes)."""
-        return {name: getattr(self, name) for name in _HF_FIELDS if name in self.__dataclass_fields__
-                and self.__dataclass_fields__[name].init}
+        """The HF ``TrainingArguments`` fields as constructor kwargs (for HF/TRL config classes): those the
+        installed transformers has (the same set as the snapshot's, which a test checks)."""
+        import transformers
+
+        hf_fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init and f.name in hf_fields}

@@ -47,6 +47,7 @@ def test_print_config_shows_overrides():
     ("learning_rat: 1.0e-5\n", [], ["learning_rat", "learning_rate"]),
     ("stage: sfx\n", [], ["sfx", "sft"]),
     ("stage: sft\n", ["learnin_rate=1"], ["learnin_rate", "learning_rate", "command line"]),
+    ("stage: SFT\n", [], ["'SFT' is not one of pt, sft, dpo (did you mean 'sft'?)"]),
 ])
 def test_user_mistakes_exit_nonzero_without_traceback(tmp_path, content, argv, expected):
     recipe = tmp_path / "bad.yaml"
@@ -121,3 +122,37 @@ def test_multinode_launch_command_and_env_fallbacks(tmp_path, monkeypatch):
 def test_launch_keys_are_validated(override, key):
     with pytest.raises(ConfigError, match=key):
         parse_args(["nnodes=2", override])
+
+
+def test_a_mistyped_recipe_path_names_the_closest_recipe():
+    with pytest.raises(ConfigError, match=r"'recipes/qwen_sf.yaml' does not exist \(did you mean "
+                                          r"'recipes/qwen_sft.yaml'\?\)"):
+        parse_args(["recipes/qwen_sf.yaml"])
+
+
+def test_bare_roll_train_prints_usage(capsys):
+    from roll.cli import main
+
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: roll-train") and "model_name_or_path" not in err
+    assert "roll-train recipes/demo/tiny_sft.yaml" in err
+
+
+def test_print_config_with_mca_shows_the_resolved_layout(capsys):
+    from roll.cli import main
+
+    assert main(["recipes/qwen_sft.yaml", "--use-mca", "--print-config", "context_parallel_size=2"]) == 0
+    layout = yaml.safe_load(capsys.readouterr().out)["layout"]
+    # qwen_sft: nproc_per_node 8, TP2 with sequence parallelism; CP2 leaves DP 2
+    assert layout == {"world_size": 8, "tp": 2, "pp": 1, "vpp": 1, "cp": 2, "dp": 2, "ep": 1, "etp": 2,
+                      "sequence_parallel": True}
+    assert main(["recipes/qwen_sft.yaml", "--print-config"]) == 0
+    assert "layout" not in yaml.safe_load(capsys.readouterr().out)  # the standard backend has none
+
+
+def test_help_states_what_dtype_auto_does():
+    from roll.cli import format_help
+
+    text = " ".join(format_help().split())
+    assert "'auto' loads float32 (fp32 master weights" in text and "The mca backend does not read it" in text

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # config validation imports schedule_name: --print-config must not import torch
+    import torch
 
 from roll.errors import ConfigError
 
