@@ -24,6 +24,7 @@ from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad
 from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
 from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_name, step_if_finite,
                                         wrap_ddp)
+from backends.mca.trainer.param_groups import apply_weight_decay
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
 from roll import reliability
 from roll.contract import TrainResult
@@ -94,6 +95,7 @@ class MegatronTrainer:
         schedule = LRSchedule(t.learning_rate, schedule_name(t.lr_scheduler_type), total, t.warmup_steps)
         if resume_from:
             self.state = checkpointing.load(resume_from, self.chunks, self.optimizer, self.state)
+            apply_weight_decay(self.optimizer, t.weight_decay)  # the recipe's, not the checkpoint's groups
         log_rank0(logger, "training %d steps of %d samples (micro-batch %d x grad-accum %d x dp %d), %d samples in "
                   "the dataset", total, self.plan.global_batch_size, self.plan.micro_batch_size,
                   self.plan.grad_accum, self.plan.dp_size, len(dataset))

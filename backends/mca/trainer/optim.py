@@ -87,8 +87,11 @@ def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: 
 
 def build_optimizer(chunks: list[torch.nn.Module], training, megatron_args):
     """``get_megatron_optimizer`` (AdamW) from the HF keys: adam_beta1/2, adam_epsilon, weight_decay,
-    max_grad_norm (0 disables clipping), precision, use_distributed_optimizer and CPU offload."""
+    max_grad_norm (0 disables clipping), precision, use_distributed_optimizer and CPU offload. Weight
+    decay skips what HF Trainer skips (biases, norm weights: ``param_groups``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from backends.mca.trainer.param_groups import apply_weight_decay, config_overrides
 
     config = chunks[0].config
     optimizer_config = OptimizerConfig(
@@ -97,7 +100,9 @@ def build_optimizer(chunks: list[torch.nn.Module], training, megatron_args):
         clip_grad=training.max_grad_norm or 0.0, bf16=bool(training.bf16), fp16=bool(training.fp16),
         params_dtype=config.params_dtype, use_distributed_optimizer=megatron_args.use_distributed_optimizer,
         optimizer_cpu_offload=getattr(megatron_args, "optimizer_cpu_offload", False))
-    return get_megatron_optimizer(optimizer_config, chunks)
+    optimizer = get_megatron_optimizer(optimizer_config, chunks, config_overrides=config_overrides(chunks))
+    apply_weight_decay(optimizer, training.weight_decay)
+    return optimizer
 
 
 def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> None:
