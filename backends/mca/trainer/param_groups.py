@@ -30,16 +30,40 @@ if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
 
 
-def hf_no_decay_names(hf_config: dict) -> set[str]:
-    """HF names of the parameters HF Trainer leaves undecayed, for the model of ``hf_config``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+class HfDecayRule:
+    """HF Trainer's decision for each HF parameter name of one model (``hf_config``).
 
-    config = AutoConfig.for_model(**hf_config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    Names the HF model has are decided on the model (module types and names); checkpoint names the
+    model fuses away (transformers 5 stores MoE experts as ``experts.gate_up_proj``, the checkpoint as
+    ``experts.0.gate_proj.weight``) by the same helper on a module tree holding only that name.
+    """
+
+    def __init__(self, hf_config: dict) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config))
+        self.known = {name for name, _ in model.named_parameters()}
+        self.decayed = set(_decay_parameter_names(model))
+
+    def decays(self, hf_name: str) -> bool:
+        if hf_name in self.known:
+            return hf_name in self.decayed
+        root = torch.nn.Module()
+        *parents, leaf = hf_name.split(".")
+        module = root
+        for part in parents:
+            module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(0, device="meta")))
+        return bool(_decay_parameter_names(root))
+
+
+def _decay_parameter_names(model: torch.nn.Module) -> list[str]:
+    from transformers import Trainer
+
     # get_decay_parameter_names reads nothing from the Trainer: the rule is a function of the model.
-    decayed = set(Trainer.get_decay_parameter_names(None, model))
-    return {name for name, _ in model.named_parameters()} - decayed
+    return Trainer.get_decay_parameter_names(None, model)
 
 
 def hf_names_of(name: str, config: McaModelConfig) -> tuple[str, ...]:
@@ -52,16 +76,16 @@ def hf_names_of(name: str, config: McaModelConfig) -> tuple[str, ...]:
 def no_decay_parameters(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """This rank's trainable parameters HF Trainer would not decay (biases, norm weights)."""
     config: McaModelConfig = unwrap_model(chunks[0]).config
-    undecayed = hf_no_decay_names(config.hf_config)
+    rule = HfDecayRule(config.hf_config)
     out = []
     for name, tensor in canonical_tensors(chunks, config):
         if not isinstance(tensor, torch.nn.Parameter) or not tensor.requires_grad:
             continue
         hf_names = hf_names_of(name, config)
-        flags = {hf_name in undecayed for hf_name in hf_names}
-        if len(flags) > 1:  # a fused tensor must not mix decayed and undecayed HF parameters
+        decays = {rule.decays(hf_name) for hf_name in hf_names}
+        if len(decays) > 1:  # a fused tensor must not mix decayed and undecayed HF parameters
             raise AssertionError(f"{name} holds HF parameters {hf_names} with different weight decay")
-        if flags == {True}:
+        if decays == {False}:
             out.append(tensor)
     return out
 
