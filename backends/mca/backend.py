@@ -32,9 +32,10 @@ class McaBackend(Backend):
 
     @classmethod
     def check_config(cls, config) -> None:
-        from backends.mca.trainer.optim import schedule_name
+        from backends.mca.trainer.optim import schedule_for
 
-        schedule_name(config.training.lr_scheduler_type)  # the curves the Megatron loop implements
+        # HF's schedule functions, with the recipe's lr_scheduler_kwargs (the run's length is not known yet).
+        schedule_for(config.training, max(config.training.max_steps, 100))
         strategy = str(getattr(config.training.save_strategy, "value", config.training.save_strategy))
         if strategy not in ("no", "steps", "epoch"):
             raise ConfigError(f"save_strategy {strategy!r} is not available on the mca backend; use steps, epoch or "

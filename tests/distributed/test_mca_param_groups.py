@@ -96,7 +96,17 @@ def test_weight_decay_and_an_hf_schedule_match_the_standard_backend(tiny_model_f
                       "dataset: recipes/demo/data/arithmetic_sft.json\ncutoff_len: 64\n"
                       "per_device_train_batch_size: 4\nlearning_rate: 1.0e-2\nseed: 0\n"
                       "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: {min_lr_rate: 0.1}\n")
-    code, result, stderr = roll_parity(str(recipe), "--steps", "8", "--tolerance", "1e-5", "weight_decay=1.0",
-                                       "warmup_steps=2", timeout=300)
+    out = tmp_path / "parity"
+    code, result, stderr = roll_parity(str(recipe), "--steps", "8", "--tolerance", "1e-5", "--output-dir", str(out),
+                                       "weight_decay=1.0", "warmup_steps=2", timeout=300)
     assert code == 0 and result["passed"], (result, stderr[-4000:])
     assert result["steps"] == list(range(1, 9)) and result["max_rel_diff"] < 1e-5, result
+    # The same learning_rate column: HF Trainer logs the rate each update used (0 at warmup step 1).
+    rates = {backend: [record["learning_rate"] for record in read_records(out / backend / "train_log.jsonl")
+                       if "loss" in record] for backend in ("standard", "mca")}
+    assert rates["mca"] == pytest.approx(rates["standard"], rel=1e-6), rates
+    assert rates["mca"][:3] == pytest.approx([0.0, 5e-3, 1e-2]), rates
+
+
+def read_records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

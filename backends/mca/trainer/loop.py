@@ -22,7 +22,7 @@ from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
 from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
-from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_name, step_if_finite,
+from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_for, step_if_finite,
                                         wrap_ddp)
 from backends.mca.trainer.param_groups import apply_weight_decay
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
@@ -92,7 +92,7 @@ class MegatronTrainer:
     def train(self, dataset, collator, resume_from: str | None = None) -> TrainResult:
         t = self.training
         total = self.plan.total_steps(t.max_steps, t.num_train_epochs, len(dataset))
-        schedule = LRSchedule(t.learning_rate, schedule_name(t.lr_scheduler_type), total, t.warmup_steps)
+        schedule = schedule_for(t, total)
         if resume_from:
             self.state = checkpointing.load(resume_from, self.chunks, self.optimizer, self.state)
             apply_weight_decay(self.optimizer, t.weight_decay)  # the recipe's, not the checkpoint's groups
@@ -168,6 +168,8 @@ class MegatronTrainer:
             self.state.skipped_steps += 1
         self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
         self.state.global_step += 1
+        # Logged as HF Trainer (transformers 5) logs it: the rate this step's update used, read before its
+        # scheduler steps (Trainer._inner_training_loop, "get learning rate before update").
         return StepStats(loss, metrics, real, None if grad_norm is None else float(grad_norm), lr, skipped, aux_loss)
 
     # ---- forward / backward ---------------------------------------------------------------------

@@ -1,59 +1,80 @@
 """Megatron DDP, the Megatron optimizer from the recipe's Hugging Face keys, and the LR schedule.
 
-The schedule reproduces ``transformers.get_scheduler`` step for step (constant, constant_with_warmup,
-linear, cosine; warmup as steps or, below 1, as a ratio of the run), so both backends apply the same
-learning rate at every step. Its only state is the step count, saved with the trainer state.
+The schedule is Hugging Face's own: ``transformers.get_scheduler`` builds the recipe's
+``lr_scheduler_type`` (with ``lr_scheduler_kwargs`` and the warmup steps HF Trainer derives from
+``warmup_steps``), and the mca loop reads its per-step factor, so both backends apply the same learning
+rate at every step. Its only state is the step count, saved with the trainer state.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from roll.errors import ConfigError
 
-LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
-"""``lr_scheduler_type`` values the mca backend implements (the same curves as Hugging Face's)."""
+METRIC_DRIVEN = {"reduce_lr_on_plateau": "it lowers the rate when an eval metric stops improving",
+                 "greedy": "it changes the rate from the training loss it is fed each step"}
+"""HF schedules that are not a function of the step; the mca loop has no metric hook for them."""
+
+
+def lr_schedules() -> tuple[str, ...]:
+    """``lr_scheduler_type`` values the mca backend runs: every HF schedule that depends on the step only."""
+    from transformers import SchedulerType
+
+    return tuple(kind.value for kind in SchedulerType if kind.value not in METRIC_DRIVEN)
 
 
 def schedule_name(value) -> str:
     """The recipe's lr_scheduler_type as a plain name (HF may hand an enum); ConfigError if unsupported."""
     name = str(getattr(value, "value", value))
-    if name not in LR_SCHEDULES:
+    if name in METRIC_DRIVEN:
+        raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend: {METRIC_DRIVEN[name]}. "
+                          f"Choose a step-based schedule: {', '.join(lr_schedules())}.")
+    if name not in lr_schedules():
         raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend; choose one of "
-                          f"{', '.join(LR_SCHEDULES)}.")
+                          f"{', '.join(lr_schedules())}.")
     return name
 
 
 @dataclass
 class LRSchedule:
-    """Learning rate at each optimizer step, as ``transformers.get_scheduler`` computes it."""
+    """Learning rate at each optimizer step, from ``transformers.get_scheduler``'s own schedule function."""
 
     base_lr: float
     name: str
     total_steps: int
     warmup: float = 0
     """Warmup steps (>= 1) or a ratio of ``total_steps`` (< 1), like HF's ``warmup_steps``."""
+    kwargs: dict | None = None
+    """HF's ``lr_scheduler_kwargs`` (e.g. ``min_lr_rate`` for cosine_with_min_lr, ``power`` for polynomial)."""
+    _factor: Callable[[int], float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from transformers import get_scheduler
+
+        # Some schedules read the optimizer's base rate (polynomial's lr_end, min_lr): give them the recipe's.
+        probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=self.base_lr)
+        try:
+            scheduler = get_scheduler(schedule_name(self.name), probe, num_warmup_steps=self.warmup_steps,
+                                      num_training_steps=self.total_steps, scheduler_specific_kwargs=self.kwargs or None)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"lr_scheduler_type {self.name!r} with lr_scheduler_kwargs {self.kwargs or {}}: "
+                              f"{exc}. Set lr_scheduler_kwargs to what this schedule takes.") from None
+        self._factor = scheduler.lr_lambdas[0]  # LambdaLR: the rate is base_lr * factor(step)
 
     @property
     def warmup_steps(self) -> int:
+        """HF ``TrainingArguments.get_warmup_steps``: steps, or below 1 a ratio of the run rounded up."""
         return int(self.warmup) if self.warmup >= 1 else math.ceil(self.total_steps * self.warmup)
 
     def lr(self, step: int) -> float:
         """The learning rate used by the update that follows ``step`` completed updates."""
-        warmup = self.warmup_steps
-        if self.name == "constant":
-            return self.base_lr
-        if step < warmup:
-            return self.base_lr * step / max(1, warmup)
-        if self.name == "constant_with_warmup":
-            return self.base_lr
-        progress = (step - warmup) / max(1, self.total_steps - warmup)
-        if self.name == "linear":
-            return self.base_lr * max(0.0, 1.0 - progress)
-        return self.base_lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # cosine, half a cycle
+        return self.base_lr * self._factor(step)
 
     def apply(self, optimizer, step: int) -> float:
         """Set every parameter group's learning rate for the update after ``step``; returns it."""
@@ -61,6 +82,20 @@ class LRSchedule:
         for group in optimizer.param_groups:
             group["lr"] = lr
         return lr
+
+
+def schedule_for(training, total_steps: int) -> LRSchedule:
+    """The recipe's schedule over ``total_steps`` (``lr_scheduler_kwargs`` may be a JSON string, as on HF)."""
+    kwargs = training.lr_scheduler_kwargs
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs) if kwargs.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"lr_scheduler_kwargs is not a JSON object: {exc}.") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"lr_scheduler_kwargs must be a mapping, e.g. {{min_lr_rate: 0.1}}; got {kwargs!r}.")
+    return LRSchedule(training.learning_rate, schedule_name(training.lr_scheduler_type), total_steps,
+                      training.warmup_steps, kwargs)
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: bool) -> list[torch.nn.Module]:
