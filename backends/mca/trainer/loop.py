@@ -210,8 +210,7 @@ class MegatronTrainer:
         rewards and log-probs), appended to train_log.jsonl at the current step."""
         mbs = self.training.per_device_eval_batch_size
         rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
-        if self.layout.vpp_size > 1:
-            rounds = max(rounds, self.layout.pp)  # the interleaved schedule needs >= PP micro-batches
+        rounds = self.layout.micro_batches_at_least(rounds)  # the interleaved schedule's rule (filler micro-batches)
         plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
         micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)
         for chunk in self.chunks:
