@@ -23,7 +23,7 @@ from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
 from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
 from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_for, step_if_finite,
-                                        wrap_ddp)
+                                        sync_params, wrap_ddp)
 from backends.mca.trainer.param_groups import apply_weight_decay
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
 from roll import reliability
@@ -124,6 +124,7 @@ class MegatronTrainer:
                     self._save()
         finally:
             writer.close()
+        sync_params(self.chunks)  # the final eval and the HF export read the last update's weights
         losses = [entry["loss"] for entry in writer.history if "loss" in entry]
         if losses:
             log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); logs in %s",
@@ -133,6 +134,7 @@ class MegatronTrainer:
 
     def _save(self) -> str:
         reliability.set_activity(f"saving checkpoint-{self.state.global_step}")
+        sync_params(self.chunks)
         return checkpointing.save(self.training.output_dir, self.chunks, self.optimizer, self.state,
                                   self.model_config, keep=self.training.save_total_limit)
 
@@ -212,6 +214,7 @@ class MegatronTrainer:
         rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
         rounds = self.layout.micro_batches_at_least(rounds)  # the interleaved schedule's rule (filler micro-batches)
         plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
+        sync_params(self.chunks)
         micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)
         for chunk in self.chunks:
             chunk.eval()

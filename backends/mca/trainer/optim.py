@@ -160,6 +160,20 @@ def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> No
     config.grad_scale_func = optimizer.scale_loss
 
 
+def sync_params(chunks: list[torch.nn.Module]) -> None:
+    """Bring every rank's model weights up to date now (collective; a no-op without overlap_param_gather).
+
+    With the distributed optimizer and ``overlap_param_gather``, the all-gather of the shards an optimizer step
+    updated is deferred to the next forward's pre-hooks, so after a step the weights a rank holds outside its own
+    shard are one update old. Checkpoints, the HF export and eval read the weights, so each first forces that
+    all-gather (Megatron-LM does the same with ``disable_forward_pre_hook`` around saves and evals). The gradient
+    reduction needs no such step: ``finalize_model_grads`` finishes it inside every step, overlapped or not.
+    """
+    for chunk in chunks:
+        if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def step_if_finite(optimizer) -> tuple[bool, float | None]:
     """Megatron's ``optimizer.step()``, except that a non-finite gradient norm skips the update.
 
