@@ -87,7 +87,7 @@ class ParallelLayout:
         return max(1, -(-count // self.pp)) * self.pp
 
     def check_micro_batches(self, gradient_accumulation_steps: int) -> None:
-        """ConfigError naming the nearest valid gradient_accumulation_steps when the schedule would refuse it."""
+        """ConfigError naming the nearest valid gradient_accumulation_steps if the schedule would refuse it."""
         valid = self.micro_batches_at_least(gradient_accumulation_steps)
         if valid == gradient_accumulation_steps:
             return
@@ -95,11 +95,12 @@ class ParallelLayout:
         nearest = f"{lower} or {valid}" if lower >= self.pp else f"{valid}"
         raise ConfigError(
             f"gradient_accumulation_steps({gradient_accumulation_steps}) must be a multiple of "
-            f"pipeline_model_parallel_size({self.pp}) with virtual_pipeline_model_parallel_size({self.vpp}): the "
-            f"interleaved pipeline schedule runs each step's micro-batches (one per gradient accumulation step) in "
-            f"groups of pp per virtual stage, and Megatron refuses a remainder (\"the remainder of M ... divided by "
-            f"N\"). Nearest valid gradient_accumulation_steps: {nearest} (adjust "
-            "per_device_train_batch_size to keep the global batch), or drop virtual_pipeline_model_parallel_size.")
+            f"pipeline_model_parallel_size({self.pp}) with virtual_pipeline_model_parallel_size({self.vpp}): "
+            "the interleaved pipeline schedule runs each step's micro-batches (one per gradient accumulation "
+            "step) in groups of pp per virtual stage, and Megatron refuses a remainder (\"the remainder of M "
+            f"... divided by N\"). Nearest valid gradient_accumulation_steps: {nearest} (adjust "
+            "per_device_train_batch_size to keep the global batch), or drop "
+            "virtual_pipeline_model_parallel_size.")
 
     def check_num_layers(self, num_layers: int) -> None:
         """Every (virtual) pipeline stage must get the same number of layers."""

@@ -95,9 +95,9 @@ class TrainingArguments(transformers.TrainingArguments):
     a row the run stops with exit code 3, naming the step and its samples. 0: never stop."""
 
     warmup_ratio: float = 0.0
-    """LLaMA-Factory's (and transformers 4's) warmup key: warmup over this fraction of the run's steps, rounded
-    up (0 <= ratio < 1). Transformers 5 reads a ``warmup_steps`` below 1 as that ratio, so the key is stored
-    there; setting both is an error."""
+    """LLaMA-Factory's (and transformers 4's) warmup key: warmup over this fraction of the run's steps,
+    rounded up (0 <= ratio < 1). Transformers 5 reads a ``warmup_steps`` below 1 as that ratio, so the key
+    is stored there; setting both is an error."""
 
     def __post_init__(self) -> None:  # noqa: D105 - deliberately not calling HF's (see module doc)
         self._take_warmup_ratio()
@@ -124,10 +124,11 @@ class TrainingArguments(transformers.TrainingArguments):
         if not self.warmup_ratio:
             return
         if not 0 < self.warmup_ratio < 1:
-            raise ConfigError(f"warmup_ratio must be in [0, 1) (a fraction of the run's steps), got {self.warmup_ratio}.")
+            raise ConfigError(f"warmup_ratio must be in [0, 1) (a fraction of the run's steps), "
+                              f"got {self.warmup_ratio}.")
         if self.warmup_steps and self.warmup_steps != self.warmup_ratio:
-            raise ConfigError(f"warmup_ratio ({self.warmup_ratio}) and warmup_steps ({self.warmup_steps}) are both set: "
-                              "keep one (warmup_steps takes a step count, or below 1 a ratio).")
+            raise ConfigError(f"warmup_ratio ({self.warmup_ratio}) and warmup_steps ({self.warmup_steps}) are "
+                              "both set: keep one (warmup_steps takes a step count, or below 1 a ratio).")
         self.warmup_steps = self.warmup_ratio
 
     def _check_launch_keys(self) -> None:

@@ -210,9 +210,9 @@ def test_overlap_options_export_the_last_update(tiny_model_dir, tmp_path):
     base = {**SFT, "model_name_or_path": tiny_model_dir, "max_steps": 3, "save_hf_model": True,
             "use_distributed_optimizer": True}
     overlap = {"overlap_grad_reduce": True, "overlap_param_gather": True}
-    result = train_runs(tmp_path, base, [{"name": "plain", "overrides": {"output_dir": str(tmp_path / "plain")}},
-                                         {"name": "overlap", "overrides": {"output_dir": str(tmp_path / "overlap"),
-                                                                           **overlap}}])
+    result = train_runs(tmp_path, base, [
+        {"name": "plain", "overrides": {"output_dir": str(tmp_path / "plain")}},
+        {"name": "overlap", "overrides": {"output_dir": str(tmp_path / "overlap"), **overlap}}])
     assert_close(result["overlap"]["losses"], result["plain"]["losses"], 1e-6, "overlap")
     plain, overlapped = (load_file(str(tmp_path / name / "model-00001-of-00001.safetensors"))
                          for name in ("plain", "overlap"))

@@ -244,8 +244,8 @@ def test_interleaved_pipeline_micro_batch_rule():
     layout = ParallelLayout(world_size=4, pp=2, vpp=2)
     assert [layout.micro_batches_at_least(m) for m in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 6]
     layout.check_micro_batches(4)
-    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps\(5\).*Nearest valid gradient_accumulation_"
-                                          r"steps: 4 or 6 "):
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps\(5\).*Nearest valid "
+                                          r"gradient_accumulation_steps: 4 or 6 "):
         layout.check_micro_batches(5)
     plain = ParallelLayout(world_size=4, pp=2)  # 1F1B without VPP runs any count
     assert plain.micro_batches_at_least(3) == 3

@@ -58,7 +58,7 @@ SCHEDULE_KWARGS = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "cosine_warmup_wi
 @pytest.mark.parametrize("name", lr_schedules())
 @pytest.mark.parametrize("warmup", [0, 3, 0.25])
 def test_lr_schedule_equals_transformers(name, warmup):
-    """Both backends apply the same learning rate at every step (HF's schedule, stepped as HF Trainer does)."""
+    """Both backends apply the same learning rate at every step (HF's schedule, stepped as HF Trainer)."""
     from transformers import get_scheduler
 
     total, base = 12, 0.1

@@ -22,8 +22,8 @@ from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
 from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
-from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_for, step_if_finite,
-                                        sync_params, wrap_ddp)
+from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_for,
+                                        step_if_finite, sync_params, wrap_ddp)
 from backends.mca.trainer.param_groups import apply_weight_decay
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
 from roll import reliability
@@ -212,7 +212,7 @@ class MegatronTrainer:
         rewards and log-probs), appended to train_log.jsonl at the current step."""
         mbs = self.training.per_device_eval_batch_size
         rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
-        rounds = self.layout.micro_batches_at_least(rounds)  # the interleaved schedule's rule (filler micro-batches)
+        rounds = self.layout.micro_batches_at_least(rounds)  # the interleaved schedule's rule (fillers)
         plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
         sync_params(self.chunks)
         micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)

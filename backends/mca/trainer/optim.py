@@ -33,7 +33,8 @@ def schedule_name(value) -> str:
     """The recipe's lr_scheduler_type as a plain name (HF may hand an enum); ConfigError if unsupported."""
     name = str(getattr(value, "value", value))
     if name in METRIC_DRIVEN:
-        raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend: {METRIC_DRIVEN[name]}. "
+        raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend: "
+                          f"{METRIC_DRIVEN[name]}. "
                           f"Choose a step-based schedule: {', '.join(lr_schedules())}.")
     if name not in lr_schedules():
         raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend; choose one of "
@@ -51,7 +52,7 @@ class LRSchedule:
     warmup: float = 0
     """Warmup steps (>= 1) or a ratio of ``total_steps`` (< 1), like HF's ``warmup_steps``."""
     kwargs: dict | None = None
-    """HF's ``lr_scheduler_kwargs`` (e.g. ``min_lr_rate`` for cosine_with_min_lr, ``power`` for polynomial)."""
+    """HF's ``lr_scheduler_kwargs`` (``min_lr_rate`` for cosine_with_min_lr, ``power`` for polynomial, ...)."""
     _factor: Callable[[int], float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,10 +62,11 @@ class LRSchedule:
         probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=self.base_lr)
         try:
             scheduler = get_scheduler(schedule_name(self.name), probe, num_warmup_steps=self.warmup_steps,
-                                      num_training_steps=self.total_steps, scheduler_specific_kwargs=self.kwargs or None)
+                                      num_training_steps=self.total_steps,
+                                      scheduler_specific_kwargs=self.kwargs or None)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"lr_scheduler_type {self.name!r} with lr_scheduler_kwargs {self.kwargs or {}}: "
-                              f"{exc}. Set lr_scheduler_kwargs to what this schedule takes.") from None
+            raise ConfigError(f"lr_scheduler_type {self.name!r} with lr_scheduler_kwargs "
+                              f"{self.kwargs or {}}: {exc}. Set lr_scheduler_kwargs to what this schedule takes.") from None
         self._factor = scheduler.lr_lambdas[0]  # LambdaLR: the rate is base_lr * factor(step)
 
     @property
@@ -93,7 +95,8 @@ def schedule_for(training, total_steps: int) -> LRSchedule:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"lr_scheduler_kwargs is not a JSON object: {exc}.") from None
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise ConfigError(f"lr_scheduler_kwargs must be a mapping, e.g. {{min_lr_rate: 0.1}}; got {kwargs!r}.")
+        raise ConfigError(f"lr_scheduler_kwargs must be a mapping, e.g. {{min_lr_rate: 0.1}}; "
+                          f"got {kwargs!r}.")
     return LRSchedule(training.learning_rate, schedule_name(training.lr_scheduler_type), total_steps,
                       training.warmup_steps, kwargs)
 
@@ -163,11 +166,12 @@ def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> No
 def sync_params(chunks: list[torch.nn.Module]) -> None:
     """Bring every rank's model weights up to date now (collective; a no-op without overlap_param_gather).
 
-    With the distributed optimizer and ``overlap_param_gather``, the all-gather of the shards an optimizer step
-    updated is deferred to the next forward's pre-hooks, so after a step the weights a rank holds outside its own
-    shard are one update old. Checkpoints, the HF export and eval read the weights, so each first forces that
-    all-gather (Megatron-LM does the same with ``disable_forward_pre_hook`` around saves and evals). The gradient
-    reduction needs no such step: ``finalize_model_grads`` finishes it inside every step, overlapped or not.
+    With the distributed optimizer and ``overlap_param_gather``, the all-gather of the shards an optimizer
+    step updated is deferred to the next forward's pre-hooks, so after a step the weights a rank holds
+    outside its own shard are one update old. Checkpoints, the HF export and eval read the weights, so each
+    first forces that all-gather (Megatron-LM does the same with ``disable_forward_pre_hook`` around saves
+    and evals). The gradient reduction needs no such step: ``finalize_model_grads`` finishes it inside
+    every step, overlapped or not.
     """
     for chunk in chunks:
         if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:

@@ -20,8 +20,8 @@ if REPO not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
-TRAINING = SimpleNamespace(learning_rate=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                           max_grad_norm=1.0, bf16=False, fp16=False)
+TRAINING = SimpleNamespace(learning_rate=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999,
+                           adam_epsilon=1e-8, max_grad_norm=1.0, bf16=False, fp16=False)
 
 
 def _hf_names(name: str, config) -> list[str]:
@@ -46,8 +46,8 @@ def run_case(case: dict) -> dict:
     chunks = load_chunks(case["dir"], megatron, megatron.build_layout(dist.get_world_size()))
     config = chunks[0].config
     if case.get("lora"):
-        apply_lora(chunks, FinetuningArguments(finetuning_type="lora", lora_rank=4, lora_alpha=8, lora_target="all"),
-                   seed=0)
+        lora = FinetuningArguments(finetuning_type="lora", lora_rank=4, lora_alpha=8, lora_target="all")
+        apply_lora(chunks, lora, seed=0)
     names = {id(tensor): name for name, tensor in canonical_tensors(chunks, config)}
     optimizer = build_optimizer(wrap_ddp(chunks, megatron, fp16=False, bf16=False), TRAINING, megatron)
     out: dict[str, list[str]] = {"decayed": [], "undecayed": []}
