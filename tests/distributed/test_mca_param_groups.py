@@ -1,9 +1,9 @@
 """Optimizer parameter groups and LR schedules: the mca backend decays, and schedules, as HF Trainer does.
 
 - The parameters each backend's optimizer decays, listed by HF name, are the same sets on dense Qwen2
-  (biases), Qwen3 (q_norm / k_norm), Qwen2-MoE (experts, router, shared expert) and Qwen2 + LoRA
-  (adapters decay; the frozen base is in no group): the standard side is HF Trainer's own
-  ``create_optimizer``, the mca side ``build_optimizer`` (one torchrun launch for all models).
+  (biases; also at TP2 and PP2), Qwen3 (q_norm / k_norm), Qwen2-MoE (experts, router, shared expert) and
+  Qwen2 + LoRA (adapters decay; the frozen base is in no group): the standard side is HF Trainer's own
+  ``create_optimizer``, the mca side ``build_optimizer`` (one 2-rank torchrun launch for all cases).
 - roll-parity with a large weight decay and an HF-only schedule with warmup (cosine_with_min_lr) gives the
   same loss at every step on both backends, within 1e-5 relative.
 """
@@ -21,8 +21,10 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 
 WORKER = "tests/distributed/_mca_workers/param_groups.py"
-MODELS = {"qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen2_moe": ("qwen2_moe", False),
-          "qwen2_lora": ("qwen2", True)}
+MODELS = {"qwen2": ("qwen2", False, {}), "qwen3": ("qwen3", False, {}), "qwen2_moe": ("qwen2_moe", False, {}),
+          "qwen2_lora": ("qwen2", True, {}), "qwen2_tp2": ("qwen2", False, {"tp": 2}),
+          "qwen2_pp2": ("qwen2", False, {"pp": 2})}
+"""name: (tiny model kind, LoRA, layout); two ranks each (DP2 where the layout does not use them)."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -69,10 +71,10 @@ def standard_groups(model_dir: str, lora: bool, out_dir: str) -> dict[str, list[
 @pytest.fixture(scope="module")
 def mca_groups(tiny_model_factory, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("param_groups")
-    cases = [{"name": name, "dir": tiny_model_factory(kind, tie_word_embeddings=False), "lora": lora}
-             for name, (kind, lora) in MODELS.items()]
+    cases = [{"name": name, "dir": tiny_model_factory(kind, tie_word_embeddings=False), "lora": lora,
+              **layout} for name, (kind, lora, layout) in MODELS.items()]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = torchrun(WORKER, str(tmp / "cases.json"), nproc=1, timeout=240)
+    proc = torchrun(WORKER, str(tmp / "cases.json"), nproc=2, timeout=240)
     assert proc.returncode == 0, output_of(proc)
     return {"groups": {case["name"]: case for case in results(proc.stdout)},
             "dirs": {case["name"]: case["dir"] for case in cases}}

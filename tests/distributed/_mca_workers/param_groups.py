@@ -1,10 +1,11 @@
-"""Which parameters the mca backend's optimizer decays, by HF name (one process, several models).
+"""Which parameters the mca backend's optimizer decays, by HF name (one launch, several models).
 
-    torchrun --nproc_per_node=1 param_groups.py CASES_JSON
+    torchrun --nproc_per_node=N param_groups.py CASES_JSON
 
-Each case loads an HF model dir, optionally adds LoRA, builds the trainer's optimizer
-(``build_optimizer``) and prints ``RESULT {"name", "decayed", "undecayed"}``: the HF names of the
-parameters in groups with weight decay > 0 and == 0 (a LoRA adapter as ``layers.<n>.<proj>.lora_<A|B>``).
+Each case loads an HF model dir (at ``tp`` / ``pp``, default 1), optionally adds LoRA, builds the
+trainer's optimizer (``build_optimizer``) and prints ``RESULT {"name", "decayed", "undecayed"}``: the
+HF names of the parameters in groups with weight decay > 0 and == 0 on any rank (a LoRA adapter as
+``layers.<n>.<proj>.lora_<A|B>``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def run_case(case: dict) -> dict:
     from roll.config.finetuning import FinetuningArguments
     from roll.config.megatron import MegatronArguments
 
-    megatron = MegatronArguments(use_distributed_optimizer=False)
+    megatron = MegatronArguments(use_distributed_optimizer=False,
+                                 tensor_model_parallel_size=case.get("tp", 1),
+                                 pipeline_model_parallel_size=case.get("pp", 1))
     chunks = load_chunks(case["dir"], megatron, megatron.build_layout(dist.get_world_size()))
     config = chunks[0].config
     if case.get("lora"):
@@ -65,7 +68,12 @@ def main() -> None:
         cases = json.load(fh)
     dist.init_process_group("gloo")  # ours, so destroy_megatron between cases keeps it
     for case in cases:
-        print("RESULT " + json.dumps({"name": case["name"], **run_case(case)}), flush=True)
+        groups = run_case(case)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, groups)  # each rank holds its own shards / stages
+        if dist.get_rank() == 0:
+            union = {key: sorted({name for part in gathered for name in part[key]}) for key in groups}
+            print("RESULT " + json.dumps({"name": case["name"], **union}), flush=True)
         destroy_megatron()
     dist.destroy_process_group()
 
