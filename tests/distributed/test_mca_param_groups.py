@@ -1,9 +1,10 @@
 """Optimizer parameter groups and LR schedules: the mca backend decays, and schedules, as HF Trainer does.
 
 - The parameters each backend's optimizer decays, listed by HF name, are the same sets on dense Qwen2
-  (biases; also at TP2 and PP2), Qwen3 (q_norm / k_norm), Qwen2-MoE (experts, router, shared expert) and
-  Qwen2 + LoRA (adapters decay; the frozen base is in no group): the standard side is HF Trainer's own
-  ``create_optimizer``, the mca side ``build_optimizer`` (one 2-rank torchrun launch for all cases).
+  (biases; also at TP2 and PP2), Qwen3 (q_norm / k_norm), Qwen2-MoE (experts, router, shared expert),
+  Qwen3-MoE, Llama and Qwen2 + LoRA (adapters decay; the frozen base is in no group): the standard side
+  is HF Trainer's own ``create_optimizer``, the mca side ``build_optimizer`` (one 2-rank torchrun launch
+  for all cases).
 - roll-parity with a large weight decay and an HF-only schedule with warmup (cosine_with_min_lr) gives the
   same loss at every step on both backends, within 1e-5 relative.
 """
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 
 WORKER = "tests/distributed/_mca_workers/param_groups.py"
 MODELS = {"qwen2": ("qwen2", False, {}), "qwen3": ("qwen3", False, {}), "qwen2_moe": ("qwen2_moe", False, {}),
+          "qwen3_moe": ("qwen3_moe", False, {}), "llama": ("llama", False, {}),
           "qwen2_lora": ("qwen2", True, {}), "qwen2_tp2": ("qwen2", False, {"tp": 2}),
           "qwen2_pp2": ("qwen2", False, {"pp": 2})}
 """name: (tiny model kind, LoRA, layout); two ranks each (DP2 where the layout does not use them)."""
