@@ -32,9 +32,13 @@ class McaBackend(Backend):
 
     @classmethod
     def check_config(cls, config) -> None:
-        from backends.mca.trainer.optim import schedule_name
+        from backends.mca.trainer.optim import PLAIN_SCHEDULES, check_schedule_name, schedule_for
 
-        schedule_name(config.training.lr_scheduler_type)  # the curves the Megatron loop implements
+        name = check_schedule_name(config.training.lr_scheduler_type)  # a fixed list: imports no torch
+        if config.training.lr_scheduler_kwargs or name not in PLAIN_SCHEDULES:
+            # HF's schedule function with the recipe's kwargs (the run's length is not known yet); the plain
+            # schedules take none, so --print-config of most recipes stays free of torch.
+            schedule_for(config.training, max(config.training.max_steps, 100))
         strategy = str(getattr(config.training.save_strategy, "value", config.training.save_strategy))
         if strategy not in ("no", "steps", "epoch"):
             raise ConfigError(f"save_strategy {strategy!r} is not available on the mca backend; use steps, epoch or "

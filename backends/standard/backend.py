@@ -170,6 +170,9 @@ class StandardBackend(Backend):
             trainer = self._trainer
         else:
             trainer = self._make_trainer(job, models)
+        done = evaluated_at_last_step(trainer.state)
+        if done:  # eval_strategy already evaluated the final step: a second pass would log a duplicate record
+            return done
         # The trainer's own eval set (job's, prepared at construction), not the dataset again: after
         # training, TRL refuses to prepare one with precomputed reference log-probs (ref_free).
         return trainer.evaluate()
@@ -213,3 +216,13 @@ def _preempted_message(step: int, output_dir: str, saved: bool) -> str:
     from roll import reliability
 
     return f"stopped by {reliability.STOP.name} after step {step}: {where}."
+
+
+def evaluated_at_last_step(state) -> dict[str, float]:
+    """The eval metrics HF Trainer logged at ``state.global_step`` (its ``eval_strategy``), or {} if none."""
+    for entry in reversed(state.log_history):
+        if entry.get("step") != state.global_step:
+            break
+        if "eval_loss" in entry:
+            return {key: value for key, value in entry.items() if key.startswith("eval_")}
+    return {}

@@ -75,6 +75,33 @@ class ParallelLayout:
         return (f"tp({self.tp}) * pp({self.pp}) * cp({self.cp}) * dp({self.dp}) = world_size({self.world_size}), "
                 f"vpp {self.vpp_size}, ep {self.ep}, etp {self.expert_tp}, sp {'on' if self.sequence_parallel else 'off'}")
 
+    def micro_batches_at_least(self, count: int) -> int:
+        """The smallest micro-batch count >= ``count`` that Megatron's schedule runs at this layout.
+
+        The interleaved (virtual) pipeline schedule runs a step's M micro-batches in groups of N = pp per
+        virtual stage and requires N <= M and M % N == 0 (Megatron's ``microbatch_group_size_per_vp_stage``,
+        default pp: "the remainder of M ... divided by N"), i.e. M a multiple of pp. Without VPP any M works.
+        """
+        if self.vpp_size == 1:
+            return count
+        return max(1, -(-count // self.pp)) * self.pp
+
+    def check_micro_batches(self, gradient_accumulation_steps: int) -> None:
+        """ConfigError naming the nearest valid gradient_accumulation_steps if the schedule would refuse it."""
+        valid = self.micro_batches_at_least(gradient_accumulation_steps)
+        if valid == gradient_accumulation_steps:
+            return
+        lower = gradient_accumulation_steps // self.pp * self.pp
+        nearest = f"{lower} or {valid}" if lower >= self.pp else f"{valid}"
+        raise ConfigError(
+            f"gradient_accumulation_steps({gradient_accumulation_steps}) must be a multiple of "
+            f"pipeline_model_parallel_size({self.pp}) with virtual_pipeline_model_parallel_size({self.vpp}): "
+            "the interleaved pipeline schedule runs each step's micro-batches (one per gradient accumulation "
+            "step) in groups of pp per virtual stage, and Megatron refuses a remainder (\"the remainder of M "
+            f"... divided by N\"). Nearest valid gradient_accumulation_steps: {nearest} (adjust "
+            "per_device_train_batch_size to keep the global batch), or drop "
+            "virtual_pipeline_model_parallel_size.")
+
     def check_num_layers(self, num_layers: int) -> None:
         """Every (virtual) pipeline stage must get the same number of layers."""
         check_num_layers(num_layers, self.pp, self.vpp)

@@ -73,12 +73,7 @@ class RunConfig:
         if num_layers is not None:
             self.layout.check_num_layers(num_layers)
         self._check_model_divides_layout()
-        micro_batches, pp = self.training.gradient_accumulation_steps, self.layout.pp
-        if self.layout.vpp_size > 1 and micro_batches < pp:
-            raise ConfigError(f"the interleaved (virtual) pipeline needs at least pipeline_model_parallel_size({pp}) "
-                              f"micro-batches per step; gradient_accumulation_steps is {micro_batches}. Raise "
-                              f"gradient_accumulation_steps to >= {pp} (lower per_device_train_batch_size to keep "
-                              "the global batch) or drop virtual_pipeline_model_parallel_size.")
+        self.layout.check_micro_batches(self.training.gradient_accumulation_steps)
 
     def _validate_standard(self) -> None:
         if not self.megatron.calculate_per_token_loss:

@@ -92,7 +92,13 @@ class TrainingArguments(HFTrainingFields):
     """A step whose loss or grad norm is not finite is skipped (no update) and counted; after this many skips in
     a row the run stops with exit code 3, naming the step and its samples. 0: never stop."""
 
+    warmup_ratio: float = 0.0
+    """LLaMA-Factory's (and transformers 4's) warmup key: warmup over this fraction of the run's steps,
+    rounded up (0 <= ratio < 1). Transformers 5 reads a ``warmup_steps`` below 1 as that ratio, so the key
+    is stored there; setting both is an error."""
+
     def __post_init__(self) -> None:  # noqa: D105 - deliberately not calling HF's (see module doc)
+        self._take_warmup_ratio()
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "nproc_per_node", "nnodes")
         if not self.gpu_memory_gb > 0:
             raise ConfigError(f"gpu_memory_gb must be > 0 (GiB of one GPU), got {self.gpu_memory_gb}.")
@@ -111,6 +117,17 @@ class TrainingArguments(HFTrainingFields):
             raise ConfigError("bf16 and fp16 are both true: choose one precision.")
         if isinstance(self.deepspeed, str):
             read_deepspeed_json(self.deepspeed)
+
+    def _take_warmup_ratio(self) -> None:
+        if not self.warmup_ratio:
+            return
+        if not 0 < self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio must be in [0, 1) (a fraction of the run's steps), "
+                              f"got {self.warmup_ratio}.")
+        if self.warmup_steps and self.warmup_steps != self.warmup_ratio:
+            raise ConfigError(f"warmup_ratio ({self.warmup_ratio}) and warmup_steps ({self.warmup_steps}) are "
+                              "both set: keep one (warmup_steps takes a step count, or below 1 a ratio).")
+        self.warmup_steps = self.warmup_ratio
 
     def _check_launch_keys(self) -> None:
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:

@@ -52,13 +52,18 @@ def standard_log(tmp_path, base: dict, name: str, **overrides) -> list[dict]:
         return [record for record in map(json.loads, fh) if "loss" in record]
 
 
+ODD_EVAL = {"eval_dataset": "recipes/demo/data/arithmetic_sft.json", "per_device_eval_batch_size": 34}
+"""An end-of-run eval of 3 micro-batches per rank at DP1 (100 rows)."""
+
+
 def standard_losses(tmp_path, base: dict, name: str, **overrides) -> list[float]:
     return [record["loss"] for record in standard_log(tmp_path, base, name, **overrides)]
 
 
 def test_layouts_give_the_same_losses(tiny_model_factory, tmp_path):
     """10 steps, each within 1e-4 of TP1 x DP2: TP2 (+SP), PP2 (1F1B), PP2 x VPP2, CP2, the distributed
-    optimizer, GAS=4 x MBS=1, and EP2 for a MoE model (against EP1 at the same DP)."""
+    optimizer, GAS=4 x MBS=1, and EP2 for a MoE model (against EP1 at the same DP); PP2 x VPP2's eval
+    micro-batch count obeys the interleaved schedule's rule."""
     dense = tiny_model_factory("qwen2", num_layers=4)  # tied embeddings: PP syncs the shared weight
     moe = tiny_model_factory("qwen3_moe")
     base = {**SFT, "model_name_or_path": dense, "output_dir": str(tmp_path / "out")}
@@ -69,9 +74,10 @@ def test_layouts_give_the_same_losses(tiny_model_factory, tmp_path):
         {"name": "tp2", "overrides": {"tensor_model_parallel_size": 2, "gradient_accumulation_steps": 2}},
         {"name": "tp2_sp", "overrides": {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                          "gradient_accumulation_steps": 2}},
-        {"name": "pp2", "overrides": {"pipeline_model_parallel_size": 2, "gradient_accumulation_steps": 2}},
+        {"name": "pp2", "overrides": {"pipeline_model_parallel_size": 2, "gradient_accumulation_steps": 2,
+                                      **ODD_EVAL}},
         {"name": "pp2_vpp2", "overrides": {"pipeline_model_parallel_size": 2, "gradient_accumulation_steps": 2,
-                                           "virtual_pipeline_model_parallel_size": 2}},
+                                           "virtual_pipeline_model_parallel_size": 2, **ODD_EVAL}},
         {"name": "cp2", "overrides": {"context_parallel_size": 2, "gradient_accumulation_steps": 2}},
         {"name": "moe_ep1", "overrides": {"model_name_or_path": moe}},
         {"name": "moe_ep2", "overrides": {"model_name_or_path": moe, "expert_model_parallel_size": 2}},
@@ -82,6 +88,10 @@ def test_layouts_give_the_same_losses(tiny_model_factory, tmp_path):
     for name in ("gas4_mbs1", "distributed_optimizer", "tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2"):
         assert_close(result[name]["losses"], reference, 1e-4, name)
     assert_close(result["moe_ep2"]["losses"], result["moe_ep1"]["losses"], 1e-4, "moe_ep2")
+    # 100 eval rows in micro-batches of 34: 3 micro-batches, which the interleaved schedule refuses; the
+    # end-of-run eval runs 4 (the last all filler) and gets 1F1B's eval_loss.
+    vpp_eval, pp_eval = result["pp2_vpp2"]["metrics"]["eval_loss"], result["pp2"]["metrics"]["eval_loss"]
+    assert abs(vpp_eval - pp_eval) <= 1e-5 * pp_eval, (vpp_eval, pp_eval)
     aux = [entry["moe_aux_loss"] for entry in result["moe_ep2"]["log"]]
     ref_aux = [entry["moe_aux_loss"] for entry in result["moe_ep1"]["log"]]
     assert aux[0] > 0 and all(abs(a - b) <= 1e-4 * b for a, b in zip(aux, ref_aux)), (aux, ref_aux)
@@ -189,3 +199,23 @@ def test_lora_trajectories_across_layouts_and_backends(tiny_model_factory, tmp_p
     written = os.listdir(tmp_path / "resumed")  # the final export is a PEFT adapter, not a model
     assert "adapter_model.safetensors" in written and not any(name.startswith("model") for name in written)
     assert result["dpo"]["losses"][0] == pytest.approx(0.6931471805599453, abs=1e-7)
+
+
+def test_overlap_options_export_the_last_update(tiny_model_dir, tmp_path):
+    """DP2 with the distributed optimizer: with overlap_grad_reduce and overlap_param_gather, the exported HF
+    weights equal those of the run without them. The last update's all-gather is deferred to a next forward
+    that never comes (no eval here): before the export forced it, the weights differed by 3e-4."""
+    from safetensors.torch import load_file
+
+    base = {**SFT, "model_name_or_path": tiny_model_dir, "max_steps": 3, "save_hf_model": True,
+            "use_distributed_optimizer": True}
+    overlap = {"overlap_grad_reduce": True, "overlap_param_gather": True}
+    result = train_runs(tmp_path, base, [
+        {"name": "plain", "overrides": {"output_dir": str(tmp_path / "plain")}},
+        {"name": "overlap", "overrides": {"output_dir": str(tmp_path / "overlap"), **overlap}}])
+    assert_close(result["overlap"]["losses"], result["plain"]["losses"], 1e-6, "overlap")
+    plain, overlapped = (load_file(str(tmp_path / name / "model-00001-of-00001.safetensors"))
+                         for name in ("plain", "overlap"))
+    assert plain.keys() == overlapped.keys()
+    worst = max((plain[key] - overlapped[key]).abs().max().item() for key in plain)
+    assert worst <= 1e-7, worst

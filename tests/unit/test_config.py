@@ -79,10 +79,15 @@ def test_optional_and_literal_values(recipe):
     (["deepspeed=/no/such/ds.json"], ["/no/such/ds.json", "does not exist"]),
     (["--use-mca", "finetuning_type=freeze"], ["freeze", "mca backend"]),
     (["--max_steps"], ["--max_steps", "needs a value"]),
-    (["--use-mca", "lr_scheduler_type=polynomial"], ["'polynomial'", "mca backend", "constant_with_warmup, linear"]),
+    (["--use-mca", "lr_scheduler_type=reduce_lr_on_plateau"], ["'reduce_lr_on_plateau'", "mca backend",
+                                                               "constant_with_warmup", "warmup_stable_decay"]),
+    (["--use-mca", "lr_scheduler_type=cosine_with_min_lr"], ["lr_scheduler_kwargs", "min_lr_rate"]),
     (["--use-mca", "save_strategy=best"], ["save_strategy 'best'", "steps, epoch or no"]),
     (["--use-mca", "nproc_per_node=2", "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"],
-     ["at least pipeline_model_parallel_size(2) micro-batches", "gradient_accumulation_steps is 1"]),
+     ["gradient_accumulation_steps(1) must be a multiple of pipeline_model_parallel_size(2)",
+      "Nearest valid gradient_accumulation_steps: 2 "]),
+    (["--use-mca", "nproc_per_node=2", "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2",
+      "gradient_accumulation_steps=3"], ["remainder", "Nearest valid gradient_accumulation_steps: 2 or 4 "]),
 ])
 def test_bad_values_name_the_key(recipe, argv, fragments):
     with pytest.raises(ConfigError) as info:
@@ -232,3 +237,16 @@ def test_every_shipped_recipe_parses(monkeypatch):
         if proc is not None:  # the real entry point too, once (each call costs an interpreter start)
             assert proc.returncode == 0, proc.stderr
             assert yaml.safe_load(proc.stdout)["megatron"]["expert_model_parallel_size"] == 8
+
+
+def test_interleaved_pipeline_micro_batch_rule():
+    """Megatron's interleaved schedule: M micro-batches in groups of pp, no remainder (M a multiple of pp)."""
+    layout = ParallelLayout(world_size=4, pp=2, vpp=2)
+    assert [layout.micro_batches_at_least(m) for m in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 6]
+    layout.check_micro_batches(4)
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps\(5\).*Nearest valid "
+                                          r"gradient_accumulation_steps: 4 or 6 "):
+        layout.check_micro_batches(5)
+    plain = ParallelLayout(world_size=4, pp=2)  # 1F1B without VPP runs any count
+    assert plain.micro_batches_at_least(3) == 3
+    plain.check_micro_batches(3)

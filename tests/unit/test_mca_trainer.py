@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ pytest.importorskip("megatron.core")
 
 from backends.mca.trainer.data import BatchPlan, filler_row, model_inputs, pad_to_length  # noqa: E402
 from backends.mca.trainer.metrics import report_targets  # noqa: E402
-from backends.mca.trainer.optim import LR_SCHEDULES, LRSchedule, schedule_name  # noqa: E402
+from backends.mca.trainer.optim import (STEP_SCHEDULES, LRSchedule, check_schedule_name, lr_schedules,  # noqa: E402
+                                        schedule_for, schedule_name)
 from roll.errors import ConfigError  # noqa: E402
 
 
@@ -48,27 +51,66 @@ def test_filler_row_docstring_example_and_pairs():
     assert pair == {"chosen_labels": [-100, -100], "rejected_input_ids": [0, 0]}
 
 
-@pytest.mark.parametrize("name", LR_SCHEDULES)
+SCHEDULE_KWARGS = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "cosine_warmup_with_min_lr": {"min_lr": 0.01},
+                   "warmup_stable_decay": {"num_decay_steps": 4, "min_lr_ratio": 0.1},
+                   "polynomial": {"power": 2.0, "lr_end": 1e-3}, "cosine_with_restarts": {"num_cycles": 2}}
+
+
+@pytest.mark.parametrize("name", lr_schedules())
 @pytest.mark.parametrize("warmup", [0, 3, 0.25])
 def test_lr_schedule_equals_transformers(name, warmup):
-    """Both backends apply the same learning rate at every step."""
+    """Both backends apply the same learning rate at every step (HF's schedule, stepped as HF Trainer)."""
     from transformers import get_scheduler
 
     total, base = 12, 0.1
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
     warmup_steps = warmup if warmup >= 1 else int(-(-total * warmup // 1))
-    hf = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total)
-    ours = LRSchedule(base, name, total, warmup)
+    hf = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total,
+                       scheduler_specific_kwargs=SCHEDULE_KWARGS.get(name))
+    ours = LRSchedule(base, name, total, warmup, SCHEDULE_KWARGS.get(name))
     for step in range(total):
         assert ours.lr(step) == pytest.approx(hf.get_last_lr()[0], abs=1e-12), (name, warmup, step)
         optimizer.step()
         hf.step()
 
 
-def test_unknown_lr_schedule_names_the_choices():
-    with pytest.raises(ConfigError, match="polynomial.*constant, constant_with_warmup, linear, cosine"):
-        schedule_name("polynomial")
-    assert schedule_name("cosine") == "cosine"
+def test_every_step_based_hf_schedule_is_offered():
+    assert {"linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+            "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"} <= set(
+        lr_schedules())
+
+
+def test_the_written_out_schedule_list_is_the_installed_transformers_one():
+    """Config checks read STEP_SCHEDULES (no torch import); it must name exactly what HF offers."""
+    assert set(STEP_SCHEDULES) == set(lr_schedules())
+    for name in ("exponential", "reduce_lr_on_plateau"):
+        with pytest.raises(ConfigError, match=f"lr_scheduler_type '{name}'"):
+            check_schedule_name(name)
+    assert check_schedule_name("cosine_with_min_lr") == "cosine_with_min_lr"
+
+
+def test_unknown_or_metric_driven_lr_schedules_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="lr_scheduler_type 'exponential'.*constant, .*warmup_stable_decay"):
+        schedule_name("exponential")
+    with pytest.raises(ConfigError, match="lr_scheduler_type 'reduce_lr_on_plateau'.*eval metric"):
+        schedule_name("reduce_lr_on_plateau")
+    training = SimpleNamespace(learning_rate=0.1, lr_scheduler_type="cosine_with_min_lr", warmup_steps=0,
+                               lr_scheduler_kwargs={})
+    with pytest.raises(ConfigError, match="lr_scheduler_kwargs.*min_lr"):  # HF needs min_lr or min_lr_rate
+        schedule_for(training, 10)
+    training.lr_scheduler_kwargs = '{"min_lr_rate": 0.5}'  # a JSON string, as HF accepts
+    assert schedule_for(training, 10).lr(10) == pytest.approx(0.05)
+
+
+def test_warmup_ratio_is_warmup_steps_below_one():
+    from roll.config.training import TrainingArguments
+
+    assert TrainingArguments(warmup_ratio=0.1).warmup_steps == 0.1
+    assert LRSchedule(1.0, "linear", 30, 0.1).warmup_steps == 3  # ceil(30 * 0.1), as LLaMA-Factory / HF 4
+    with pytest.raises(ConfigError, match="warmup_ratio .* and warmup_steps .* are both set"):
+        TrainingArguments(warmup_ratio=0.1, warmup_steps=5)
+    with pytest.raises(ConfigError, match="warmup_ratio must be in"):
+        TrainingArguments(warmup_ratio=1.5)
 
 
 def test_pad_to_length_rebuilds_packed_boundaries():

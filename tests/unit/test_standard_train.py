@@ -491,3 +491,12 @@ def test_eval_loss_is_the_per_token_mean_whatever_the_eval_batch_size(tiny_model
     assert abs(sum(batch_means) / 2 - per_token) > 1e-4  # the data tells the two definitions apart
     metrics = _evaluate(tiny_model_dir, tmp_path, "sft", rows, batch=4)
     assert metrics["eval_loss"] == pytest.approx(per_token, rel=1e-5)
+
+
+def test_the_final_eval_is_logged_once_when_eval_strategy_already_ran_it(tiny_model_dir, tmp_path):
+    """eval_steps 3 of 6 steps: HF evaluates at 3 and 6; the router's end-of-run eval reuses step 6's."""
+    _, result, _, _ = train_in_process(tiny_model_dir, tmp_path, n=8, evaluate=True, eval_strategy="steps",
+                                       eval_steps=3)
+    records = [json.loads(line) for line in open(tmp_path / "train_log.jsonl")]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6], records
+    assert result.metrics["eval_loss"] == [r for r in records if "eval_loss" in r][-1]["eval_loss"]

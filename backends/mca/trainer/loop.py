@@ -22,8 +22,9 @@ from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
 from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
-from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_name, step_if_finite,
-                                        wrap_ddp)
+from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_for,
+                                        step_if_finite, sync_params, wrap_ddp)
+from backends.mca.trainer.param_groups import apply_weight_decay
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
 from roll import reliability
 from roll.contract import TrainResult
@@ -91,9 +92,10 @@ class MegatronTrainer:
     def train(self, dataset, collator, resume_from: str | None = None) -> TrainResult:
         t = self.training
         total = self.plan.total_steps(t.max_steps, t.num_train_epochs, len(dataset))
-        schedule = LRSchedule(t.learning_rate, schedule_name(t.lr_scheduler_type), total, t.warmup_steps)
+        schedule = schedule_for(t, total)
         if resume_from:
             self.state = checkpointing.load(resume_from, self.chunks, self.optimizer, self.state)
+            apply_weight_decay(self.optimizer, t.weight_decay)  # the recipe's, not the checkpoint's groups
         log_rank0(logger, "training %d steps of %d samples (micro-batch %d x grad-accum %d x dp %d), %d samples in "
                   "the dataset", total, self.plan.global_batch_size, self.plan.micro_batch_size,
                   self.plan.grad_accum, self.plan.dp_size, len(dataset))
@@ -122,6 +124,7 @@ class MegatronTrainer:
                     self._save()
         finally:
             writer.close()
+        sync_params(self.chunks)  # the final eval and the HF export read the last update's weights
         losses = [entry["loss"] for entry in writer.history if "loss" in entry]
         if losses:
             log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); logs in %s",
@@ -131,6 +134,7 @@ class MegatronTrainer:
 
     def _save(self) -> str:
         reliability.set_activity(f"saving checkpoint-{self.state.global_step}")
+        sync_params(self.chunks)
         return checkpointing.save(self.training.output_dir, self.chunks, self.optimizer, self.state,
                                   self.model_config, keep=self.training.save_total_limit)
 
@@ -166,6 +170,8 @@ class MegatronTrainer:
             self.state.skipped_steps += 1
         self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
         self.state.global_step += 1
+        # Logged as HF Trainer (transformers 5) logs it: the rate this step's update used, read before its
+        # scheduler steps (Trainer._inner_training_loop, "get learning rate before update").
         return StepStats(loss, metrics, real, None if grad_norm is None else float(grad_norm), lr, skipped, aux_loss)
 
     # ---- forward / backward ---------------------------------------------------------------------
@@ -206,9 +212,9 @@ class MegatronTrainer:
         rewards and log-probs), appended to train_log.jsonl at the current step."""
         mbs = self.training.per_device_eval_batch_size
         rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
-        if self.layout.vpp_size > 1:
-            rounds = max(rounds, self.layout.pp)  # the interleaved schedule needs >= PP micro-batches
+        rounds = self.layout.micro_batches_at_least(rounds)  # the interleaved schedule's rule (fillers)
         plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
+        sync_params(self.chunks)
         micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)
         for chunk in self.chunks:
             chunk.eval()

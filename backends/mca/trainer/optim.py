@@ -1,61 +1,103 @@
 """Megatron DDP, the Megatron optimizer from the recipe's Hugging Face keys, and the LR schedule.
 
-The schedule reproduces ``transformers.get_scheduler`` step for step (constant, constant_with_warmup,
-linear, cosine; warmup as steps or, below 1, as a ratio of the run), so both backends apply the same
-learning rate at every step. Its only state is the step count, saved with the trainer state.
+The schedule is Hugging Face's own: ``transformers.get_scheduler`` builds the recipe's
+``lr_scheduler_type`` (with ``lr_scheduler_kwargs`` and the warmup steps HF Trainer derives from
+``warmup_steps``), and the mca loop reads its per-step factor, so both backends apply the same learning
+rate at every step. Its only state is the step count, saved with the trainer state.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # config validation imports schedule_name: --print-config must not import torch
     import torch
 
 from roll.errors import ConfigError
 
-LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
-"""``lr_scheduler_type`` values the mca backend implements (the same curves as Hugging Face's)."""
+METRIC_DRIVEN = {"reduce_lr_on_plateau": "it lowers the rate when an eval metric stops improving",
+                 "greedy": "it changes the rate from the training loss it is fed each step"}
+"""HF schedules that are not a function of the step; the mca loop has no metric hook for them."""
+
+
+STEP_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                  "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+"""``lr_schedules()`` of the pinned transformers, written out so that config checks import no torch
+(tests/unit/test_mca_trainer.py keeps it equal to transformers' ``SchedulerType``)."""
+PLAIN_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+"""Schedules that need no ``lr_scheduler_kwargs``; config checks build HF's function only for the others."""
+
+
+def check_schedule_name(value) -> str:
+    """``schedule_name`` against ``STEP_SCHEDULES``, without importing transformers."""
+    name = str(getattr(value, "value", value))
+    if name in METRIC_DRIVEN:
+        return schedule_name(name)  # its message says why
+    if name not in STEP_SCHEDULES:
+        raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend; choose one of "
+                          f"{', '.join(STEP_SCHEDULES)}.")
+    return name
+
+
+def lr_schedules() -> tuple[str, ...]:
+    """``lr_scheduler_type`` values the mca backend runs: every HF schedule that depends on the step only."""
+    from transformers import SchedulerType
+
+    return tuple(kind.value for kind in SchedulerType if kind.value not in METRIC_DRIVEN)
 
 
 def schedule_name(value) -> str:
     """The recipe's lr_scheduler_type as a plain name (HF may hand an enum); ConfigError if unsupported."""
     name = str(getattr(value, "value", value))
-    if name not in LR_SCHEDULES:
+    if name in METRIC_DRIVEN:
+        raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend: "
+                          f"{METRIC_DRIVEN[name]}. "
+                          f"Choose a step-based schedule: {', '.join(lr_schedules())}.")
+    if name not in lr_schedules():
         raise ConfigError(f"lr_scheduler_type {name!r} is not available on the mca backend; choose one of "
-                          f"{', '.join(LR_SCHEDULES)}.")
+                          f"{', '.join(lr_schedules())}.")
     return name
 
 
 @dataclass
 class LRSchedule:
-    """Learning rate at each optimizer step, as ``transformers.get_scheduler`` computes it."""
+    """Learning rate at each optimizer step, from ``transformers.get_scheduler``'s own schedule function."""
 
     base_lr: float
     name: str
     total_steps: int
     warmup: float = 0
     """Warmup steps (>= 1) or a ratio of ``total_steps`` (< 1), like HF's ``warmup_steps``."""
+    kwargs: dict | None = None
+    """HF's ``lr_scheduler_kwargs`` (``min_lr_rate`` for cosine_with_min_lr, ``power`` for polynomial, ...)."""
+    _factor: Callable[[int], float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        import torch
+        from transformers import get_scheduler
+
+        # Some schedules read the optimizer's base rate (polynomial's lr_end, min_lr): give them the recipe's.
+        probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=self.base_lr)
+        try:
+            scheduler = get_scheduler(schedule_name(self.name), probe, num_warmup_steps=self.warmup_steps,
+                                      num_training_steps=self.total_steps,
+                                      scheduler_specific_kwargs=self.kwargs or None)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"lr_scheduler_type {self.name!r} with lr_scheduler_kwargs "
+                              f"{self.kwargs or {}}: {exc}. Set lr_scheduler_kwargs to what this schedule takes.") from None
+        self._factor = scheduler.lr_lambdas[0]  # LambdaLR: the rate is base_lr * factor(step)
 
     @property
     def warmup_steps(self) -> int:
+        """HF ``TrainingArguments.get_warmup_steps``: steps, or below 1 a ratio of the run rounded up."""
         return int(self.warmup) if self.warmup >= 1 else math.ceil(self.total_steps * self.warmup)
 
     def lr(self, step: int) -> float:
         """The learning rate used by the update that follows ``step`` completed updates."""
-        warmup = self.warmup_steps
-        if self.name == "constant":
-            return self.base_lr
-        if step < warmup:
-            return self.base_lr * step / max(1, warmup)
-        if self.name == "constant_with_warmup":
-            return self.base_lr
-        progress = (step - warmup) / max(1, self.total_steps - warmup)
-        if self.name == "linear":
-            return self.base_lr * max(0.0, 1.0 - progress)
-        return self.base_lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # cosine, half a cycle
+        return self.base_lr * self._factor(step)
 
     def apply(self, optimizer, step: int) -> float:
         """Set every parameter group's learning rate for the update after ``step``; returns it."""
@@ -63,6 +105,21 @@ class LRSchedule:
         for group in optimizer.param_groups:
             group["lr"] = lr
         return lr
+
+
+def schedule_for(training, total_steps: int) -> LRSchedule:
+    """The recipe's schedule over ``total_steps`` (``lr_scheduler_kwargs`` may be a JSON string, as on HF)."""
+    kwargs = training.lr_scheduler_kwargs
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs) if kwargs.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"lr_scheduler_kwargs is not a JSON object: {exc}.") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"lr_scheduler_kwargs must be a mapping, e.g. {{min_lr_rate: 0.1}}; "
+                          f"got {kwargs!r}.")
+    return LRSchedule(training.learning_rate, schedule_name(training.lr_scheduler_type), total_steps,
+                      training.warmup_steps, kwargs)
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: bool) -> list[torch.nn.Module]:
@@ -89,8 +146,11 @@ def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: 
 
 def build_optimizer(chunks: list[torch.nn.Module], training, megatron_args):
     """``get_megatron_optimizer`` (AdamW) from the HF keys: adam_beta1/2, adam_epsilon, weight_decay,
-    max_grad_norm (0 disables clipping), precision, use_distributed_optimizer and CPU offload."""
+    max_grad_norm (0 disables clipping), precision, use_distributed_optimizer and CPU offload. Weight
+    decay skips what HF Trainer skips (biases, norm weights: ``param_groups``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from backends.mca.trainer.param_groups import apply_weight_decay, config_overrides
 
     config = chunks[0].config
     optimizer_config = OptimizerConfig(
@@ -99,7 +159,9 @@ def build_optimizer(chunks: list[torch.nn.Module], training, megatron_args):
         clip_grad=training.max_grad_norm or 0.0, bf16=bool(training.bf16), fp16=bool(training.fp16),
         params_dtype=config.params_dtype, use_distributed_optimizer=megatron_args.use_distributed_optimizer,
         optimizer_cpu_offload=getattr(megatron_args, "optimizer_cpu_offload", False))
-    return get_megatron_optimizer(optimizer_config, chunks)
+    optimizer = get_megatron_optimizer(optimizer_config, chunks, config_overrides=config_overrides(chunks))
+    apply_weight_decay(optimizer, training.weight_decay)
+    return optimizer
 
 
 def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> None:
@@ -120,6 +182,21 @@ def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> No
             config.param_sync_func = config.param_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+
+
+def sync_params(chunks: list[torch.nn.Module]) -> None:
+    """Bring every rank's model weights up to date now (collective; a no-op without overlap_param_gather).
+
+    With the distributed optimizer and ``overlap_param_gather``, the all-gather of the shards an optimizer
+    step updated is deferred to the next forward's pre-hooks, so after a step the weights a rank holds
+    outside its own shard are one update old. Checkpoints, the HF export and eval read the weights, so each
+    first forces that all-gather (Megatron-LM does the same with ``disable_forward_pre_hook`` around saves
+    and evals). The gradient reduction needs no such step: ``finalize_model_grads`` finishes it inside
+    every step, overlapped or not.
+    """
+    for chunk in chunks:
+        if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def step_if_finite(optimizer) -> tuple[bool, float | None]:
