@@ -52,7 +52,9 @@ def format_help() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from roll import redact
+
+    argv = list(sys.argv[1:] if argv is None else argv) + redact.inherited_secrets()  # from roll-train's launcher
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from roll.logging import setup_logging
 
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(f"roll-train {__version__}\n")
             return 0
         if options.print_config:
-            sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            sys.stdout.write(yaml.safe_dump(redact.redact(config.to_dict()), sort_keys=False))
             return 0
         if options.plan:
             from roll.plan import plan_run

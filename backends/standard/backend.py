@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from datetime import timedelta
 
 from backends.base import Backend, register_backend
 from backends.standard import _compat
 from backends.standard.ds_config import DeepSpeedSettings, check_combination, load_deepspeed_config
 from backends.standard.hf_args import build_hf_args
+from roll import unpickle
 from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
@@ -65,6 +67,7 @@ class StandardBackend(Backend):
                 check_combination(self._deepspeed, training)
                 self._restore_env = _compat.single_process_env()  # W5
                 _compat.init_deepspeed_comm(training.ddp_timeout)  # W3: before any HF config exists
+                _compat.restrict_deepspeed_loads()  # W7
             elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
                 dist.init_process_group(backend=current_platform().dist_backend,
                                         timeout=timedelta(seconds=training.ddp_timeout))
@@ -125,9 +128,12 @@ class StandardBackend(Backend):
                       processing_class=job.tokenizer)
         if job.stage == "dpo":
             dpo_trainer = make_dpo_trainer_class()
-            return dpo_trainer(model=models.policy, ref_model=models.ref,
-                               data_collator=PreferenceBatch(job.collator), **common)
-        return RollTrainer(model=models.policy, data_collator=job.collator, **common)
+            trainer = dpo_trainer(model=models.policy, ref_model=models.ref,
+                                  data_collator=PreferenceBatch(job.collator), **common)
+        else:
+            trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)
+        trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
+        return trainer
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
         from backends.standard.reliability import ReliabilityCallback, RunComplete
@@ -149,6 +155,8 @@ class StandardBackend(Backend):
                 log_rank0(logger, "%s already holds all %d steps: nothing left to train", resume,
                           self._trainer.state.max_steps)
                 metrics = {}
+            except pickle.UnpicklingError as exc:  # HF's weights_only loads of rng/optimizer/scheduler files
+                raise unpickle.refusal(f"a file of {resume}", exc) from None
             if guard.stopped_at is not None:
                 raise Preempted(_preempted_message(guard.stopped_at, self._hf_args.output_dir,
                                                    training.save_on_preemption))
