@@ -54,7 +54,8 @@ def format_help() -> str:
 def main(argv: list[str] | None = None) -> int:
     from roll import redact
 
-    argv = list(sys.argv[1:] if argv is None else argv) + redact.inherited_secrets()  # from roll-train's launcher
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv += redact.inherited_secrets()  # secret keys roll-train's launcher passed in the environment
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from roll.logging import setup_logging
 

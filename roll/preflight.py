@@ -200,13 +200,14 @@ def check_chat_template(config) -> None:
 def check_pickles(config) -> None:
     """Every pickle-based file in the model folders and the resumed checkpoint loads under roll's allow-list
     (nothing in them runs), unless trust_checkpoint_pickles: refused here, once, naming the file, instead of
-    on every rank (the loads themselves are restricted too: roll.unpickle and the backends' compat modules)."""
+    on every rank (the loads themselves are restricted too: roll.unpickle and the compat modules)."""
     from roll import unpickle
 
     if config.model.trust_checkpoint_pickles:
         return
     training = config.training
-    folders = [config.model.model_name_or_path, resolve_resume(training.resume_from_checkpoint, training.output_dir)]
+    resume = resolve_resume(training.resume_from_checkpoint, training.output_dir)
+    folders = [config.model.model_name_or_path, resume]
     if config.finetuning.stage == "dpo":
         folders.append(config.finetuning.ref_model)
     for folder in filter(None, folders):

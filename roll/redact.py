@@ -67,7 +67,7 @@ def split_secrets(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def inherited_secrets() -> list[str]:
-    """The secret ``key=value`` arguments roll-train's launcher put in :data:`SECRETS_ENV` (none outside it)."""
+    """The secret ``key=value`` arguments roll-train's launcher put in :data:`SECRETS_ENV`."""
     if "ROLL_LAUNCHED" not in os.environ:  # roll.launch.LAUNCHED_ENV: only a rank it started inherits them
         return []
     return list(json.loads(os.environ.get(SECRETS_ENV) or "[]"))

@@ -59,7 +59,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
     """Run the configured stage end to end (or only the data side with dry_run)."""
     from roll import unpickle
 
-    unpickle.set_trusted(config.model.trust_checkpoint_pickles)  # for loads deep inside DeepSpeed / PyTorch DCP
+    unpickle.set_trusted(config.model.trust_checkpoint_pickles)  # loads deep inside DeepSpeed / PyTorch DCP
     backend = get_backend_class(config.backend_name)(config)
     policy = backend.padding_policy(config.finetuning.stage)
     if dry_run:

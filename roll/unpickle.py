@@ -12,6 +12,7 @@ The threat model: docs/reliability.md, "What roll trusts".
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import pickle
@@ -31,14 +32,10 @@ class UntrustedPickle(ModelError):
 
 
 def set_trusted(value: bool) -> None:
-    """Process-wide: whether files may be unpickled without the allow-list (``trust_checkpoint_pickles``).
-    Process-wide because the loads it governs happen deep inside DeepSpeed and PyTorch (see the compat modules)."""
+    """Whether files may be unpickled without the allow-list (``trust_checkpoint_pickles``); process-wide,
+    because the loads it governs happen deep inside DeepSpeed and PyTorch (see the compat modules)."""
     global _trusted
     _trusted = bool(value)
-
-
-def trusted() -> bool:
-    return _trusted
 
 
 def allowed_globals() -> list:
@@ -53,10 +50,10 @@ def allowed_globals() -> list:
 
     np_core = np._core if hasattr(np, "_core") else np.core
     allowed = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-               metadata.Metadata, metadata.MetadataIndex, metadata.ChunkStorageMetadata, metadata.TensorProperties,
-               metadata.TensorStorageMetadata, metadata.BytesStorageMetadata, metadata.StorageMeta,
-               metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size, torch.memory_format,
-               torch.layout]
+               metadata.Metadata, metadata.MetadataIndex, metadata.ChunkStorageMetadata,
+               metadata.TensorProperties, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+               metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size,
+               torch.memory_format, torch.layout]
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -67,7 +64,7 @@ def allowed_globals() -> list:
 
 
 def torch_load(source: str | IO[bytes], path: str | None = None, **kwargs) -> Any:
-    """``torch.load`` of a file or buffer (``path``: the file it came from, for messages) under the allow-list."""
+    """``torch.load`` of a file or buffer under the allow-list; ``path``: the file, for messages."""
     import torch
 
     path = path or str(source)
@@ -103,7 +100,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return found
 
 
+@functools.lru_cache(maxsize=1)
 def _allowed_by_name() -> dict[str, Any]:
+    """``module.name`` -> object, for :class:`_RestrictedUnpickler`: the allow-list, the classes of PyTorch
+    DCP's save plans (Megatron keeps them in ``.metadata``), torch dtypes and paths."""
     import collections
     import pathlib
 
@@ -111,8 +111,8 @@ def _allowed_by_name() -> dict[str, Any]:
     from torch.distributed.checkpoint import planner
 
     objects = allowed_globals() + [planner.SavePlan, planner.WriteItem, planner.TensorWriteData,
-                                   planner.WriteItemType, torch.serialization._get_layout, collections.OrderedDict,
-                                   pathlib.PurePosixPath, pathlib.PosixPath]
+                                   planner.WriteItemType, torch.serialization._get_layout,
+                                   collections.OrderedDict, pathlib.PurePosixPath, pathlib.PosixPath]
     names = {f"{obj.__module__}.{obj.__qualname__}": obj for obj in objects}
     names.update({str(dtype): dtype for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)})
     return names
@@ -122,14 +122,15 @@ def refusal(path: str, exc: BaseException) -> UntrustedPickle:
     """The one-paragraph message for a file the allow-list refused (or that is not a readable pickle)."""
     found = re.search(r"GLOBAL ([\w.]+)", str(exc))
     if found is None and not re.search(r"Unsupported|not an allowed|Weights only load failed", str(exc)):
-        return UntrustedPickle(f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-                               ". The file is damaged or not what its name says: copy it again.")
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return UntrustedPickle(f"cannot read {path}: {reason}. The file is damaged or not what its name "
+                               "says: copy it again.")
     what = f"names {found.group(1)}, which" if found else "holds an object that"
     return UntrustedPickle(
-        f"refusing to load {path}: it is a pickle that {what} is not among the tensors and plain data roll "
-        f"loads from checkpoints and model folders, and unpickling it could run code. If you made this file or "
-        f"trust where it came from, set {TRUST_KEY}: true (recipe key or --{TRUST_KEY} true; roll-convert: "
-        f"--{TRUST_KEY.replace('_', '-')}).")
+        f"refusing to load {path}: it is a pickle that {what} is not among the tensors and plain data "
+        "roll loads from checkpoints and model folders, and unpickling it could run code. If you made this "
+        f"file or trust where it came from, set {TRUST_KEY}: true (recipe key or --{TRUST_KEY} true; "
+        f"roll-convert: --{TRUST_KEY.replace('_', '-')}).")
 
 
 # ---- checking a folder before anything loads ---------------------------------------------------
@@ -141,7 +142,7 @@ _SKIPPED = ("training_args.bin",)
 def pickle_files(folder: str) -> list[str]:
     """The pickle-based files of a checkpoint or model folder that roll or its libraries read: ``*.pt``,
     ``*.pth``, ``*.bin`` and distributed-checkpoint ``.metadata``, in subfolders too (DeepSpeed's
-    ``global_stepN/``, mca's ``rng/``). ``.distcp`` payloads are checked when read (the mca compat patches)."""
+    ``global_stepN/``, mca's ``rng/``). ``.distcp`` bytes are checked when read (the mca compat patch)."""
     found = []
     for pattern in ("*.pt", "*.pth", "*.bin", "*.metadata", ".metadata"):
         found += glob.glob(os.path.join(folder, "**", pattern), recursive=True)
@@ -149,8 +150,9 @@ def pickle_files(folder: str) -> list[str]:
 
 
 def check_folder(folder: str) -> None:
-    """Every pickle in ``folder`` loads under the allow-list (nothing in it is executed); :class:`UntrustedPickle`
-    naming the first that does not. Tensors are memory-mapped, not read, so this costs little on large files."""
+    """Every pickle in ``folder`` loads under the allow-list (nothing in it is executed), else an
+    :class:`UntrustedPickle` naming the first that does not. Tensors are memory-mapped, not read: cheap for
+    large files."""
     if _trusted or not os.path.isdir(folder):
         return
     for path in pickle_files(folder):

@@ -82,7 +82,8 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     start = time.perf_counter()
     sharded = sharded_model_state_dict(model_chunks)
     with user_errors_of(ckpt_dir):
-        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir,
+                                                              strict=StrictHandling.RETURN_ALL)
     if not_in_checkpoint:
         raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
                          f"{sorted(not_in_checkpoint)[:5]}. Was it saved from another architecture or config?")

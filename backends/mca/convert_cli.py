@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "mca2hf":
             cmd.add_argument("--max-shard-gb", type=float, default=2.0, help="max size of one safetensors file")
             cmd.add_argument("--trust-checkpoint-pickles", action="store_true",
-                             help="load --input even if its pickle files (.metadata, common.pt, .distcp bytes) name "
-                                  "Python objects beyond roll's allow-list, which can run code (docs/reliability.md)")
+                             help="load --input even if its pickle files (.metadata, common.pt, .distcp bytes) "
+                                  "name Python objects beyond roll's allow-list, which can run code "
+                                  "(docs/reliability.md)")
     return parser
 
 

@@ -78,9 +78,10 @@ class RollTrainerMixin:
         return self._roll_speed.metrics(tokens, now - since, steps, seq_length=tokens / max(rows, 1))
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        """HF ends this with a pickle of its TrainingArguments (hub_token included) in ``training_args.bin``, in
-        output_dir and every checkpoint; roll writes ``training_args.json`` there instead (roll's arguments,
-        secrets redacted: ``roll.redact``). Secrets are blanked while HF saves, so none reaches the disk."""
+        """HF ends this with a pickle of its TrainingArguments (hub_token included) in
+        ``training_args.bin``, in output_dir and every checkpoint; roll writes ``training_args.json`` there
+        instead (roll's arguments, secrets redacted: ``roll.redact``). Secrets are blanked while HF saves, so
+        none reaches the disk."""
         secrets = {name: value for name, value in vars(self.args).items() if redact.is_secret(name) and value}
         for name in secrets:
             setattr(self.args, name, None)

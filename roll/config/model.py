@@ -20,10 +20,10 @@ class ModelArguments:
     """Allow executing model/tokenizer code shipped with the checkpoint. Off unless you trust the source."""
 
     trust_checkpoint_pickles: bool = False
-    """Load pickle-based checkpoint and model files (DeepSpeed *.pt, Megatron .metadata / common.pt / .distcp
-    bytes, HF *.pth) even when they name Python objects beyond tensors and roll's allow-list: unpickling such a
-    file can run any code. Off unless you made the files or trust their source (docs/reliability.md, "What roll
-    trusts")."""
+    """Load pickle-based checkpoint and model files (DeepSpeed *.pt, Megatron .metadata / common.pt /
+    .distcp bytes, HF *.pth) even when they name Python objects beyond tensors and roll's allow-list:
+    unpickling such a file can run any code. Off unless you made the files or trust their source
+    (docs/reliability.md, "What roll trusts")."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the weights are loaded in; 'auto' follows bf16/fp16 of the training arguments, else float32."""

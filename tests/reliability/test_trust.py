@@ -1,13 +1,14 @@
 """Safe by default: no file roll reads runs code unless the user opts in, and no secret is written or logged.
 
-A payload pickle (``tests/reliability/payloads.py``: unpickling it only creates a marker file) is planted in each
-pickle-based file of a DeepSpeed checkpoint, a Megatron (mca) checkpoint and a Megatron-format model folder,
-all written by real runs of this module; every way roll reads them (resume, model_name_or_path, ref_model,
-``roll-convert mca2hf``) must end with exit code 2, one ``error:`` line naming the file and the opt-in key,
-and no marker. Refusals found before anything starts (``roll.preflight``) run roll-train's ``main`` in-process
-(milliseconds each); the payload inside ``.distcp`` bytes is only met while ranks load, so that case is a real
-run, and the loads behind the pre-flight scan (DeepSpeed's, PyTorch DCP's, megatron's) are checked on their own
-in one subprocess. The two training runs carry a ``hub_token`` that must appear in no file and no log line.
+A payload pickle (``tests/reliability/payloads.py``: unpickling it only creates a marker file) is planted in
+each pickle-based file of a DeepSpeed checkpoint, a Megatron (mca) checkpoint and a Megatron-format model
+folder, all written by real runs of this module; every way roll reads them (resume, model_name_or_path,
+ref_model, ``roll-convert mca2hf``) must end with exit code 2, one ``error:`` line naming the file and the
+opt-in key, and no marker. Refusals found before anything starts (``roll.preflight``) run roll-train's
+``main`` in-process (milliseconds each); the payload inside ``.distcp`` bytes is only met while ranks load, so
+that case is a real run, and the loads behind the pre-flight scan (DeepSpeed's, PyTorch DCP's, megatron's)
+are checked on their own in one subprocess. The two training runs carry a ``hub_token`` that must appear in no
+file and no log line.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def test_the_secret_is_in_no_file_and_no_log(runs, backend):
             assert SECRET.encode() not in fh.read(), path
     assert not glob.glob(os.path.join(out, "**", "training_args.bin"), recursive=True)  # no pickle
     saved = sorted(glob.glob(os.path.join(out, "**", redact.ARGUMENTS_FILE), recursive=True))
-    assert saved == [os.path.join(out, "checkpoint-2", redact.ARGUMENTS_FILE), os.path.join(out, redact.ARGUMENTS_FILE)]
+    assert saved == [os.path.join(out, "checkpoint-2", redact.ARGUMENTS_FILE),
+                     os.path.join(out, redact.ARGUMENTS_FILE)]
     for path in saved:
         with open(path, encoding="utf-8") as fh:
             arguments = json.load(fh)
@@ -86,10 +88,11 @@ def test_print_config_redacts_secrets(capsys):
     assert SECRET not in printed and f"hub_token: {redact.REDACTED}" in printed
 
 
-@pytest.mark.parametrize("key, secret", [("hub_token", True), ("token", True), ("wandb_api_key", True),
-                                         ("db_password", True), ("client_secret", True), ("tokenizer_name_or_path",
-                                         False), ("calculate_per_token_loss", False), ("pad_token_id", False),
-                                         ("hub_model_id", False)])
+@pytest.mark.parametrize("key, secret", [
+    ("hub_token", True), ("token", True), ("wandb_api_key", True), ("db_password", True),
+    ("client_secret", True),
+    ("tokenizer_name_or_path", False), ("calculate_per_token_loss", False), ("pad_token_id", False),
+    ("hub_model_id", False)])
 def test_which_keys_are_secret(key, secret):
     assert redact.is_secret(key) is secret
 
@@ -151,8 +154,10 @@ def test_a_payload_in_a_checkpoint_is_refused_on_resume(runs, capsys, source, na
     ckpt, marker = _case_dir(runs, case, source), os.path.join(runs["root"], case + ".ran")
     plant = payloads.plant_pickle if name == ".metadata" else payloads.plant_torch
     plant(os.path.join(ckpt, name), marker)
-    backend = ["deepspeed=recipes/deepspeed/ds_z2.json", "nproc_per_node=2"] if source == "ds" else ["use_mca=true"]
-    argv = _base(runs["model"], os.path.dirname(ckpt), *backend, "max_steps=3", f"resume_from_checkpoint={ckpt}")
+    backend = ["deepspeed=recipes/deepspeed/ds_z2.json", "nproc_per_node=2"] if source == "ds" else [
+        "use_mca=true"]
+    argv = _base(runs["model"], os.path.dirname(ckpt), *backend, "max_steps=3",
+                 f"resume_from_checkpoint={ckpt}")
     _refused_in_process(argv, capsys, os.path.join(ckpt, name), marker)
 
 
@@ -161,14 +166,15 @@ def test_a_payload_in_a_checkpoint_is_refused_on_resume(runs, capsys, source, na
 def test_a_payload_in_a_megatron_model_folder_is_refused(runs, capsys, use, name):
     case = f"folder_{use}_{name}"
     folder, marker = _model_folder(runs, case), os.path.join(runs["root"], case + ".ran")
-    (payloads.plant_pickle if name == ".metadata" else payloads.plant_torch)(os.path.join(folder, name), marker)
+    plant = payloads.plant_pickle if name == ".metadata" else payloads.plant_torch
+    plant(os.path.join(folder, name), marker)
     out = os.path.join(runs["root"], case + "_out")
     if use == "roll-convert":
         argv, tool = ["mca2hf", "--input", folder, "--output", out], "roll-convert"
     elif use == "ref_model":
-        argv, tool = [f"model_name_or_path={runs['model']}", "stage=dpo", f"ref_model={folder}", "use_mca=true",
-                      "dataset=recipes/demo/data/arithmetic_dpo.json", f"output_dir={out}", "report_to=none"], \
-            "roll-train"
+        argv, tool = [f"model_name_or_path={runs['model']}", "stage=dpo", f"ref_model={folder}",
+                      "use_mca=true", "dataset=recipes/demo/data/arithmetic_dpo.json", f"output_dir={out}",
+                      "report_to=none"], "roll-train"
     else:
         argv, tool = _base(folder, out, "use_mca=true"), "roll-train"
     _refused_in_process(argv, capsys, os.path.join(folder, name), marker, tool)
@@ -193,8 +199,9 @@ def test_a_payload_in_distcp_bytes_is_refused_while_loading(runs):
 
 
 def test_the_loads_behind_the_preflight_are_restricted_too(runs):
-    """Without roll-train's pre-flight scan (a library user, a file swapped after it): DeepSpeed's checkpoint
-    engine (W7), PyTorch DCP's metadata reader and megatron's common.pt reader refuse the payload themselves."""
+    """Without roll-train's pre-flight scan (a library user, a file swapped after it): DeepSpeed's
+    checkpoint engine (W7), PyTorch DCP's metadata reader and megatron's common.pt reader refuse it
+    themselves."""
     root = os.path.join(runs["root"], "runtime")
     ds_file = os.path.join(_case_dir(runs, "runtime", "ds"), "global_step2", "mp_rank_00_model_states.pt")
     meta_dir = _case_dir(runs, "runtime_meta", "mca")
@@ -235,8 +242,8 @@ def test_the_opt_in_loads_a_trusted_file(runs, capsys):
     state = torch.load(path, weights_only=False)
     state["saved_on"] = datetime.date(2026, 1, 1)
     torch.save(state, path)
-    argv = _base(runs["model"], os.path.dirname(ckpt), "deepspeed=recipes/deepspeed/ds_z2.json", "nproc_per_node=2",
-                 "max_steps=3", f"resume_from_checkpoint={ckpt}")
+    argv = _base(runs["model"], os.path.dirname(ckpt), "deepspeed=recipes/deepspeed/ds_z2.json",
+                 "nproc_per_node=2", "max_steps=3", f"resume_from_checkpoint={ckpt}")
     from roll.cli import main
 
     assert main(argv) == 2

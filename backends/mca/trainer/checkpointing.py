@@ -63,8 +63,8 @@ class TrainerState:
 
 def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: TrainerState, model_config,
          keep: int | None = None, arguments: dict | None = None) -> str:
-    """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``. ``arguments``: the
-    run's, written as training_args.json with secrets redacted (``roll.redact``)."""
+    """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``.
+    ``arguments``: the run's, written as training_args.json with secrets redacted (``roll.redact``)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
