@@ -30,6 +30,16 @@ _trusted = False
 class UntrustedPickle(ModelError):
     """A pickle-based file names a callable outside :func:`allowed_globals`, or cannot be read at all."""
 
+    def __init__(self, message: str, path: str = "", cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.path, self.cause = path, cause
+
+    def within(self, folder: str) -> UntrustedPickle:
+        """The same refusal, ``path`` taken relative to ``folder`` (PyTorch's reader names files so)."""
+        if os.path.isabs(self.path) or self.cause is None:
+            return self
+        return refusal(os.path.join(folder, self.path), self.cause)
+
 
 def set_trusted(value: bool) -> None:
     """Whether files may be unpickled without the allow-list (``trust_checkpoint_pickles``); process-wide,
@@ -124,13 +134,13 @@ def refusal(path: str, exc: BaseException) -> UntrustedPickle:
     if found is None and not re.search(r"Unsupported|not an allowed|Weights only load failed", str(exc)):
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return UntrustedPickle(f"cannot read {path}: {reason}. The file is damaged or not what its name "
-                               "says: copy it again.")
+                               "says: copy it again.", path, exc)
     what = f"names {found.group(1)}, which" if found else "holds an object that"
     return UntrustedPickle(
         f"refusing to load {path}: it is a pickle that {what} is not among the tensors and plain data "
         "roll loads from checkpoints and model folders, and unpickling it could run code. If you made this "
         f"file or trust where it came from, set {TRUST_KEY}: true (recipe key or --{TRUST_KEY} true; "
-        f"roll-convert: --{TRUST_KEY.replace('_', '-')}).")
+        f"roll-convert: --{TRUST_KEY.replace('_', '-')}).", path, exc)
 
 
 # ---- checking a folder before anything loads ---------------------------------------------------

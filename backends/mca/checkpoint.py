@@ -110,7 +110,7 @@ def user_errors_of(ckpt_dir: str):
     except CheckpointException as exc:
         for error, _ in exc.failures.values():
             if isinstance(error, UntrustedPickle):
-                raise UntrustedPickle(str(error).replace("load __", f"load {ckpt_dir}/__", 1)) from None
+                raise error.within(ckpt_dir) from None
             if isinstance(error, RollError):
                 raise error from None
         raise

@@ -407,7 +407,7 @@ def _patch_restricted_checkpoint_reads() -> None:
 
     def load_bytes(self, read_item, value):
         where = self.metadata.storage_data[read_item.storage_index].relative_path
-        loaded = unpickle.torch_load(value, f"{where} (entry {read_item.dest_index.fqn})")
+        loaded = unpickle.torch_load(value, f"{where} (entry {read_item.dest_index.fqn})")  # relative path
         if self.flatten_state_dict:
             fqn = read_item.dest_index.fqn
             default_planner.set_element(self.original_state_dict, self.mappings[fqn], loaded)

@@ -142,9 +142,10 @@ def _refused_in_process(argv: list[str], capsys, path: str, marker: str, tool: s
     assert not os.path.exists(marker), "the payload ran"
 
 
+# optimizer.pt: HF's (written without DeepSpeed), planted beside DeepSpeed's files: the scan reads every pickle.
 CHECKPOINT_FILES = [("ds", "global_step2/mp_rank_00_model_states.pt"),
                     ("ds", "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
-                    ("ds", "rng_state_1.pth"), ("ds", "scheduler.pt"),
+                    ("ds", "rng_state_1.pth"), ("ds", "scheduler.pt"), ("ds", "optimizer.pt"),
                     ("mca", ".metadata"), ("mca", "common.pt"), ("mca", "rng/rank_0.pt")]
 
 
