@@ -130,9 +130,10 @@ def _allowed_by_name() -> dict[str, Any]:
 
 def refusal(path: str, exc: BaseException) -> UntrustedPickle:
     """The one-paragraph message for a file the allow-list refused (or that is not a readable pickle)."""
-    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-    if found is None and not re.search(r"Unsupported|not an allowed|Weights only load failed", str(exc)):
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = str(exc).split("WeightsUnpickler error:")[-1].strip()  # torch's weights_only wraps the reason
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found is None and not re.search(r"allowed|allowlisted|unrecognized function", text):
+        reason = text.splitlines()[0] if text else type(exc).__name__
         return UntrustedPickle(f"cannot read {path}: {reason}. The file is damaged or not what its name "
                                "says: copy it again.", path, exc)
     what = f"names {found.group(1)}, which" if found else "holds an object that"
