@@ -19,11 +19,10 @@ from backends.base import Backend, register_backend
 from backends.standard import _compat
 from backends.standard.ds_config import DeepSpeedSettings, check_combination, load_deepspeed_config
 from backends.standard.hf_args import build_hf_args
-from roll import unpickle
 from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
-from roll.errors import Preempted, TrainingStopped
+from roll.errors import ModelError, Preempted, TrainingStopped
 from roll.launch import local_rank
 from roll.logging import log_rank0, warn_once
 
@@ -155,8 +154,8 @@ class StandardBackend(Backend):
                 log_rank0(logger, "%s already holds all %d steps: nothing left to train", resume,
                           self._trainer.state.max_steps)
                 metrics = {}
-            except pickle.UnpicklingError as exc:  # HF's weights_only loads of rng/optimizer/scheduler files
-                raise unpickle.refusal(f"a file of {resume}", exc) from None
+            except pickle.UnpicklingError as exc:  # HF's own weights_only loads, past roll.preflight
+                raise _refused_by_transformers(resume, exc) from None
             if guard.stopped_at is not None:
                 raise Preempted(_preempted_message(guard.stopped_at, self._hf_args.output_dir,
                                                    training.save_on_preemption))
@@ -211,6 +210,13 @@ class StandardBackend(Backend):
             # roll-train's launcher reads a planned stop's code from the rank's report; by hand it is the
             # exit code
             _compat.install_clean_exit(0 if self._succeeded or under_roll_launcher() else self._planned_stop)
+
+
+def _refused_by_transformers(resume: str, exc: Exception) -> ModelError:
+    reason = (str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines() or [type(exc).__name__])[0]
+    return ModelError(f"transformers refused a file of {resume} (rng_state*.pth, optimizer.pt or "
+                      "scheduler.pt, which it loads weights_only whatever trust_checkpoint_pickles says): "
+                      f"{reason.rstrip('.')}. Resume from a checkpoint with intact files.")
 
 
 def _preempted_message(step: int, output_dir: str, saved: bool) -> str:
