@@ -53,7 +53,10 @@ def format_help() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from roll import redact
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv += redact.inherited_secrets()  # secret keys roll-train's launcher passed in the environment
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from roll.logging import setup_logging
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(f"roll-train {__version__}\n")
             return 0
         if options.print_config:
-            sys.stdout.write(yaml.safe_dump(_printable(config), sort_keys=False))
+            sys.stdout.write(yaml.safe_dump(redact.redact(_printable(config)), sort_keys=False))
             return 0
         if options.plan:
             from roll.plan import plan_run

@@ -119,16 +119,21 @@ def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
     """Run the launcher as a child and wait; the first Ctrl-C / SIGTERM asks every rank to finish its step
     and save (``roll.reliability``), a second one stops the launcher at once. The ranks report how they ended
     in status files, so the exit code is theirs (2 user mistake, 3 diverged, 4 hung, 75 preempted)."""
+    from roll import redact
+
     t = config.training
+    argv, secrets = redact.split_secrets(argv)  # launchers log their command line; ps shows it to everyone
     cmd = launch_command(config, argv)
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
+    if secrets:
+        env[redact.SECRETS_ENV] = json.dumps(secrets)
     env.setdefault("OMP_NUM_THREADS", "1")  # the deepspeed launcher does not set it; 2-4x slower without
     from roll.platform import current_platform
 
     if not current_platform().is_accelerator:
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would detect it too, with a warning per rank
     where = f" (node {t.node_rank} of {t.nnodes})" if t.nnodes > 1 else ""
-    logger.info("launching %d processes%s: %s", t.nproc_per_node, where, " ".join(cmd))
+    logger.info("launching %d processes%s: %s", t.nproc_per_node, where, " ".join(redact.redact_argv(cmd)))
     with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir:
         env[STATUS_DIR_ENV] = status_dir
         code = run_child(cmd, graceful=True, env=env)

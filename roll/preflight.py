@@ -44,6 +44,7 @@ def check_before_training(config, *, launching: bool) -> None:
                         use_mca=training.use_mca, key="ref_model")
     check_chat_template(config)
     check_resume(config)
+    check_pickles(config)
 
 
 # ---- the machine --------------------------------------------------------------------------------
@@ -241,6 +242,25 @@ def check_chat_template(config) -> None:
     raise ConfigError(f"the tokenizer in {path!r} has no chat template, which stage {stage} needs to lay out "
                       f"conversations. Set template: to one of {names} (the one the model will be prompted "
                       "with), or use a tokenizer that has a chat template.")
+
+
+# ---- pickles (roll.unpickle) --------------------------------------------------------------------
+
+def check_pickles(config) -> None:
+    """Every pickle-based file in the model folders and the resumed checkpoint loads under roll's allow-list
+    (nothing in them runs), unless trust_checkpoint_pickles: refused here, once, naming the file, instead of
+    on every rank (the loads themselves are restricted too: roll.unpickle and the compat modules)."""
+    from roll import unpickle
+
+    if config.model.trust_checkpoint_pickles:
+        return
+    training = config.training
+    resume = resolve_resume(training.resume_from_checkpoint, training.output_dir)
+    folders = [config.model.model_name_or_path, resume]
+    if config.finetuning.stage == "dpo":
+        folders.append(config.finetuning.ref_model)
+    for folder in filter(None, folders):
+        unpickle.check_folder(folder)
 
 
 # ---- resuming -----------------------------------------------------------------------------------

@@ -57,6 +57,9 @@ def build_job(config: RunConfig, padding_policy) -> tuple[TrainJob, object]:
 def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         out: Callable[[str], None] = sys.stdout.write) -> TrainResult | None:
     """Run the configured stage end to end (or only the data side with dry_run)."""
+    from roll import unpickle
+
+    unpickle.set_trusted(config.model.trust_checkpoint_pickles)  # loads deep inside DeepSpeed / PyTorch DCP
     backend = get_backend_class(config.backend_name)(config)
     policy = backend.padding_policy(config.finetuning.stage)
     if dry_run:

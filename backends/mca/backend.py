@@ -11,12 +11,14 @@ checkpoints); ``save`` exports the final model in HF format.
 from __future__ import annotations
 
 import logging
+import os
 
 from backends.base import Backend, register_backend
+from roll import redact
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
 from roll.errors import ConfigError
-from roll.logging import warn_once
+from roll.logging import is_rank0, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ class McaBackend(Backend):
         self._trainer = MegatronTrainer(models.policy, self.config.training, self.config.megatron, self.config.layout,
                                         pad_token_id=job.tokenizer.pad_token_id,
                                         objective=self._objective(job.stage, models))
+        self._trainer.arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
         return self._trainer.train(job.train_dataset, job.collator, resume_from=resume)
 
     def _objective(self, stage: str, models: ModelBundle):
@@ -134,6 +137,9 @@ class McaBackend(Backend):
         merged model in ``output_dir/merged``."""
         model_args, ft = self.config.model, self.config.finetuning
         tokenizer_dir = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+        if is_rank0():  # as the standard backend: the run's arguments, as JSON, secrets redacted
+            os.makedirs(output_dir, exist_ok=True)
+            redact.save_arguments(self.config.to_dict(), output_dir)
         if ft.finetuning_type != "lora":
             from backends.mca.models.export import save_hf
 

@@ -10,6 +10,7 @@ Only model weights live here; optimizer/scheduler/RNG state belongs to the train
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.mca.models.unwrap import unwrap_model
-from roll.errors import ModelError
+from roll.errors import ModelError, RollError
+from roll.unpickle import UntrustedPickle
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -79,7 +81,9 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
                          "dist_checkpointing); point to the directory save_checkpoint wrote.")
     start = time.perf_counter()
     sharded = sharded_model_state_dict(model_chunks)
-    state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+    with user_errors_of(ckpt_dir):
+        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir,
+                                                              strict=StrictHandling.RETURN_ALL)
     if not_in_checkpoint:
         raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
                          f"{sorted(not_in_checkpoint)[:5]}. Was it saved from another architecture or config?")
@@ -91,6 +95,25 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
             raise ModelError(f"checkpoint {ckpt_dir} does not fit model chunk {name}: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}.")
     log_rank0(logger, "loaded model checkpoint %s in %.1fs", ckpt_dir, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def user_errors_of(ckpt_dir: str):
+    """Around ``dist_checkpointing.load``: PyTorch's checkpoint reader wraps every rank's exception in a
+    ``CheckpointException`` (a BaseException listing each rank's traceback); a refusal of roll's inside it
+    (``roll.unpickle``: a file that would run code) is the user's to fix, so it is raised alone, with the
+    checkpoint directory added to file names the reader gives relative to it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        for error, _ in exc.failures.values():
+            if isinstance(error, UntrustedPickle):
+                raise error.within(ckpt_dir) from None
+            if isinstance(error, RollError):
+                raise error from None
+        raise
 
 
 def _require_model_chunks(model_chunks: Sequence[nn.Module]) -> None:

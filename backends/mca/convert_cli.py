@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--seq-len", type=_positive_int, default=16, help="tokens per sample of the random batch")
         if name == "mca2hf":
             cmd.add_argument("--max-shard-gb", type=float, default=2.0, help="max size of one safetensors file")
+            cmd.add_argument("--trust-checkpoint-pickles", action="store_true",
+                             help="load --input even if its pickle files (.metadata, common.pt, .distcp bytes) "
+                                  "name Python objects beyond roll's allow-list, which can run code "
+                                  "(docs/reliability.md)")
     return parser
 
 
@@ -92,6 +96,10 @@ def run(argv: list[str] | None = None) -> int:
         convert.hf_to_mca(args.input, args.output, megatron, layout)
         return 0
     if args.command == "mca2hf":
+        from roll import unpickle
+
+        unpickle.set_trusted(args.trust_checkpoint_pickles)
+        unpickle.check_folder(args.input)  # refused before any process group or model exists
         convert.mca_to_hf(args.input, args.output, megatron, layout, max_shard_bytes=int(args.max_shard_gb * 1024**3))
         return 0
     diff = convert.check_parity(args.input, megatron, layout, seq_len=args.seq_len)

@@ -4,7 +4,9 @@ megatron-core assumes CUDA in ~175 ``torch.cuda.current_device()`` call sites, ~
 ``device="cuda"`` tensors (optimizer, clip_grads, schedules, p2p), a CUDA-only RNG tracker, CUDA
 streams in the MoE alltoall dispatcher, and (0.16.x) a ``NameError`` in the MoE router when
 Transformer Engine is absent; without TE/Apex its torch norms also refuse sequence parallelism, and
-gloo refuses the uneven collectives MoE with expert-TP issues.
+gloo refuses the uneven collectives MoE with expert-TP issues. One more is not about the platform: the
+checkpoint reader PyTorch and megatron use would unpickle anything a checkpoint holds
+(``restricted_checkpoint_reads``, applied everywhere; docs/reliability.md, "What roll trusts").
 
 Each patch says what it fixes, when it can go, and is applied exactly when the condition it fixes
 holds (``_Patch.needed``): the CUDA ones only without an accelerator, the MoE-router one whenever
@@ -119,6 +121,11 @@ def _torch_adam_fallback() -> bool:
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
 
     return not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+
+
+def _always() -> bool:
+    """Not a platform problem: every process that reads checkpoints needs it."""
+    return True
 
 
 def _gloo() -> bool:
@@ -377,6 +384,60 @@ def _patch_distopt_step_on_load() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
+def _patch_restricted_checkpoint_reads() -> None:
+    """A checkpoint from elsewhere could run code when read: PyTorch's distributed-checkpoint reader unpickles
+    ``.metadata`` with ``pickle.load`` and the bytes entries of ``.distcp`` files (``_extra_state``) with
+    ``torch.load(weights_only=False)``; megatron-core reads ``common.pt`` and sharded objects with
+    ``torch.load`` and names no file when that refuses. All go through ``roll.unpickle`` (its allow-list unless
+    ``trust_checkpoint_pickles``), which names the file. Applied everywhere (not a platform bug); can go when
+    torch DCP reads both with an allow-list of its own (not as of torch 2.13)."""
+    import os
+    import pickle
+
+    from megatron.core.dist_checkpointing.strategies import common
+    from torch.distributed.checkpoint import default_planner, filesystem, metadata
+
+    from roll import unpickle
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            loaded = unpickle.load_pickle(fh, str(path))
+        if getattr(loaded, "storage_meta", None) is None:
+            loaded.storage_meta = metadata.StorageMeta()
+        loaded.storage_meta.load_id = self.load_id
+        return loaded
+
+    def load_bytes(self, read_item, value):
+        where = self.metadata.storage_data[read_item.storage_index].relative_path
+        loaded = unpickle.torch_load(value, f"{where} (entry {read_item.dest_index.fqn})")  # relative path
+        if self.flatten_state_dict:
+            fqn = read_item.dest_index.fqn
+            default_planner.set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+    original_common, original_objects = (common.TorchCommonLoadStrategy.load_common,
+                                          common.TorchCommonLoadStrategy.load_sharded_objects)
+
+    def load_common(self, checkpoint_dir):
+        path = os.path.join(checkpoint_dir, common.COMMON_STATE_FNAME)
+        if not os.path.isfile(path):
+            return original_common(self, checkpoint_dir)  # megatron's own "does not exist" message
+        return unpickle.torch_load(path, map_location="cpu")
+
+    def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+        try:
+            return original_objects(self, sharded_objects_state_dict, checkpoint_dir)
+        except pickle.UnpicklingError as exc:
+            raise unpickle.refusal(f"a sharded-object file (*.pt) in {checkpoint_dir}", exc) from None
+
+    filesystem.FileSystemReader.read_metadata = read_metadata
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
+    common.TorchCommonLoadStrategy.load_common = load_common
+    common.TorchCommonLoadStrategy.load_sharded_objects = load_sharded_objects
+
+
 _UPSTREAM_CPU = "megatron-core supports CPU-only torch builds (not the case up to 0.19.2)"
 
 _PATCHES: tuple[_Patch, ...] = (
@@ -395,4 +456,6 @@ _PATCHES: tuple[_Patch, ...] = (
     _Patch("distopt_step_on_load", _patch_distopt_step_on_load,
            "DistributedOptimizer loads fully_reshardable checkpoints with torch's AdamW (not in 0.16.1)",
            _torch_adam_fallback),
+    _Patch("restricted_checkpoint_reads", _patch_restricted_checkpoint_reads,
+           "torch.distributed.checkpoint unpickles .metadata and bytes entries with an allow-list", _always),
 )

@@ -1,7 +1,7 @@
 """Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
-research notes (W1-W6), so users and tests need no tricks of their own. Each says what it fixes
+research notes (W1-W7), so users and tests need no tricks of their own. Each says what it fixes
 and when it can go, and checks (``_verified``) that the installed packages are the versions it was
 verified with: outside that range it still runs, with one warning per package.
 """
@@ -25,7 +25,7 @@ VERIFIED_VERSIONS = {
     "torch": ("2.13", "2.14"),          # W2
     "transformers": ("5.23", "5.24"),   # W3, W4
     "accelerate": ("1.15", "1.16"),     # W1, W6
-    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6
+    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7
 }
 """Per package, the [low, high) release range the workarounds below were verified on (constraints.txt pins)."""
 
@@ -195,3 +195,25 @@ def install_clean_exit(code: int = 0) -> None:
         os._exit(1 if failed else code)
 
     atexit.register(_exit_now)
+
+
+def restrict_deepspeed_loads() -> None:
+    """W7: DeepSpeed reads its checkpoint files (``global_stepN/mp_rank_00_model_states.pt``,
+    ``*_optim_states.pt``) with ``torch.load(weights_only=False)``, so a checkpoint from elsewhere could run
+    code on resume. Read them through ``roll.unpickle`` (tensors, plain data and DeepSpeed's own state classes
+    unless ``trust_checkpoint_pickles``). Idempotent. Can go when DeepSpeed loads with weights_only and an
+    allow-list (not as of 0.19.8)."""
+    _verified("W7", "deepspeed")
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from roll import unpickle
+
+    if getattr(TorchCheckpointEngine.load, "roll_restricted", False):
+        return
+
+    def load(self, path: str, map_location=None):
+        return unpickle.torch_load(path, map_location=map_location)
+
+    load.roll_restricted = True
+    TorchCheckpointEngine.load = load
+

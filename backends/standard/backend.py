@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from datetime import timedelta
 
 from backends.base import Backend, register_backend
@@ -21,7 +22,7 @@ from backends.standard.hf_args import build_hf_args
 from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
-from roll.errors import Preempted, TrainingStopped
+from roll.errors import ModelError, Preempted, TrainingStopped
 from roll.launch import local_rank
 from roll.logging import log_rank0, warn_once
 
@@ -65,6 +66,7 @@ class StandardBackend(Backend):
                 check_combination(self._deepspeed, training)
                 self._restore_env = _compat.single_process_env()  # W5
                 _compat.init_deepspeed_comm(training.ddp_timeout)  # W3: before any HF config exists
+                _compat.restrict_deepspeed_loads()  # W7
             elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
                 dist.init_process_group(backend=current_platform().dist_backend,
                                         timeout=timedelta(seconds=training.ddp_timeout))
@@ -125,9 +127,12 @@ class StandardBackend(Backend):
                       processing_class=job.tokenizer)
         if job.stage == "dpo":
             dpo_trainer = make_dpo_trainer_class()
-            return dpo_trainer(model=models.policy, ref_model=models.ref,
-                               data_collator=PreferenceBatch(job.collator), **common)
-        return RollTrainer(model=models.policy, data_collator=job.collator, **common)
+            trainer = dpo_trainer(model=models.policy, ref_model=models.ref,
+                                  data_collator=PreferenceBatch(job.collator), **common)
+        else:
+            trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)
+        trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
+        return trainer
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
         from backends.standard.reliability import ReliabilityCallback, RunComplete
@@ -149,6 +154,8 @@ class StandardBackend(Backend):
                 log_rank0(logger, "%s already holds all %d steps: nothing left to train", resume,
                           self._trainer.state.max_steps)
                 metrics = {}
+            except pickle.UnpicklingError as exc:  # HF's own weights_only loads, past roll.preflight
+                raise _refused_by_transformers(resume, exc) from None
             if guard.stopped_at is not None:
                 raise Preempted(_preempted_message(guard.stopped_at, self._hf_args.output_dir,
                                                    training.save_on_preemption))
@@ -206,6 +213,13 @@ class StandardBackend(Backend):
             # roll-train's launcher reads a planned stop's code from the rank's report; by hand it is the
             # exit code
             _compat.install_clean_exit(0 if self._succeeded or under_roll_launcher() else self._planned_stop)
+
+
+def _refused_by_transformers(resume: str, exc: Exception) -> ModelError:
+    reason = (str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines() or [type(exc).__name__])[0]
+    return ModelError(f"transformers refused a file of {resume} (rng_state*.pth, optimizer.pt or "
+                      "scheduler.pt, which it loads weights_only whatever trust_checkpoint_pickles says): "
+                      f"{reason.rstrip('.')}. Resume from a checkpoint with intact files.")
 
 
 def _preempted_message(step: int, output_dir: str, saved: bool) -> str:

@@ -18,6 +18,7 @@ What they add to HF/TRL, and why:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -27,9 +28,10 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
-from roll import IGNORE_INDEX
+from roll import IGNORE_INDEX, redact
 from roll.logging import TRAIN_LOG_FILE
 from roll.perf import SpeedMeter, training_dtype
 
@@ -74,6 +76,25 @@ class RollTrainerMixin:
         steps = self.state.global_step - (getattr(self, "_roll_window_step", None) or 0)
         self._roll_tokens, self._roll_rows, self._roll_window_step, self._roll_last_log_time = 0, 0, None, now
         return self._roll_speed.metrics(tokens, now - since, steps, seq_length=tokens / max(rows, 1))
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """HF ends this with a pickle of its TrainingArguments (hub_token included) in
+        ``training_args.bin``, in output_dir and every checkpoint; roll writes ``training_args.json`` there
+        instead (roll's arguments, secrets redacted: ``roll.redact``). Secrets are blanked while HF saves, so
+        none reaches the disk."""
+        secrets = {name: value for name, value in vars(self.args).items() if redact.is_secret(name) and value}
+        for name in secrets:
+            setattr(self.args, name, None)
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            for name, value in secrets.items():
+                setattr(self.args, name, value)
+        if self.args.should_save:
+            folder = output_dir if output_dir is not None else self.args.output_dir
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, TRAINING_ARGS_NAME))
+            redact.save_arguments(getattr(self, "roll_arguments", None) or self.args.to_dict(), folder)
 
     def train(self, *args, **kwargs):
         self._roll_last_log_time = self._roll_window_step = None

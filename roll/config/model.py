@@ -20,6 +20,12 @@ class ModelArguments:
     trust_remote_code: bool = False
     """Allow executing model/tokenizer code shipped with the checkpoint. Off unless you trust the source."""
 
+    trust_checkpoint_pickles: bool = False
+    """Load pickle-based checkpoint and model files (DeepSpeed *.pt, Megatron .metadata / common.pt /
+    .distcp bytes, HF *.pth) even when they name Python objects beyond tensors and roll's allow-list:
+    unpickling such a file can run any code. Off unless you made the files or trust their source
+    (docs/reliability.md, "What roll trusts")."""
+
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the standard backend loads the weights in. 'auto' loads float32 (fp32 master weights; bf16/fp16
     autocast the compute); bfloat16/float16 load 16-bit weights (half the memory, no fp32 copy). The mca backend

@@ -41,8 +41,11 @@ def load_adapter_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) ->
     """Load adapters saved by ``save_adapter_checkpoint`` (any layout) into LoRA chunks (collective)."""
     from megatron.core import dist_checkpointing
 
+    from backends.mca.checkpoint import user_errors_of
+
     sharded = adapter_sharded_state_dict(model_chunks)
-    state = dist_checkpointing.load(sharded, ckpt_dir)
+    with user_errors_of(ckpt_dir):
+        state = dist_checkpointing.load(sharded, ckpt_dir)
     for key, chunk in zip(sharded, model_chunks):
         result = unwrap_model(chunk).load_state_dict(state[key], strict=False)
         if result.unexpected_keys or any(is_lora_param("." + k) for k in result.missing_keys):

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from backends.mca.checkpoint import sharded_model_state_dict
+from backends.mca.checkpoint import sharded_model_state_dict, user_errors_of
 from backends.mca.models.config import MCA_CONFIG_NAME
 from backends.mca.models.unwrap import unwrap_model
-from roll import checkpoints
+from roll import checkpoints, redact, unpickle
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
 
@@ -62,8 +62,9 @@ class TrainerState:
 
 
 def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: TrainerState, model_config,
-         keep: int | None = None) -> str:
-    """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``."""
+         keep: int | None = None, arguments: dict | None = None) -> str:
+    """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``.
+    ``arguments``: the run's, written as training_args.json with secrets redacted (``roll.redact``)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
@@ -80,6 +81,8 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
         with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
             json.dump(dataclasses.asdict(state), fh, indent=2)
         model_config.save_pretrained(tmp)
+        if arguments is not None:
+            redact.save_arguments(arguments, tmp)
         if state.lora:
             _write_adapter_config(chunks, tmp)
     checkpoints.flush_to_disk()
@@ -120,7 +123,8 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
                           f"with the same setting (the optimizer state is stored differently).")
     start = time.perf_counter()
     sharded = _sharded_state(chunks, optimizer, state.lora, is_loading=True)
-    loaded = dist_checkpointing.load(sharded, ckpt_dir)
+    with user_errors_of(ckpt_dir):
+        loaded = dist_checkpointing.load(sharded, ckpt_dir)
     for key, chunk in zip([key for key in sharded if key != "optimizer"], chunks):
         # unwrapped: Megatron's DDP / Float16Module do not return the load result. LoRA loads only the
         # adapters; the base stays as loaded from model_name_or_path.
@@ -131,7 +135,7 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
     with torch.no_grad():  # fp32 main params are views of leaf parameters
         optimizer.load_state_dict(loaded["optimizer"])
     if state.layout == expected.layout:
-        _set_rng_state(torch.load(os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank()}.pt"), weights_only=True))
+        _set_rng_state(unpickle.torch_load(os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank()}.pt")))
     else:
         log_rank0(logger, "resuming at another layout (%s, saved at %s): RNG states start fresh", expected.layout,
                   state.layout)

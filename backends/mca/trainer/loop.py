@@ -136,7 +136,8 @@ class MegatronTrainer:
         reliability.set_activity(f"saving checkpoint-{self.state.global_step}")
         sync_params(self.chunks)
         return checkpointing.save(self.training.output_dir, self.chunks, self.optimizer, self.state,
-                                  self.model_config, keep=self.training.save_total_limit)
+                                  self.model_config, keep=self.training.save_total_limit,
+                                  arguments=getattr(self, "arguments", None))
 
     def _stop_on_signal(self, window: list[StepStats], writer: MetricsWriter, num_samples: int,
                         window_start: float) -> None:
