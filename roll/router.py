@@ -67,6 +67,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         out(json.dumps(summary) + "\n" if as_json else text)
         return None
     from roll.checkpoints import prepare_output_dir
+    from roll.outputs import run_identity, write_marker
 
     for path in prepare_output_dir(config.training, is_rank0=is_rank0()):  # no lost work: refuse or replace
         logger.warning("overwrite_output_dir: deleted %s, a checkpoint of an earlier run", path)
@@ -75,6 +76,8 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         if is_rank0():
             clean_stale(config.training.output_dir)
         job, _ = build_job(config, policy)
+        if is_rank0():
+            write_marker(config.training.output_dir, run_identity(config))
         log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",
                   config.finetuning.stage, config.backend_name, info.world_size, info.dp_size)
         models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))

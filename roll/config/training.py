@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import transformers
 
 from roll.errors import ConfigError, RollError
+from roll.outputs import output_dir_value
 
 LAUNCH_ENV_FALLBACKS = {"nnodes": "NNODES", "node_rank": "NODE_RANK", "master_addr": "MASTER_ADDR",
                         "master_port": "MASTER_PORT"}
@@ -96,6 +97,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:  # noqa: D105 - deliberately not calling HF's (see module doc)
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "nproc_per_node", "nnodes")
+        self.output_dir = output_dir_value(self.output_dir)
         if not self.gpu_memory_gb > 0:
             raise ConfigError(f"gpu_memory_gb must be > 0 (GiB of one GPU), got {self.gpu_memory_gb}.")
         if self.max_consecutive_skipped_steps < 0:

@@ -145,7 +145,8 @@ def _places(w: World) -> dict[str, str]:
              "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch", "gpt2_arch",
              "no_template")
     places = {name.replace(".", "_"): w.path(name) for name in names}
-    return {**places, "moe": w.moe, "ckpt": os.path.join(w.trained, "checkpoint-2"),
+    return {**places, "moe": w.moe, "model": w.model, "root": w.root,
+            "ckpt": os.path.join(w.trained, "checkpoint-2"),
             "missing": w.path("no_such_thing")}
 
 
@@ -223,6 +224,16 @@ CASES: dict[str, tuple[Build, str]] = {
     # ---- output_dir ----
     "output-dir-holds-a-trained-model": (_with(), "overwrite_output_dir: true"),
     "output-dir-holds-checkpoints": (_with(), "resume_from_checkpoint: true"),
+    "output-dir-empty": (_with("output_dir="), "output_dir is empty or null"),
+    "output-dir-tilde-alone": (_with("output_dir=~"), "a lone ~ as null"),
+    "output-dir-home": (_with("output_dir=~/"), "is your home directory itself"),
+    "output-dir-root": (_with("output_dir=/"), "is a system directory (/)"),
+    "output-dir-system": (_with("output_dir=/usr/lib"), "is a system directory (/usr/lib)"),
+    "output-dir-is-the-model-folder": (_with("output_dir={model}"), "is the folder of model_name_or_path"),
+    "output-dir-is-the-dataset-folder": (_with("output_dir={root}"), "is the folder of dataset"),
+    "output-dir-holds-other-files": (_with(), "no roll run wrote it (notes.txt)"),
+    "output-dir-holds-another-recipe": (_with(), "holds a run of another recipe (model_name_or_path"),
+    "output-dir-linked-checkpoint": (_with("resume_from_checkpoint=true"), "checkpoint-2 is a symbolic link"),
 }
 
 _FILLED_OUTPUT_DIRS = {"output-dir-holds-a-trained-model": None,
@@ -233,8 +244,15 @@ _FILLED_OUTPUT_DIRS = {"output-dir-holds-a-trained-model": None,
 def _prepare_output_dir(world: World, case: str, out: str) -> None:
     if case not in _FILLED_OUTPUT_DIRS:
         os.makedirs(out)
-        _write(os.path.join(out, "notes.txt"), "the user's notes\n")
         _write(os.path.join(out, "train_log.jsonl"), '{"step": 1, "loss": 5.0}\n')  # a crashed run's log
+        if case == "output-dir-holds-other-files":
+            _write(os.path.join(out, "notes.txt"), "the user's notes\n")
+        if case == "output-dir-holds-another-recipe":  # what roll.outputs.write_marker writes
+            identity = {"stage": "sft", "finetuning_type": "full", "model_name_or_path": world.moe}
+            _write(os.path.join(out, ".roll_run.json"), json.dumps({"written_by": "roll-train",
+                                                                    "identity": identity}))
+        if case == "output-dir-linked-checkpoint":
+            os.symlink(os.path.join(world.trained, "checkpoint-2"), os.path.join(out, "checkpoint-2"))
         return
     only = _FILLED_OUTPUT_DIRS[case]
     if only is None:
