@@ -95,6 +95,7 @@ def world(tmp_path_factory, tiny_model_factory) -> World:
     _write(w.path("pairs.json"), json.dumps(PAIR_ROWS))
     _write(w.path("bad.jsonl"), json.dumps(SFT_ROWS[0]) + '\n{"instruction": "What is 1 plus 2?", "output\n')
     _write(w.path("empty.jsonl"), "")
+    _write(w.path("deep.jsonl"), '{"instruction": "Hi", "output": "Yo.", "x": ' + "[" * 10**5 + "]" * 10**5 + "}\n")
     _write(w.path("no_answers.json"), json.dumps([{**row, "output": ""} for row in SFT_ROWS]))
     _write(w.path("rows.xml"), "<rows/>")
     _write(w.path("list.yaml"), "- stage: sft\n")
@@ -141,8 +142,8 @@ def _with(*extra: str) -> Build:
 
 
 def _places(w: World) -> dict[str, str]:
-    names = ("typo.yaml", "list.yaml", "broken.yaml", "bad.jsonl", "empty.jsonl", "rows.xml", "pairs.json",
-             "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch", "gpt2_arch",
+    names = ("typo.yaml", "list.yaml", "broken.yaml", "bad.jsonl", "empty.jsonl", "deep.jsonl", "rows.xml",
+             "pairs.json", "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch", "gpt2_arch",
              "no_template")
     places = {name.replace(".", "_"): w.path(name) for name in names}
     return {**places, "moe": w.moe, "model": w.model, "root": w.root,
@@ -179,7 +180,12 @@ CASES: dict[str, tuple[Build, str]] = {
     # ---- data ----
     "data-missing-file": (_with("dataset={missing}"), "not found"),
     "data-malformed-row": (_with("dataset={bad_jsonl}"), "bad.jsonl: invalid JSON on line 2"),
-    "data-empty-file": (_with("dataset={empty_jsonl}"), "empty.jsonl"),
+    "data-empty-file": (_with("dataset={empty_jsonl}"), "empty.jsonl is empty"),
+    "data-nested-too-deep": (_with("dataset={deep_jsonl}"), "deep.jsonl: JSON nested more than 64 levels"),
+    "data-global-batch-larger-than-dataset": (_with("per_device_train_batch_size=1000000"),
+                                              "has 16 rows: not one full step"),
+    "data-global-batch-larger-than-dataset-mca": (_with("per_device_train_batch_size=1000000", MCA),
+                                                  "per_device_train_batch_size 1000000"),
     "data-empty-after-filtering": (_with("dataset={no_answers_json}"), "empty_reply=16); fix the rows"),
     "data-unsupported-file-type": (_with("dataset={rows_xml}"), "unsupported file type"),
     "data-wrong-format-for-stage": (_with("dataset={pairs_json}"), "cannot be used for stage sft"),
