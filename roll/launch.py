@@ -134,7 +134,8 @@ def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
     where = f" (node {t.node_rank} of {t.nnodes})" if t.nnodes > 1 else ""
     logger.info("launching %d processes%s: %s", t.nproc_per_node, where, " ".join(cmd))
     env.update(collective_env(addr, env))
-    with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir, _hosted_store(config, env, addr, port):
+    with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir, \
+            _hosted_store(config, env, addr, port):
         env[STATUS_DIR_ENV] = status_dir
         code = run_child(cmd, graceful=True, env=env)
         first = (t.node_rank or 0) * t.nproc_per_node
@@ -143,9 +144,9 @@ def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
 
 @contextlib.contextmanager
 def _hosted_store(config: RunConfig, env: dict[str, str], addr: str, port: int):
-    """Under the DeepSpeed launcher, roll-train (node 0's) hosts the rendezvous store, listening on master_addr
-    only, and every rank connects as a client; otherwise rank 0 would host it on every interface. torchrun's
-    agent hosts its own (``roll.torchrun``)."""
+    """Under the DeepSpeed launcher, roll-train (node 0's) hosts the rendezvous store, listening on
+    master_addr only, and every rank connects as a client; otherwise rank 0 would host it on every interface.
+    torchrun's agent hosts its own (``roll.torchrun``)."""
     t = config.training
     if t.use_mca or not t.deepspeed:
         yield

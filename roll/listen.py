@@ -1,4 +1,4 @@
-"""Where a run listens: the rendezvous store and the collectives bind to one address, never to every interface.
+"""Where a run listens: the rendezvous store and the collectives bind to one address, not every interface.
 
 PyTorch's TCPStore server listens on ``::`` (every interface, no authentication) whatever address it is
 given, and gloo picks the address the machine's hostname resolves to. A store reachable from the network lets

@@ -6,7 +6,8 @@
 - A run marks its output_dir as its own (``MARKER``, written by rank 0 once the data is ready). A non-empty
   output_dir is used only when it holds a run of the same recipe (same stage, model and finetuning_type) or
   nothing but roll's logs and bookkeeping (``check_contents``); anything else needs ``overwrite_output_dir``.
-- ``checkpoint-N`` entries that are symbolic links are refused, never followed (``check_no_linked_checkpoints``).
+- ``checkpoint-N`` entries that are symbolic links are refused, never followed
+  (``check_no_linked_checkpoints``).
 - An export removes the weight files of another layout it would leave beside its own
   (``remove_stale_weights``), as transformers' ``save_pretrained`` does for its own names.
 """
@@ -22,15 +23,15 @@ from datetime import datetime, timezone
 from roll.errors import ConfigError
 
 MARKER = ".roll_run.json"
-"""Written by every run into output_dir: which recipe (stage, model, finetuning_type) the files there are of."""
+"""Written by every run into output_dir: the recipe (stage, model, finetuning_type) its files are of."""
 
 ROLL_OWN = frozenset({MARKER, ".roll.lock", "train_log.jsonl", "loss.png", "runs"})
 """Roll's bookkeeping and logs: alone they never make an output_dir "someone else's" (a run that saved
 nothing left only these; an older roll wrote no marker)."""
 
 _EMPTY_WORDS = ("", "none", "null")
-_SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys",
-                 "/usr")
+_SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin",
+                 "/sys", "/usr")
 """Directories roll never writes in, nor anywhere below."""
 _SYSTEM_DIRS = ("/", "/home", "/opt", "/root", "/run", "/srv", "/tmp", "/var", "/mnt", "/media")
 """Directories roll never writes straight into (a folder below them is fine)."""
@@ -41,8 +42,8 @@ def output_dir_value(value) -> str:
     """The recipe's ``output_dir`` as a path (``~`` expanded); ConfigError when it is empty or null."""
     text = "" if value is None else str(value).strip()
     if text.lower() in _EMPTY_WORDS:
-        raise ConfigError("output_dir is empty or null (YAML also reads a lone ~ as null): set output_dir: to the "
-                          "folder the run writes its checkpoints, logs and final model to, e.g. "
+        raise ConfigError("output_dir is empty or null (YAML also reads a lone ~ as null): set output_dir: "
+                          "to the folder the run writes its checkpoints, logs and final model to, e.g. "
                           "output_dir: outputs/my-run (~/runs/my-run is expanded).")
     return os.path.expanduser(text)
 
@@ -60,13 +61,13 @@ def check_location(output_dir: str, *, model_dirs: list[str], data_paths: list[s
     for key, folder in [("model_name_or_path", p) for p in model_dirs] + [("dataset", p) for p in data_paths]:
         own = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))
         if os.path.exists(folder) and os.path.realpath(own) == real:
-            raise ConfigError(f"output_dir={output_dir!r} is the folder of {key} ({folder}): the run would "
-                              "write its files among (and over) the ones it reads. Set output_dir: to a folder "
-                              "of its own, e.g. outputs/my-run.")
+            raise ConfigError(f"output_dir={output_dir!r} is the folder of {key} ({folder}): the run "
+                              "would write its files among (and over) the ones it reads. Set output_dir: "
+                              "to a folder of its own, e.g. outputs/my-run.")
 
 
 def check_no_linked_checkpoints(output_dir: str) -> None:
-    """Refuse symbolic links named like checkpoints: resuming, rotating or cleaning would act on their target."""
+    """Refuse links named like checkpoints: resuming, rotating or cleaning would act on their target."""
     if not os.path.isdir(output_dir):
         return
     for name in sorted(os.listdir(output_dir)):
@@ -103,8 +104,9 @@ def check_contents(output_dir: str, identity: dict[str, str]) -> None:
     if others:
         shown = ", ".join(others[:6]) + (f" and {len(others) - 6} more" if len(others) > 6 else "")
         raise ConfigError(f"output_dir {output_dir!r} is not empty and no roll run wrote it ({shown}); the "
-                          "run would write its checkpoints, logs and model among (and over) these files. Choose "
-                          "an empty or new output_dir, or set overwrite_output_dir: true to write there anyway.")
+                          "run would write its checkpoints, logs and model among (and over) these files. "
+                          "Choose an empty or new output_dir, or set overwrite_output_dir: true to write "
+                          "there anyway.")
 
 
 def write_marker(output_dir: str, identity: dict[str, str]) -> None:

@@ -1,7 +1,8 @@
 """Checks roll-train runs before it trains (and before it launches any process): the mistakes that can be
 found from files alone, in milliseconds, instead of N ranks later as a Megatron or safetensors traceback.
 
-What is checked: output_dir (``roll.outputs``, ``roll.checkpoints.check_output_dir``), nproc_per_node against this machine
+What is checked: output_dir (``roll.outputs``, ``roll.checkpoints.check_output_dir``), nproc_per_node against
+this machine
 (only when launching), the model directory (config.json, remote code, weights files intact), the chat template
 stages sft/dpo need, and a resumed checkpoint against this run (backend, model, LoRA or full, global batch).
 Layout rules that need the model's config (heads / layers / experts divisible by TP / PP / EP) are part of
@@ -47,8 +48,8 @@ def check_before_training(config, *, launching: bool) -> None:
 # ---- output_dir ---------------------------------------------------------------------------------
 
 def check_output_place(config) -> None:
-    """output_dir is a place of its own (``roll.outputs``), holds no linked checkpoint, no trained model a fresh
-    run would overwrite (``check_output_dir``) and no one else's files."""
+    """output_dir is a place of its own (``roll.outputs``), holds no linked checkpoint, no trained model a
+    fresh run would overwrite (``check_output_dir``) and no one else's files."""
     from roll import outputs
 
     training, model = config.training, config.model

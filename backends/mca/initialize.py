@@ -127,7 +127,8 @@ def _init_process_group(backend: str, timeout_seconds: float) -> bool:
     else:
         # A plain `python` run (unit tests, single-process conversion): a one-process group, its store in
         # memory (a tcp:// store would listen on every interface).
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
     return True
 
 

@@ -200,8 +200,9 @@ def check_json_depth(path: str, limit: int = MAX_JSON_DEPTH) -> None:
             if running.size and running.max() > limit:
                 too_deep = int(np.argmax(running > limit))
                 at = line + _line_of_bracket(block, too_deep)
-                raise DataError(f"{path}: JSON nested more than {limit} levels deep (line {at}); a dataset row "
-                                "is a flat object of strings and lists of messages. Fix or remove that row.")
+                raise DataError(f"{path}: JSON nested more than {limit} levels deep (line {at}); a dataset "
+                                "row is a flat object of strings and lists of messages. Fix or remove that "
+                                "row.")
             depth = int(running[-1]) if running.size else depth
             line += block.count(b"\n")
 

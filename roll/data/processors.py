@@ -165,7 +165,8 @@ class SupervisedProcessor(_Processor):
         limit = char_bound(self.tokenizer, self.cutoff_len)
         parsed = self.parse(batch, indices, lambda row: [
             (bounded(prompt, limit, "tail"), bounded(reply, limit, "head"), trainable)
-            for prompt, reply, trainable in renderer.turns(formats.conversation(row, self.fmt), self.train_turns)])
+            for prompt, reply, trainable in renderer.turns(formats.conversation(row, self.fmt),
+                                                           self.train_turns)])
         texts = [text for turns in parsed if not isinstance(turns, Skip)
                  for prompt, reply, _ in turns for text in (prompt, reply)]
         token_iter = iter(_tokenize(self.tokenizer, texts))

@@ -58,7 +58,8 @@ def _run_watching(args: list[str], timeout: float) -> tuple[subprocess.Completed
 
 @pytest.mark.parametrize("extra, rendezvous_by", [
     pytest.param(["nproc_per_node=2"], "-m roll.torchrun", id="torchrun-2"),
-    pytest.param(["nproc_per_node=2", "deepspeed=recipes/deepspeed/ds_z2.json"], "-m roll.cli", id="deepspeed-2"),
+    pytest.param(["nproc_per_node=2", "deepspeed=recipes/deepspeed/ds_z2.json"], "-m roll.cli",
+                 id="deepspeed-2"),
 ])
 def test_a_run_listens_on_loopback_only(tiny_model_dir, tmp_path, extra, rendezvous_by):
     data = tmp_path / "sft.json"

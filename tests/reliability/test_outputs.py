@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from roll.errors import ConfigError
-from roll.outputs import (MARKER, check_contents, check_location, check_no_linked_checkpoints, output_dir_value,
-                          remove_stale_weights, write_marker)
+from roll.outputs import (MARKER, check_contents, check_location, check_no_linked_checkpoints,
+                          output_dir_value, remove_stale_weights, write_marker)
 from tests.helpers import output_of, roll_train
 
 IDENTITY = {"stage": "sft", "finetuning_type": "full", "model_name_or_path": "/models/a"}
@@ -99,8 +99,8 @@ def _file_tensors(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def test_exports_replace_the_weights_of_another_layout(tiny_model_dir, tmp_path):
-    """overwrite_output_dir into a folder holding model.safetensors: the mca export (shards + index) removes it,
-    so from_pretrained loads the new weights; a standard export then removes the mca shards and index."""
+    """overwrite_output_dir into a folder holding model.safetensors: the mca export (shards + index) removes
+    it, so from_pretrained loads the new weights; a standard export then removes the mca shards and index."""
     data = tmp_path / "sft.json"
     data.write_text(json.dumps(SFT_ROWS))
     out = str(tmp_path / "out")

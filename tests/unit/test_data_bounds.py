@@ -72,7 +72,8 @@ def _write(path, text: str) -> str:
 
 def test_json_depth_limit(tmp_path):
     ok = "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)
-    check_json_depth(_write(tmp_path / "ok.jsonl", f'{{"a": "[[[[\\"{{", "x": {ok}}}\n'))  # brackets in strings
+    # Brackets inside strings (an escaped quote too) do not count.
+    check_json_depth(_write(tmp_path / "ok.jsonl", f'{{"a": "[[[[\\"{{", "x": {ok}}}\n'))
     deep = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
     path = _write(tmp_path / "deep.jsonl", '{"a": 1}\n{"a": "]]]"}\n' + f'{{"x": {deep}}}\n')
     with pytest.raises(DataError, match=rf"deep.jsonl: JSON nested more than {MAX_JSON_DEPTH} levels deep "
@@ -93,9 +94,10 @@ def test_a_deep_file_and_an_empty_file_are_refused_before_loading(tmp_path):
 def _config(tiny_model_dir: str, tmp_path, **overrides):
     from roll.config.parser import resolve
 
-    data = _write(tmp_path / "sft.json", json.dumps([{"instruction": "Hi", "input": "", "output": "Yo."}] * 4))
-    values = dict(model_name_or_path=tiny_model_dir, stage="sft", dataset=data, output_dir=str(tmp_path / "out"),
-                  report_to="none", **overrides)
+    rows = [{"instruction": "Hi", "input": "", "output": "Yo."}] * 4
+    data = _write(tmp_path / "sft.json", json.dumps(rows))
+    values = dict(model_name_or_path=tiny_model_dir, stage="sft", dataset=data,
+                  output_dir=str(tmp_path / "out"), report_to="none", **overrides)
     return resolve(values, {}, None)
 
 
@@ -104,7 +106,8 @@ def test_worker_counts_are_clamped_to_the_machine(tiny_model_dir, tmp_path, capl
 
     cores = len(os.sched_getaffinity(0))
     with caplog.at_level(logging.WARNING):
-        config = _config(tiny_model_dir, tmp_path, dataloader_num_workers=1000, preprocessing_num_workers=1000)
+        config = _config(tiny_model_dir, tmp_path, dataloader_num_workers=1000,
+                         preprocessing_num_workers=1000)
     assert config.data.preprocessing_num_workers == cores
     assert config.training.dataloader_num_workers == cores
     assert "dataloader_num_workers=1000 is more than" in caplog.text
@@ -115,8 +118,8 @@ def test_worker_counts_are_clamped_to_the_machine(tiny_model_dir, tmp_path, capl
 def test_a_global_batch_larger_than_the_training_set_is_refused():
     from roll.router import check_batch_fits
 
-    config = SimpleNamespace(training=SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2),
-                             data=SimpleNamespace(packing=True))
+    training = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    config = SimpleNamespace(training=training, data=SimpleNamespace(packing=True))
     check_batch_fits(config, rows=16, dp_size=2)  # 4 * 2 * 2 = 16: one full step
     with pytest.raises(ConfigError, match=r"one global batch is 16 samples .* has 15 packed rows"):
         check_batch_fits(config, rows=15, dp_size=2)
