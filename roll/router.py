@@ -65,8 +65,8 @@ def check_batch_fits(config: RunConfig, rows: int, dp_size: int) -> None:
         raise ConfigError(f"one global batch is {batch} samples (per_device_train_batch_size "
                           f"{t.per_device_train_batch_size} * gradient_accumulation_steps "
                           f"{t.gradient_accumulation_steps} * data-parallel size {dp_size}) but the training "
-                          f"set has {rows}{packed} rows: not one full step. Lower per_device_train_batch_size "
-                          "or gradient_accumulation_steps, or add data.")
+                          f"set has {rows}{packed} rows: not one full step. Lower "
+                          "per_device_train_batch_size or gradient_accumulation_steps, or add data.")
 
 
 def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
