@@ -50,7 +50,8 @@ def read_deepspeed_json(path: str) -> dict:
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     output_dir: str = "outputs/roll"
-    """Where checkpoints, logs and the final HF-format model are written."""
+    """Where checkpoints, logs and the final HF-format model are written: a folder of this run's own (not empty,
+    /, the home directory, a system directory, nor the model's or a dataset's folder; ~ is expanded)."""
 
     use_mca: bool = False
     """Backend switch: true trains with Megatron-Core (mca), false with HF Trainer/TRL + DeepSpeed (standard)."""
@@ -82,10 +83,11 @@ class TrainingArguments(transformers.TrainingArguments):
     """Write the final model in Hugging Face format (safetensors + config + tokenizer) to output_dir."""
 
     overwrite_output_dir: bool = False
-    """Allow a fresh run in an output_dir that already holds a trained model or checkpoints: its
-    checkpoint-N directories are deleted at the start, the final model is replaced at the end. Off by
-    default so no finished work is lost; resuming (resume_from_checkpoint) needs no overwrite, and logs
-    alone (train_log.jsonl, loss.png, runs/ of a run that saved nothing) never block."""
+    """Allow a fresh run in an output_dir that already holds a trained model, checkpoints, files no roll run
+    wrote or another recipe's run: its checkpoint-N directories are deleted at the start, the final model is
+    replaced at the end. Off by default so no finished work is lost; resuming (resume_from_checkpoint) needs
+    no overwrite, and a run of the same recipe (.roll_run.json) or logs alone (train_log.jsonl, loss.png,
+    runs/ of a run that saved nothing) never block."""
 
     save_on_preemption: bool = True
     """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
