@@ -34,6 +34,11 @@ def read_json_object(path: str, what: str, error: type[RollError] = ConfigError)
             content = json.load(fh)
     except json.JSONDecodeError as exc:
         raise error(f"{what} is not valid JSON: {exc}.") from None
+    except RecursionError:
+        raise error(f"{what} nests arrays/objects too deep to read; it is not a file roll or its libraries "
+                    "wrote: replace it.") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start}): replace it.") from None
     if not isinstance(content, dict):
         raise error(f"{what} must hold a JSON object, got {type(content).__name__}.")
     return content

@@ -114,6 +114,8 @@ def world(tmp_path_factory, tiny_model_factory) -> World:
     _model_copy(root, model, "gpt2_arch", lambda d: _edit_json(
         os.path.join(d, "config.json"), model_type="gpt2", architectures=["GPT2LMHeadModel"]))
     _model_copy(root, model, "no_template", _drop_chat_template)
+    _model_copy(root, model, "deep_config",
+                lambda d: _write(os.path.join(d, "config.json"), '{"x": ' + deep + "}"))
     # One real run, so the checkpoint cases resume from what roll writes (not a hand-made imitation).
     proc = roll_train(*w.base(w.trained, "max_steps=2", "save_strategy=steps", "save_steps=1"), timeout=300)
     assert proc.returncode == 0, output_of(proc)
@@ -145,7 +147,7 @@ def _with(*extra: str) -> Build:
 def _places(w: World) -> dict[str, str]:
     names = ("typo.yaml", "list.yaml", "broken.yaml", "bad.jsonl", "empty.jsonl", "deep.jsonl", "rows.xml",
              "pairs.json", "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch",
-             "gpt2_arch", "no_template")
+             "gpt2_arch", "no_template", "deep_config")
     places = {name.replace(".", "_"): w.path(name) for name in names}
     return {**places, "moe": w.moe, "model": w.model, "root": w.root,
             "ckpt": os.path.join(w.trained, "checkpoint-2"),
@@ -203,6 +205,8 @@ CASES: dict[str, tuple[Build, str]] = {
                               "'gpt2' has no Megatron conversion template"),
     "model-dpo-reference-missing": (_with("stage=dpo", "dataset={pairs_json}", "ref_model={missing}"),
                                     "ref_model="),
+    "model-config-nested-too-deep": (_with("model_name_or_path={deep_config}"),
+                                     "config.json nests arrays/objects too deep to read"),
     "model-tokenizer-without-chat-template": (_with("model_name_or_path={no_template}"),
                                               "Set template: to one of"),
     # ---- checkpoint ----
