@@ -33,7 +33,7 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
     for name in os.listdir(output_dir):
         match = _NAME.match(name)
         path = os.path.join(output_dir, name)
-        if match and os.path.isdir(path):
+        if match and os.path.isdir(path) and not os.path.islink(path):  # a link is never followed
             found.append((int(match.group(1)), path))
     return sorted(found)
 

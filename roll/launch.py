@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,9 +13,11 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from roll.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_PREEMPTED, EXIT_USAGE, ConfigError
+from roll.listen import AGENT_STORE_ENV, bound_store, collective_env
 
 if TYPE_CHECKING:  # roll.config pulls in transformers; tests/helpers and the mca backend only need free_port
     from roll.config import RunConfig
@@ -50,7 +53,7 @@ DEFAULT_MULTINODE_PORT = 29500
 """torchrun's default rendezvous port, used when nnodes > 1 and none is given."""
 
 
-def launch_command(config: RunConfig, argv: list[str]) -> list[str]:
+def launch_command(config: RunConfig, argv: list[str], where: tuple[str, int] | None = None) -> list[str]:
     """The launcher command that runs ``roll-train argv`` on this node's nproc_per_node processes.
 
     One node: torchrun (or the deepspeed launcher) on 127.0.0.1 and a free port. nnodes > 1: this node's
@@ -59,7 +62,7 @@ def launch_command(config: RunConfig, argv: list[str]) -> list[str]:
     (``--hostfile --no_ssh --node_rank``, the same master_addr/master_port).
     """
     t = config.training
-    addr, port = rendezvous(config)
+    addr, port = where or rendezvous(config)
     if not t.use_mca and t.deepspeed:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(t.nproc_per_node)]
         if t.nnodes > 1:
@@ -123,7 +126,8 @@ def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
 
     t = config.training
     argv, secrets = redact.split_secrets(argv)  # launchers log their command line; ps shows it to everyone
-    cmd = launch_command(config, argv)
+    addr, port = rendezvous(config)
+    cmd = launch_command(config, argv, (addr, port))
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
     if secrets:
         env[redact.SECRETS_ENV] = json.dumps(secrets)
@@ -134,7 +138,9 @@ def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would detect it too, with a warning per rank
     where = f" (node {t.node_rank} of {t.nnodes})" if t.nnodes > 1 else ""
     logger.info("launching %d processes%s: %s", t.nproc_per_node, where, " ".join(redact.redact_argv(cmd)))
-    with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir:
+    env.update(collective_env(addr, env))
+    with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir, \
+            _hosted_store(config, env, addr, port):
         env[STATUS_DIR_ENV] = status_dir
         code = run_child(cmd, graceful=True, env=env)
         first = (t.node_rank or 0) * t.nproc_per_node
@@ -149,11 +155,33 @@ def relaunch_tool(module: str, argv: list[str], nproc: int) -> Outcome:
            "--master_port", str(free_port()), "-m", module, *argv]
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(collective_env("127.0.0.1", env))
     logger.info("launching %d processes: %s", nproc, " ".join(cmd))
     with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir:
         env[STATUS_DIR_ENV] = status_dir
         code = run_child(cmd, env=env)
         return summarize(read_statuses(status_dir), range(nproc), code)
+
+
+@contextlib.contextmanager
+def _hosted_store(config: RunConfig, env: dict[str, str], addr: str, port: int):
+    """Under the DeepSpeed launcher, roll-train (node 0's) hosts the rendezvous store, listening on
+    master_addr only, and every rank connects as a client; otherwise rank 0 would host it on every interface.
+    torchrun's agent hosts its own (``roll.torchrun``)."""
+    t = config.training
+    if t.use_mca or not t.deepspeed:
+        yield
+        return
+    env[AGENT_STORE_ENV] = "True"
+    if t.nnodes > 1 and t.node_rank != 0:
+        yield
+        return
+    store = bound_store(addr, port, world_size=t.nproc_per_node * t.nnodes,
+                        timeout=timedelta(seconds=t.ddp_timeout))
+    try:
+        yield
+    finally:
+        del store
 
 
 def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, *, graceful: bool = False,

@@ -1,7 +1,8 @@
 """Checks roll-train runs before it trains (and before it launches any process): the mistakes that can be
 found from files alone, in milliseconds, instead of N ranks later as a Megatron or safetensors traceback.
 
-What is checked: output_dir (``roll.checkpoints.check_output_dir``), nproc_per_node against this machine
+What is checked: output_dir (``roll.outputs``, ``roll.checkpoints.check_output_dir``), nproc_per_node against
+this machine
 (only when launching), the model directory (config.json, remote code, weights files intact), the chat template
 stages sft/dpo need, and a resumed checkpoint against this run (backend, model, LoRA or full, global batch).
 Layout rules that need the model's config (heads / layers / experts divisible by TP / PP / EP) are part of
@@ -15,7 +16,7 @@ import json
 import os
 import struct
 
-from roll.checkpoints import check_output_dir, resolve_resume
+from roll.checkpoints import check_output_dir, resolve_resume, wants_resume
 from roll.config.training import read_json_object
 from roll.errors import ConfigError, ModelError
 
@@ -31,7 +32,7 @@ _ADAPTER_CONFIG = "adapter_config.json"
 def check_before_training(config, *, launching: bool) -> None:
     """Every check of this module, cheapest first; ``launching``: this process starts the ranks."""
     training = config.training
-    check_output_dir(training)
+    check_output_place(config)
     if launching:
         check_machine(training)
     model = config.model
@@ -45,6 +46,25 @@ def check_before_training(config, *, launching: bool) -> None:
     check_chat_template(config)
     check_resume(config)
     check_pickles(config)
+
+
+# ---- output_dir ---------------------------------------------------------------------------------
+
+def check_output_place(config) -> None:
+    """output_dir is a place of its own (``roll.outputs``), holds no linked checkpoint, no trained model a
+    fresh run would overwrite (``check_output_dir``) and no one else's files."""
+    from roll import outputs
+
+    training, model = config.training, config.model
+    models = [path for path in (model.model_name_or_path, model.tokenizer_name_or_path,
+                                config.finetuning.ref_model) if path]
+    data = [part.strip() for spec in (config.data.dataset, config.data.eval_dataset)
+            for part in (spec or "").split(",") if part.strip()]
+    outputs.check_location(training.output_dir, model_dirs=models, data_paths=data)
+    outputs.check_no_linked_checkpoints(training.output_dir)
+    check_output_dir(training)
+    if not (training.overwrite_output_dir or wants_resume(training.resume_from_checkpoint)):
+        outputs.check_contents(training.output_dir, outputs.run_identity(config))
 
 
 # ---- the machine --------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Callable
 from roll.checkpoints import clean_stale
 from roll.config import RunConfig
 from roll.contract import TrainJob, TrainResult
+from roll.errors import ConfigError
 from roll.logging import is_rank0, log_rank0
 from roll.registry import get_backend_class
 
@@ -54,6 +55,20 @@ def build_job(config: RunConfig, padding_policy) -> tuple[TrainJob, object]:
     return job, bundle.stats
 
 
+def check_batch_fits(config: RunConfig, rows: int, dp_size: int) -> None:
+    """One global batch must fit in the training set (after packing, val_size and max_samples): otherwise the
+    standard backend trains on smaller batches than asked and Megatron builds batches it cannot fill."""
+    t = config.training
+    batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp_size
+    if rows < batch:
+        packed = " packed" if config.data.packing else ""
+        raise ConfigError(f"one global batch is {batch} samples (per_device_train_batch_size "
+                          f"{t.per_device_train_batch_size} * gradient_accumulation_steps "
+                          f"{t.gradient_accumulation_steps} * data-parallel size {dp_size}) but the training "
+                          f"set has {rows}{packed} rows: not one full step. Lower "
+                          "per_device_train_batch_size or gradient_accumulation_steps, or add data.")
+
+
 def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         out: Callable[[str], None] = sys.stdout.write) -> TrainResult | None:
     """Run the configured stage end to end (or only the data side with dry_run)."""
@@ -70,6 +85,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         out(json.dumps(summary) + "\n" if as_json else text)
         return None
     from roll.checkpoints import prepare_output_dir
+    from roll.outputs import run_identity, write_marker
 
     for path in prepare_output_dir(config.training, is_rank0=is_rank0()):  # no lost work: refuse or replace
         logger.warning("overwrite_output_dir: deleted %s, a checkpoint of an earlier run", path)
@@ -78,6 +94,9 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         if is_rank0():
             clean_stale(config.training.output_dir)
         job, _ = build_job(config, policy)
+        check_batch_fits(config, len(job.train_dataset), info.dp_size)
+        if is_rank0():
+            write_marker(config.training.output_dir, run_identity(config))
         log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",
                   config.finetuning.stage, config.backend_name, info.world_size, info.dp_size)
         models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))

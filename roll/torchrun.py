@@ -5,6 +5,8 @@ traceback of the launcher itself, even when a rank stopped cleanly on a user's m
 already said why. roll-train launches ranks through this module instead: the same argument parser and
 launch (``torch.distributed.run.run``), torchrun's one-line log of which rank failed, and exit code 1.
 roll-train then reports the ranks' own exit codes (``roll.launch.summarize``).
+
+Its rendezvous store listens on ``--master_addr`` only, not on every interface (``roll.listen``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from roll.listen import patch_torchrun_store
+
+    patch_torchrun_store()
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError:

@@ -125,9 +125,10 @@ def _init_process_group(backend: str, timeout_seconds: float) -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)  # env:// (MASTER_ADDR/PORT from the launcher)
     else:
-        # A plain `python` run (unit tests, single-process conversion): a one-process group.
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0,
-                                world_size=1, timeout=timeout)
+        # A plain `python` run (unit tests, single-process conversion): a one-process group, its store in
+        # memory (a tcp:// store would listen on every interface).
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
     return True
 
 

@@ -17,6 +17,7 @@ import sys
 from packaging.version import Version
 
 from roll.launch import free_port, inside_launcher
+from roll.listen import AGENT_STORE_ENV, bound_store
 from roll.logging import warn_once
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ def cpu_training_kwargs() -> dict:
     return {} if current_platform().is_accelerator else {"use_cpu": True}
 
 
+_single_process_store: list = []
+"""The loopback store of a launcher-less DeepSpeed run (W5)."""
+
+
 def single_process_env() -> dict[str, str | None]:
     """W5: give a launcher-less process the env of a 1-rank group; return what to restore later.
 
@@ -67,9 +72,13 @@ def single_process_env() -> dict[str, str | None]:
     _verified("W5", "deepspeed")
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return {}
+    port = free_port()
     values = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), AGENT_STORE_ENV: "True"}
     previous = {key: os.environ.get(key) for key in values}
+    # The rank would host the store on every interface; this process hosts it on loopback instead, the
+    # rank's env:// rendezvous a client of it (kept for the life of the process group).
+    _single_process_store[:] = [bound_store("127.0.0.1", port, world_size=1)]
     os.environ.update(values)
     return previous
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from backends.standard._compat import drop_hf_deepspeed_config
 from roll.logging import is_rank0, log_rank0
+from roll.outputs import remove_stale_weights, weight_file_states, written_since
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +28,13 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> str:
     config = getattr(unwrapped, "config", None)
     if config is not None:
         config.use_cache = True  # training turned the KV cache off; inference wants it back
+    before = weight_file_states(output_dir)
     trainer.save_model(output_dir)
     _barrier()
     if is_rank0():
         tokenizer.save_pretrained(output_dir)
+        for name in remove_stale_weights(output_dir, keep=written_since(output_dir, before)):
+            logger.info("removed %s from %s: weights of an earlier save, another layout", name, output_dir)
         if "ref" in (getattr(unwrapped, "peft_config", None) or {}):
             # TRL's DPO keeps a frozen copy of the adapter as "ref" for the reference;
             # only the trained one ships.

@@ -63,6 +63,20 @@ class RunConfig:
                               "set packing: false.")
         if self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
             warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
+        self._clamp_workers()
+
+    def _clamp_workers(self) -> None:
+        """Worker counts above this machine's CPU cores start hundreds of processes for nothing: clamp them
+        (one warning each). Each process of the node starts its own dataloader workers."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        per_process = max(1, cores // self.training.nproc_per_node)
+        for section, key, limit in ((self.data, "preprocessing_num_workers", cores),
+                                    (self.training, "dataloader_num_workers", per_process)):
+            value = getattr(section, key)
+            if value is not None and value > limit:
+                warn_once(logger, f"{key}={value} is more than this machine's {cores} CPU core(s) allow"
+                                  f"{' per process' if limit != cores else ''}; using {limit}.")
+                setattr(section, key, limit)
 
     def _validate_mca(self) -> None:
         self.layout = self.megatron.build_layout(self.training.world_size_from_launch)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from roll.config.hf_training import HFTrainingFields
 from roll.errors import ConfigError, RollError
+from roll.outputs import output_dir_value
 
 LAUNCH_ENV_FALLBACKS = {"nnodes": "NNODES", "node_rank": "NODE_RANK", "master_addr": "MASTER_ADDR",
                         "master_port": "MASTER_PORT"}
@@ -31,6 +32,11 @@ def read_json_object(path: str, what: str, error: type[RollError] = ConfigError)
             content = json.load(fh)
     except json.JSONDecodeError as exc:
         raise error(f"{what} is not valid JSON: {exc}.") from None
+    except RecursionError:
+        raise error(f"{what} nests arrays/objects too deep to read; it is not a file roll or its libraries "
+                    "wrote: replace it.") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start}): replace it.") from None
     if not isinstance(content, dict):
         raise error(f"{what} must hold a JSON object, got {type(content).__name__}.")
     return content
@@ -47,7 +53,8 @@ def read_deepspeed_json(path: str) -> dict:
 @dataclass
 class TrainingArguments(HFTrainingFields):
     output_dir: str = "outputs/roll"
-    """Where checkpoints, logs and the final HF-format model are written."""
+    """Where checkpoints, logs and the final HF-format model are written: a folder of this run's own (not empty,
+    /, the home directory, a system directory, nor the model's or a dataset's folder; ~ is expanded)."""
 
     use_mca: bool = False
     """Backend switch: true trains with Megatron-Core (mca), false with HF Trainer/TRL + DeepSpeed (standard)."""
@@ -79,10 +86,11 @@ class TrainingArguments(HFTrainingFields):
     """Write the final model in Hugging Face format (safetensors + config + tokenizer) to output_dir."""
 
     overwrite_output_dir: bool = False
-    """Allow a fresh run in an output_dir that already holds a trained model or checkpoints: its
-    checkpoint-N directories are deleted at the start, the final model is replaced at the end. Off by
-    default so no finished work is lost; resuming (resume_from_checkpoint) needs no overwrite, and logs
-    alone (train_log.jsonl, loss.png, runs/ of a run that saved nothing) never block."""
+    """Allow a fresh run in an output_dir that already holds a trained model, checkpoints, files no roll run
+    wrote or another recipe's run: its checkpoint-N directories are deleted at the start, the final model is
+    replaced at the end. Off by default so no finished work is lost; resuming (resume_from_checkpoint) needs
+    no overwrite, and a run of the same recipe (.roll_run.json) or logs alone (train_log.jsonl, loss.png,
+    runs/ of a run that saved nothing) never block."""
 
     save_on_preemption: bool = True
     """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
@@ -100,6 +108,7 @@ class TrainingArguments(HFTrainingFields):
     def __post_init__(self) -> None:  # noqa: D105 - deliberately not calling HF's (see module doc)
         self._take_warmup_ratio()
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "nproc_per_node", "nnodes")
+        self.output_dir = output_dir_value(self.output_dir)
         if not self.gpu_memory_gb > 0:
             raise ConfigError(f"gpu_memory_gb must be > 0 (GiB of one GPU), got {self.gpu_memory_gb}.")
         if self.max_consecutive_skipped_steps < 0:

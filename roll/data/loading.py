@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 from roll.errors import DataError
@@ -83,6 +84,10 @@ def _load_one(path: str):
     if not os.path.exists(path):
         return datasets.load_dataset(path, split="train")
     builder = _builder_for(path)
+    if _is_blank(path):
+        raise DataError(f"{path} is empty (no rows): add rows or remove it from dataset:.")
+    if builder == "json":
+        check_json_depth(path)
     try:
         dataset = datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as exc:  # the arrow error rarely names the row: find it ourselves
@@ -161,6 +166,55 @@ def diagnose(path: str, builder: str) -> str | None:
         if not isinstance(row, dict):
             return f"line {lineno} (row {lineno - 1}) is a {type(row).__name__}, expected a JSON object."
     return None
+
+
+def _is_blank(path: str) -> bool:
+    """Whether the file holds nothing but whitespace (read in blocks: a big file stops at its first row)."""
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 16):
+            if block.strip():
+                return False
+    return True
+
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects a JSON dataset file may have (a conversation row is about 6 deep). A file
+nested far deeper crashes the readers: a RecursionError in Python's json, a segfault in pyarrow's."""
+
+_JSON_STRING = re.compile(rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"')  # unrolled: no backtracking stack per character
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def check_json_depth(path: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """DataError when the JSON(L) file nests arrays/objects deeper than ``limit``, found without a parser:
+    strings removed, brackets kept, their running depth summed (a JSON string never spans lines, so the file
+    is read in blocks that end at a newline)."""
+    import numpy as np
+
+    depth, line = 0, 1
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24) + handle.readline():
+            brackets = _JSON_STRING.sub(b"", block).translate(None, _NOT_BRACKETS)
+            opening = np.frombuffer(brackets, np.uint8) & 0x02 != 0  # '[' 0x5b, '{' 0x7b; ']' 0x5d, '}' 0x7d
+            running = depth + np.cumsum(np.where(opening, 1, -1))
+            if running.size and running.max() > limit:
+                too_deep = int(np.argmax(running > limit))
+                at = line + _line_of_bracket(block, too_deep)
+                raise DataError(f"{path}: JSON nested more than {limit} levels deep (line {at}); a dataset "
+                                "row is a flat object of strings and lists of messages. Fix or remove that "
+                                "row.")
+            depth = int(running[-1]) if running.size else depth
+            line += block.count(b"\n")
+
+
+def _line_of_bracket(block: bytes, index: int) -> int:
+    """Lines before the ``index``-th bracket outside strings in ``block``."""
+    seen = 0
+    for lineno, text in enumerate(block.split(b"\n")):
+        seen += len(_JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS))
+        if seen > index:
+            return lineno
+    return 0
 
 
 def _is_saved_dataset(path: str) -> bool:

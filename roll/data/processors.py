@@ -91,6 +91,28 @@ def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
+_LONGEST_TOKEN: dict[int, int] = {}
+
+
+def char_bound(tokenizer, cutoff_len: int) -> int:
+    """Characters of one text that can matter for ``cutoff_len`` tokens: cutoff_len tokens of the tokenizer's
+    longest vocabulary entry, plus slack for the merges at the cut. Only cutoff_len tokens of a prompt (its
+    end) or an answer (its start) survive truncation, so a longer text is cut to this many characters before
+    it is tokenized: one 50 MB row would otherwise take minutes and gigabytes to tokenize, to keep 1024."""
+    key = id(tokenizer)
+    if key not in _LONGEST_TOKEN:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        _LONGEST_TOKEN[key] = max(map(len, vocab), default=64)
+    return cutoff_len * max(_LONGEST_TOKEN[key], 1) + 4096
+
+
+def bounded(text: str, limit: int, keep: str) -> str:
+    """``text`` cut to ``limit`` characters, keeping its ``keep`` end ('head' or 'tail')."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] if keep == "head" else text[len(text) - limit:]
+
+
 @dataclass
 class _Processor:
     tokenizer: object
@@ -140,8 +162,11 @@ class SupervisedProcessor(_Processor):
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         renderer = Renderer.for_tokenizer(self.tokenizer)
         out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
-        parsed = self.parse(batch, indices,
-                            lambda row: renderer.turns(formats.conversation(row, self.fmt), self.train_turns))
+        limit = char_bound(self.tokenizer, self.cutoff_len)
+        parsed = self.parse(batch, indices, lambda row: [
+            (bounded(prompt, limit, "tail"), bounded(reply, limit, "head"), trainable)
+            for prompt, reply, trainable in renderer.turns(formats.conversation(row, self.fmt),
+                                                           self.train_turns)])
         texts = [text for turns in parsed if not isinstance(turns, Skip)
                  for prompt, reply, _ in turns for text in (prompt, reply)]
         token_iter = iter(_tokenize(self.tokenizer, texts))
@@ -174,7 +199,8 @@ class PairwiseProcessor(_Processor):
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         renderer = Renderer.for_tokenizer(self.tokenizer)
         out: dict[str, list] = {k: [] for k in PAIR_SEQ + META_COLUMNS}
-        parsed = self.parse(batch, indices, lambda row: self._render(renderer, row))
+        limit = char_bound(self.tokenizer, self.cutoff_len)
+        parsed = self.parse(batch, indices, lambda row: self._render(renderer, row, limit))
         texts = [text for item in parsed if not isinstance(item, Skip) for text in item]
         token_iter = iter(_tokenize(self.tokenizer, texts))
         for item in parsed:
@@ -201,14 +227,15 @@ class PairwiseProcessor(_Processor):
         return out
 
     @staticmethod
-    def _render(renderer: Renderer, row: dict) -> tuple[str, str, str]:
+    def _render(renderer: Renderer, row: dict, limit: int) -> tuple[str, str, str]:
         prompt, chosen, rejected = formats.pair(row)
         chosen_turns = renderer.turns(prompt + [{"role": "assistant", "content": chosen}])
         rejected_turns = renderer.turns(prompt + [{"role": "assistant", "content": rejected}])
         prompt_text = "".join(p + r for p, r, _ in chosen_turns[:-1]) + chosen_turns[-1][0]
         if prompt_text != "".join(p + r for p, r, _ in rejected_turns[:-1]) + rejected_turns[-1][0]:
             raise RowError("the chat template renders the prompt differently for chosen and rejected")
-        return prompt_text, chosen_turns[-1][1], rejected_turns[-1][1]
+        return (bounded(prompt_text, limit, "tail"), bounded(chosen_turns[-1][1], limit, "head"),
+                bounded(rejected_turns[-1][1], limit, "head"))
 
 
 @dataclass

@@ -145,7 +145,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     for name in ("pp2", "dp2"):
         assert_close(result[name]["losses"], uninterrupted[3:], 1e-4, name)
     assert result["dist_opt_resumed"]["losses"] == result["dist_opt"]["losses"][4:]
-    assert sorted(os.listdir(full)) == ["checkpoint-3", "checkpoint-6", "loss.png", "train_log.jsonl"]
+    assert sorted(os.listdir(full)) == [".roll_run.json", "checkpoint-3", "checkpoint-6", "loss.png",
+                                        "train_log.jsonl"]
     assert sorted(p for p in os.listdir(dist_opt) if p.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-6"]
     state = json.loads((full / "checkpoint-3" / "trainer_state.json").read_text())
     assert (state["global_step"], state["consumed_samples"], state["global_batch_size"]) == (3, 24, 8)

@@ -95,6 +95,8 @@ def world(tmp_path_factory, tiny_model_factory) -> World:
     _write(w.path("pairs.json"), json.dumps(PAIR_ROWS))
     _write(w.path("bad.jsonl"), json.dumps(SFT_ROWS[0]) + '\n{"instruction": "What is 1 plus 2?", "output\n')
     _write(w.path("empty.jsonl"), "")
+    deep = "[" * 10**5 + "]" * 10**5  # Python's json: RecursionError; pyarrow's reader: a segfault
+    _write(w.path("deep.jsonl"), '{"instruction": "Hi", "output": "Yo.", "x": ' + deep + "}\n")
     _write(w.path("no_answers.json"), json.dumps([{**row, "output": ""} for row in SFT_ROWS]))
     _write(w.path("rows.xml"), "<rows/>")
     _write(w.path("list.yaml"), "- stage: sft\n")
@@ -112,6 +114,8 @@ def world(tmp_path_factory, tiny_model_factory) -> World:
     _model_copy(root, model, "gpt2_arch", lambda d: _edit_json(
         os.path.join(d, "config.json"), model_type="gpt2", architectures=["GPT2LMHeadModel"]))
     _model_copy(root, model, "no_template", _drop_chat_template)
+    _model_copy(root, model, "deep_config",
+                lambda d: _write(os.path.join(d, "config.json"), '{"x": ' + deep + "}"))
     # One real run, so the checkpoint cases resume from what roll writes (not a hand-made imitation).
     proc = roll_train(*w.base(w.trained, "max_steps=2", "save_strategy=steps", "save_steps=1"), timeout=300)
     assert proc.returncode == 0, output_of(proc)
@@ -141,11 +145,12 @@ def _with(*extra: str) -> Build:
 
 
 def _places(w: World) -> dict[str, str]:
-    names = ("typo.yaml", "list.yaml", "broken.yaml", "bad.jsonl", "empty.jsonl", "rows.xml", "pairs.json",
-             "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch", "gpt2_arch",
-             "no_template")
+    names = ("typo.yaml", "list.yaml", "broken.yaml", "bad.jsonl", "empty.jsonl", "deep.jsonl", "rows.xml",
+             "pairs.json", "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch",
+             "gpt2_arch", "no_template", "deep_config")
     places = {name.replace(".", "_"): w.path(name) for name in names}
-    return {**places, "moe": w.moe, "ckpt": os.path.join(w.trained, "checkpoint-2"),
+    return {**places, "moe": w.moe, "model": w.model, "root": w.root,
+            "ckpt": os.path.join(w.trained, "checkpoint-2"),
             "missing": w.path("no_such_thing")}
 
 
@@ -179,7 +184,12 @@ CASES: dict[str, tuple[Build, str]] = {
     # ---- data ----
     "data-missing-file": (_with("dataset={missing}"), "not found"),
     "data-malformed-row": (_with("dataset={bad_jsonl}"), "bad.jsonl: invalid JSON on line 2"),
-    "data-empty-file": (_with("dataset={empty_jsonl}"), "empty.jsonl"),
+    "data-empty-file": (_with("dataset={empty_jsonl}"), "empty.jsonl is empty"),
+    "data-nested-too-deep": (_with("dataset={deep_jsonl}"), "deep.jsonl: JSON nested more than 64 levels"),
+    "data-global-batch-larger-than-dataset": (_with("per_device_train_batch_size=1000000"),
+                                              "has 16 rows: not one full step"),
+    "data-global-batch-larger-than-dataset-mca": (_with("per_device_train_batch_size=1000000", MCA),
+                                                  "per_device_train_batch_size 1000000"),
     "data-empty-after-filtering": (_with("dataset={no_answers_json}"), "empty_reply=16); fix the rows"),
     "data-unsupported-file-type": (_with("dataset={rows_xml}"), "unsupported file type"),
     "data-wrong-format-for-stage": (_with("dataset={pairs_json}"), "cannot be used for stage sft"),
@@ -196,6 +206,8 @@ CASES: dict[str, tuple[Build, str]] = {
                               "'gpt2' has no Megatron conversion template"),
     "model-dpo-reference-missing": (_with("stage=dpo", "dataset={pairs_json}", "ref_model={missing}"),
                                     "ref_model="),
+    "model-config-nested-too-deep": (_with("model_name_or_path={deep_config}"),
+                                     "config.json nests arrays/objects too deep to read"),
     "model-tokenizer-without-chat-template": (_with("model_name_or_path={no_template}"),
                                               "Set template: to one of"),
     # ---- checkpoint ----
@@ -224,6 +236,16 @@ CASES: dict[str, tuple[Build, str]] = {
     # ---- output_dir ----
     "output-dir-holds-a-trained-model": (_with(), "overwrite_output_dir: true"),
     "output-dir-holds-checkpoints": (_with(), "resume_from_checkpoint: true"),
+    "output-dir-empty": (_with("output_dir="), "output_dir is empty or null"),
+    "output-dir-tilde-alone": (_with("output_dir=~"), "a lone ~ as null"),
+    "output-dir-home": (_with("output_dir=~/"), "is your home directory itself"),
+    "output-dir-root": (_with("output_dir=/"), "is a system directory (/)"),
+    "output-dir-system": (_with("output_dir=/usr/lib"), "is a system directory (/usr/lib)"),
+    "output-dir-is-the-model-folder": (_with("output_dir={model}"), "is the folder of model_name_or_path"),
+    "output-dir-is-the-dataset-folder": (_with("output_dir={root}"), "is the folder of dataset"),
+    "output-dir-holds-other-files": (_with(), "no roll run wrote it (notes.txt)"),
+    "output-dir-holds-another-recipe": (_with(), "holds a run of another recipe (model_name_or_path"),
+    "output-dir-linked-checkpoint": (_with("resume_from_checkpoint=true"), "checkpoint-2 is a symbolic link"),
 }
 
 _FILLED_OUTPUT_DIRS = {"output-dir-holds-a-trained-model": None,
@@ -234,8 +256,15 @@ _FILLED_OUTPUT_DIRS = {"output-dir-holds-a-trained-model": None,
 def _prepare_output_dir(world: World, case: str, out: str) -> None:
     if case not in _FILLED_OUTPUT_DIRS:
         os.makedirs(out)
-        _write(os.path.join(out, "notes.txt"), "the user's notes\n")
         _write(os.path.join(out, "train_log.jsonl"), '{"step": 1, "loss": 5.0}\n')  # a crashed run's log
+        if case == "output-dir-holds-other-files":
+            _write(os.path.join(out, "notes.txt"), "the user's notes\n")
+        if case == "output-dir-holds-another-recipe":  # what roll.outputs.write_marker writes
+            identity = {"stage": "sft", "finetuning_type": "full", "model_name_or_path": world.moe}
+            _write(os.path.join(out, ".roll_run.json"), json.dumps({"written_by": "roll-train",
+                                                                    "identity": identity}))
+        if case == "output-dir-linked-checkpoint":
+            os.symlink(os.path.join(world.trained, "checkpoint-2"), os.path.join(out, "checkpoint-2"))
         return
     only = _FILLED_OUTPUT_DIRS[case]
     if only is None:

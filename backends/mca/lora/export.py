@@ -28,6 +28,7 @@ from backends.mca.models.export import copy_tokenizer_files, gather_unit
 from backends.mca.models.gpt import chunk_placements
 from backends.mca.models.unwrap import unwrap_model
 from roll.errors import ModelError
+from roll.outputs import remove_stale_weights
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_pa
         LoraConfig(task_type=TaskType.CAUSAL_LM, r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                    target_modules=spec.hf_target_modules,
                    base_model_name_or_path=base_model_name_or_path).save_pretrained(out_dir)
+        remove_stale_weights(out_dir, keep={ADAPTER_WEIGHTS, "adapter_config.json"})
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
         log_rank0(logger, "wrote LoRA adapter (%d tensors, PEFT format) to %s", len(tensors), out_dir)

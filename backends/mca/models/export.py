@@ -23,6 +23,7 @@ from backends.mca.models.loader import INDEX_NAME
 from backends.mca.models.template import get_template
 from backends.mca.models.unwrap import unwrap_model
 from roll.logging import log_rank0
+from roll.outputs import remove_stale_weights
 
 if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
@@ -56,7 +57,9 @@ def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int
                 full.pop("output_layer.weight", None)  # HF ties lm_head to embed_tokens itself
             writer.add(template.mca_to_hf(full, config))
     if writer is not None:
-        writer.finish()
+        written = writer.finish()
+        for name in remove_stale_weights(out_dir, keep=written):
+            log_rank0(logger, "removed %s from %s: weights of an earlier save, another layout", name, out_dir)
         _write_config(template.hf_config_dict(config), out_dir)
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
@@ -138,7 +141,8 @@ class _ShardWriter:
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
-    def finish(self) -> None:
+    def finish(self) -> set[str]:
+        """Name the shards, write the index; returns the names of the files written."""
         if self.pending:
             self._flush()
         total = len(self.files)
@@ -151,6 +155,7 @@ class _ShardWriter:
         with open(os.path.join(self.out_dir, INDEX_NAME), "w", encoding="utf-8") as fh:
             json.dump({"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}, fh,
                       indent=2)
+        return {*weight_map.values(), INDEX_NAME}
 
 
 def _write_config(hf_config: dict, out_dir: str) -> None:
