@@ -64,7 +64,7 @@ def fake_backend(monkeypatch):
         seen["policy"] = policy
         spec = router.STAGES[config.finetuning.stage]
         seen["spec"] = spec
-        return TrainJob(stage=config.finetuning.stage, tokenizer=None, train_dataset=[], collator=list,
+        return TrainJob(stage=config.finetuning.stage, tokenizer=None, train_dataset=[{}] * 64, collator=list,
                         eval_dataset=seen.get("eval_dataset")), None
 
     monkeypatch.setattr(router, "build_job", fake_build_job)
