@@ -23,7 +23,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 # which shape_from_hf_config applies first.
 _NAMES: dict[str, tuple[str, ...]] = {
     "hidden_size": ("hidden_size", "d_model", "n_embd", "dim"),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "num_decoder_layers"),
     "num_heads": ("num_attention_heads", "n_head", "decoder_attention_heads", "num_heads"),
     "num_kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
     "head_dim": ("head_dim", "kv_channels", "attention_head_dim"),
@@ -59,7 +59,8 @@ _PLAIN_MLP = frozenset({
     "bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
     "electra", "ernie", "rembert", "roc_bert", "roformer", "data2vec-text", "xmod", "big_bird", "megatron-bert",
     "bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot-small", "bigbird_pegasus",
-    "mvp", "trocr", "prophetnet", "nemotron", "git", "jais2", "modernbert-decoder",
+    "mvp", "trocr", "prophetnet", "nemotron", "git", "jais2", "modernbert-decoder", "apertus", "arcee",
+    "nanochat",
 })
 # Families whose q_proj is twice as wide: half of it gates the attention output (sigmoid).
 _GATED_ATTENTION = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
@@ -258,8 +259,13 @@ def config_fields(config: Any) -> dict:
 
 def _read(fields: dict, key: str, default: Any = 0) -> Any:
     for name in _NAMES[key]:
-        if fields.get(name) is not None:
-            return fields[name]
+        value = fields.get(name)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            return round(sum(value) / len(value))  # a per-layer list (Gemma-3n's MLP widths): their mean
+        if value is not None:
+            return value
+    if key == "num_layers" and isinstance(fields.get("layers_block_type"), (list, tuple)):
+        return len(fields["layers_block_type"])  # Nemotron-H: one entry per layer, no count
     return default
 
 

@@ -55,8 +55,9 @@ def build_job(config: RunConfig, padding_policy) -> tuple[TrainJob, object]:
 
 
 def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
-        out: Callable[[str], None] = sys.stdout.write) -> TrainResult | None:
-    """Run the configured stage end to end (or only the data side with dry_run)."""
+        out: Callable[[str], None] | None = None) -> TrainResult | None:
+    """Run the configured stage end to end (or only the data side with dry_run, written with ``out``:
+    by default the current ``sys.stdout``, looked up at call time so a caller may have replaced it)."""
     backend = get_backend_class(config.backend_name)(config)
     policy = backend.padding_policy(config.finetuning.stage)
     if dry_run:
@@ -64,7 +65,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
 
         job, stats = build_job(config, policy)
         summary, text = dry_run_report(job, stats)
-        out(json.dumps(summary) + "\n" if as_json else text)
+        (out or sys.stdout.write)(json.dumps(summary) + "\n" if as_json else text)
         return None
     from roll.checkpoints import prepare_output_dir
 
