@@ -55,12 +55,12 @@ _NAMES: dict[str, tuple[str, ...]] = {
 # Families whose MLP is two matrices (up, down) instead of a gated three (gate, up, down).
 _PLAIN_MLP = frozenset({
     "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_neox_japanese", "gptj", "codegen", "opt", "bloom",
-    "falcon", "phi", "starcoder2", "mpt", "persimmon", "stablelm_epoch", "biogpt", "xglm", "openai-gpt", "ctrl",
-    "bert", "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
-    "electra", "ernie", "rembert", "roc_bert", "roformer", "data2vec-text", "xmod", "big_bird", "megatron-bert",
-    "bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot-small", "bigbird_pegasus",
-    "mvp", "trocr", "prophetnet", "nemotron", "git", "jais2", "modernbert-decoder", "apertus", "arcee",
-    "nanochat",
+    "falcon", "phi", "starcoder2", "mpt", "persimmon", "biogpt", "xglm", "openai-gpt", "ctrl", "bert",
+    "bert-generation", "roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert",
+    "electra", "ernie", "rembert", "roc_bert", "roformer", "data2vec-text", "xmod", "big_bird",
+    "megatron-bert", "bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot-small",
+    "bigbird_pegasus", "mvp", "trocr", "prophetnet", "nemotron", "git", "jais2", "modernbert-decoder",
+    "apertus", "arcee", "nanochat",
 })
 # Families whose q_proj is twice as wide: half of it gates the attention output (sigmoid).
 _GATED_ATTENTION = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
@@ -89,7 +89,7 @@ class ModelShape:
     experts_per_token: int = 0  # num_experts_per_tok
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # all shared experts together (DeepSeek: n_shared * width)
-    moe_layers: int = 0  # how many of num_layers have experts (first_k_dense_replace, decoder_sparse_step, ...)
+    moe_layers: int = 0  # layers with experts (first_k_dense_replace, decoder_sparse_step, mlp_only_layers)
     shared_expert_gate: bool = False  # Qwen2-MoE / Qwen3-Next: a 1-wide sigmoid gate on the shared expert
     gated_mlp: bool = True  # gate, up, down (SwiGLU / GeGLU); False: up, down (GPT-2 style)
     # multi-head latent attention (0: standard attention)
@@ -209,7 +209,8 @@ class ModelShape:
         """Forward matmul FLOPs of one token attending over ``seq_length`` positions (roll.perf's
         flops_per_token documents the formula)."""
         window = min(seq_length, self.sliding_window) if self.sliding_window else seq_length
-        mixer = {"full": self._full_attention_flops(seq_length), "sliding": self._full_attention_flops(window),
+        mixer = {"full": self._full_attention_flops(seq_length),
+                 "sliding": self._full_attention_flops(window),
                  "linear": self._linear_attention_flops(), "other": 0.0}
         dense_layers = self.num_layers - self.moe_layers
         layers = sum(mixer[kind] for kind in self.kinds()) + self.moe_layers * self._moe_mlp_flops() \
@@ -321,7 +322,8 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         q_lora_rank=int(_read(fields, "q_lora_rank")), kv_lora_rank=int(_read(fields, "kv_lora_rank")),
         qk_nope_head_dim=int(_read(fields, "qk_nope_head_dim")),
         qk_rope_head_dim=int(_read(fields, "qk_rope_head_dim")), v_head_dim=int(_read(fields, "v_head_dim")),
-        attention_output_gate=model_type in _GATED_ATTENTION, layer_kinds=_layer_kinds(fields, layers), sliding_window=int(_read(fields, "sliding_window")),
+        attention_output_gate=model_type in _GATED_ATTENTION, layer_kinds=_layer_kinds(fields, layers),
+        sliding_window=int(_read(fields, "sliding_window")),
         linear_key_heads=int(_read(fields, "linear_key_heads")),
         linear_value_heads=int(_read(fields, "linear_value_heads")),
         linear_key_head_dim=int(_read(fields, "linear_key_head_dim")),

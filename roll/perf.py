@@ -4,12 +4,15 @@
 ``mfu`` (model FLOPs utilisation: the model FLOP/s one rank achieves over that rank's hardware peak)
 and ``peak_memory_gb`` (the largest peak of any rank: ``max_memory_allocated`` on GPU, peak RSS on CPU).
 
-The model FLOPs come from the HF-style model config (``flops_per_token``), not from a profiler, so
+The model FLOPs come from the HF-style model config (``flops_per_token``, read by roll.model_shape under each
+family's field names), not from a profiler, so
 activation recomputation, a DPO reference pass and padding are not counted (that is what makes it
 *model* FLOPs utilisation, as in PaLM and Megatron-LM). The peak is a table of NVIDIA datasheet numbers
 for known GPUs, else a short matmul probe (CPU, or a GPU the table does not know).
 
-Backend-agnostic: nothing here imports a backend; each backend hands in an HF-style config.
+Every field is computed only to be logged, so none of them ever stops a run: one that cannot be computed
+(a config the FLOPs formula cannot read, no memory counter) is None, ``null`` in the log, with one warning
+(``logged_only``). Backend-agnostic: nothing here imports a backend; each backend hands in an HF-style config.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import re
 import resource
 import sys
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -74,9 +78,9 @@ def flops_per_token(config: Any, seq_length: float) -> float:
     layers L, heads n_q, KV heads n_kv, head_dim d (default h / n_q), MLP width I, vocabulary V; experts E
     (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), k of them per token
     (``num_experts_per_tok``), their width I_e (``moe_intermediate_size``, else ``intermediate_size`` as
-    in Mixtral, OLMoE, PhiMoE, gpt-oss), shared experts of total width I_s (``shared_expert_intermediate_size``
-    or ``n_shared_experts`` x I_e), which layers have experts (``first_k_dense_replace``,
-    ``decoder_sparse_step``, ``mlp_only_layers``). A multiply-add is 2 FLOPs; only matmuls count (norms,
+    in Mixtral, OLMoE, PhiMoE, gpt-oss), shared experts of total width I_s
+    (``shared_expert_intermediate_size`` or ``n_shared_experts`` x I_e), which layers have experts
+    (``first_k_dense_replace``, ``decoder_sparse_step``, ``mlp_only_layers``). A multiply-add is 2 FLOPs; only matmuls count (norms,
     biases, softmax, RoPE and the embedding lookup are negligible or not matmuls)::
 
         attention  = 2*h*d*(2*n_q + 2*n_kv)              q, k, v, o projections
@@ -190,8 +194,9 @@ def max_over_ranks(value: float, device: torch.device | str | None = None) -> fl
 
 def logged_only(field: str, what: str, compute: Callable[[], _V]) -> _V | None:
     """``compute()``, or None with one warning naming what could not be computed: a value computed only to
-    be logged never stops a run. Any exception is caught on purpose: a model family the FLOPs formula does
-    not know, or a device without a memory counter, fails in its own way, and only a log field depends on it."""
+    be logged never stops a run. Any exception is caught on purpose: a model family the FLOPs formula
+    does not know, or a device without a memory counter, fails in its own way, and only a log field
+    depends on it."""
     try:
         return compute()
     except Exception as exc:  # noqa: BLE001 -- see the docstring
@@ -216,7 +221,8 @@ def speed_metrics(tokens: float | None, seconds: float, steps: int, world_size: 
     mfu = None
     if tokens_per_second is not None and flops_per_token is not None and peak_flops:
         mfu = float(f"{tokens_per_second * flops_per_token / (max(world_size, 1) * peak_flops):.4g}")
-    local = logged_only("peak_memory_gb", "this process's peak memory", lambda: peak_memory_bytes(device) / 2**30)
+    local = logged_only("peak_memory_gb", "this process's peak memory",
+                        lambda: peak_memory_bytes(device) / 2**30)
     peak_gb = max_over_ranks(-1.0 if local is None else local, device)
     return {"step_time": round(seconds / max(steps, 1), 4),
             "tokens_per_second": None if tokens_per_second is None else round(tokens_per_second, 2),

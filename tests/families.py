@@ -32,14 +32,15 @@ TINY: dict[str, Any] = dict(
 _MLA = dict(num_key_value_heads=4)  # latent attention expands k/v to every query head
 _HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one layer of each kind
 OVERRIDES: dict[str, dict[str, Any]] = {
-    **{family: _MLA for family in ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite",
-                                   "glm_moe_dsa", "longcat_flash", "minicpm3", "youtu")},
+    **{family: _MLA for family in ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                                   "dots3_note_text", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash",
+                                   "minicpm3", "youtu")},
     **{family: _HYBRID for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")},
     "codegen": dict(rotary_dim=4), "gptj": dict(rotary_dim=4),  # default 64 > head_dim 8
-    "bamba": dict(mamba_n_heads=4, mamba_d_head=16), "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=16),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16),
     "gemma4_text": dict(hidden_size_per_layer_input=8),
     "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=8),
-    "dots3_note_text": _MLA,
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1),
     "zamba": dict(layer_types=["linear_attention", "hybrid"]),
@@ -51,10 +52,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 SKIPPED: dict[str, str] = {
     # multimodal wrappers: a vision or audio tower of its own size comes with them
     **{family: "multimodal (a vision/audio tower); its text model is tested as its own family" for family in (
-        "dots3_note", "emu3", "fuyu", "gemma3", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4", "mllama",
-        "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp")},
-    **{family: "a draft model for speculative decoding (built from its main model's text_config)" for family in (
-        "gemma4_assistant", "gemma4_unified_assistant")},
+        "dots3_note", "emu3", "fuyu", "gemma3", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4",
+        "mllama", "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp")},
+    **{family: "a draft model for speculative decoding (built from its main model's text_config)"
+       for family in ("gemma4_assistant", "gemma4_unified_assistant")},
     "gemma3n": "needs the timm package (its vision tower), not a roll dependency",
     "blt": "byte-latent model: its hash n-gram embeddings hold ~5 billion parameters at any hidden size",
     "musicgen": "audio model: codebook token streams, not a text LM",
