@@ -14,6 +14,20 @@ TRAIN_LOG_FILE = "train_log.jsonl"
 the same file name and keys on both backends."""
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler on whatever ``sys.stderr`` is when a record is written, not when roll was set up: a
+    notebook, a test or an in-process caller that swaps sys.stderr (and closes the old one) still sees
+    roll's lines."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ assigns it; the property always reads sys.stderr
+        pass
+
+
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = os.environ.get("RANK", "0")
@@ -26,7 +40,7 @@ def setup_logging(level: str | int = "INFO") -> None:
         logger = logging.getLogger(name)
         if logger.handlers:
             continue
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
         handler.addFilter(_RankFilter())
         logger.addHandler(handler)

@@ -4,12 +4,15 @@
 ``mfu`` (model FLOPs utilisation: the model FLOP/s one rank achieves over that rank's hardware peak)
 and ``peak_memory_gb`` (the largest peak of any rank: ``max_memory_allocated`` on GPU, peak RSS on CPU).
 
-The model FLOPs come from the HF-style model config (``flops_per_token``), not from a profiler, so
+The model FLOPs come from the HF-style model config (``flops_per_token``, read by roll.model_shape under each
+family's field names), not from a profiler, so
 activation recomputation, a DPO reference pass and padding are not counted (that is what makes it
 *model* FLOPs utilisation, as in PaLM and Megatron-LM). The peak is a table of NVIDIA datasheet numbers
 for known GPUs, else a short matmul probe (CPU, or a GPU the table does not know).
 
-Backend-agnostic: nothing here imports a backend; each backend hands in an HF-style config.
+Every field is computed only to be logged, so none of them ever stops a run: one that cannot be computed
+(a config the FLOPs formula cannot read, no memory counter) is None, ``null`` in the log, with one warning
+(``logged_only``). Backend-agnostic: nothing here imports a backend; each backend hands in an HF-style config.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import re
 import resource
 import sys
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-from roll.logging import log_rank0
+from roll.logging import log_rank0, warn_once
+from roll.model_shape import shape_from_hf_config
 
 logger = logging.getLogger(__name__)
+
+_V = TypeVar("_V")
 
 SPEED_KEYS = ("step_time", "tokens_per_second", "mfu", "peak_memory_gb")
 """The speed fields of every training log record, on both backends."""
@@ -59,71 +65,42 @@ _GPU_PEAKS: tuple[tuple[str, str, tuple[float, float, float]], ...] = (
 
 # ---- model FLOPs ----------------------------------------------------------------------------------
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    if isinstance(config, Mapping):
-        value = config.get(name, default)
-    else:
-        value = getattr(config, name, default)
-    return default if value is None else value
-
-
-def _moe_layers(config: Any, num_layers: int) -> list[bool]:
-    """Which decoder layers are MoE layers, by the Qwen2-MoE / Qwen3-MoE rule
-    (``decoder_sparse_step``, ``mlp_only_layers``); all False for a dense model."""
-    experts = _get(config, "num_experts") or _get(config, "num_local_experts") or 0
-    if not experts:
-        return [False] * num_layers
-    step, dense = int(_get(config, "decoder_sparse_step", 1)), set(_get(config, "mlp_only_layers", []))
-    return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
-
-
 def forward_flops_per_token(config: Any, seq_length: float) -> float:
     """Forward-pass matmul FLOPs per token; see ``flops_per_token``."""
-    h = int(_get(config, "hidden_size"))
-    layers = int(_get(config, "num_hidden_layers"))
-    heads = int(_get(config, "num_attention_heads"))
-    kv_heads = int(_get(config, "num_key_value_heads", heads))
-    d = int(_get(config, "head_dim", h // heads))
-    vocab = int(_get(config, "vocab_size"))
-    projections = 2 * h * d * (2 * heads + 2 * kv_heads)  # q and o: heads*d wide; k and v: kv_heads*d
-    scores = 2 * 2 * heads * d * seq_length  # q.k^T and p.v over the whole sequence (not halved)
-    dense_mlp = 2 * 3 * h * int(_get(config, "intermediate_size", 0))  # gate, up, down
-    experts = int(_get(config, "num_experts") or _get(config, "num_local_experts") or 0)
-    moe_mlp = 0
-    if experts:
-        top_k = int(_get(config, "num_experts_per_tok"))
-        moe_mlp = 2 * h * experts + top_k * 2 * 3 * h * int(_get(config, "moe_intermediate_size"))
-        shared = int(_get(config, "shared_expert_intermediate_size", 0))
-        if shared:  # Qwen2-MoE: one shared expert behind a 1-wide sigmoid gate
-            moe_mlp += 2 * 3 * h * shared + 2 * h
-    per_layer = [projections + scores + (moe_mlp if moe else dense_mlp)
-                 for moe in _moe_layers(config, layers)]
-    return float(sum(per_layer) + 2 * h * vocab)  # + the output head (tied or not: the same matmul)
+    return shape_from_hf_config(config).forward_flops(seq_length)
 
 
 def flops_per_token(config: Any, seq_length: float) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward) of an HF-style causal LM config.
 
-    ``config`` is an HF ``PretrainedConfig`` or a dict of its fields (``hidden_size`` h,
-    ``intermediate_size`` I, ``num_hidden_layers`` L, ``num_attention_heads`` n_q,
-    ``num_key_value_heads`` n_kv, ``head_dim`` d (default h / n_q), ``vocab_size`` V; MoE as Qwen2-MoE
-    / Qwen3-MoE name it: ``num_experts`` E (or ``num_local_experts``), ``num_experts_per_tok`` k,
-    ``moe_intermediate_size`` I_e, ``shared_expert_intermediate_size`` I_s, ``decoder_sparse_step``,
-    ``mlp_only_layers``). A multiply-add is 2 FLOPs; only matmuls count (norms, biases, softmax,
-    RoPE and the embedding lookup are negligible or not matmuls)::
+    ``config`` is an HF ``PretrainedConfig`` or a dict of its fields, read by
+    ``roll.model_shape.shape_from_hf_config`` under each family's names (``_NAMES`` there): hidden size h,
+    layers L, heads n_q, KV heads n_kv, head_dim d (default h / n_q), MLP width I, vocabulary V; experts E
+    (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), k of them per token
+    (``num_experts_per_tok``), their width I_e (``moe_intermediate_size``, else ``intermediate_size`` as
+    in Mixtral, OLMoE, PhiMoE, gpt-oss), shared experts of total width I_s
+    (``shared_expert_intermediate_size`` or ``n_shared_experts`` x I_e), which layers have experts
+    (``first_k_dense_replace``, ``decoder_sparse_step``, ``mlp_only_layers``). A multiply-add is 2 FLOPs; only matmuls count (norms,
+    biases, softmax, RoPE and the embedding lookup are negligible or not matmuls)::
 
         attention  = 2*h*d*(2*n_q + 2*n_kv)              q, k, v, o projections
                    + 4*n_q*d*s                            q.k^T and p.v over s positions
-        dense MLP  = 6*h*I                                gate, up, down (SwiGLU)
-        MoE MLP    = 2*h*E + k*6*h*I_e [+ 6*h*I_s + 2*h]  router, the k ACTIVE experts
-                                                          [, the shared expert and its gate]
-        forward    = sum over layers (attention + MLP) + 2*h*V   (output head; tying does not change it)
+        MLA        = q (through q_lora_rank when set), kv_a, kv_b, o projections
+                   + 2*n_q*(d_nope + d_rope + d_v)*s      DeepSeek-V2/V3 latent attention
+        linear     = 2 * (projection + conv weights)      gated DeltaNet (Qwen3-Next) layers: no s term,
+                   + 6*n_v*d_k*d_v                        the recurrent state instead
+        dense MLP  = 2*m*h*I                              m = 3 matrices (gated), 2 (GPT-2 style)
+        MoE MLP    = 2*h*E + k*2*m*h*I_e                  router, the k ACTIVE experts
+                   [+ 2*m*h*I_s (+ 2*h)]                  [shared experts (and their 1-wide gate)]
+        forward    = sum over layers (mixer + MLP) + 2*h*V   (output head; tying does not change it)
         training   = 3 * forward                          (backward = 2 x forward)
 
-    ``s`` is the sequence length each token attends over. The score term counts the full s x s
+    ``s`` is the sequence length each token attends over; a sliding-window layer (``layer_types``, or a
+    ``sliding_window`` of every layer) attends over min(s, window). The score term counts the full s x s
     product, not the causal half: the convention of PaLM (appendix B: 6N + 12*L*H*Q*T) and nanoGPT's
-    estimate, so numbers compare with theirs; for a causal model it overstates that term about 2x.
-    Frozen weights (LoRA) still count their weight-gradient matmuls: the model's FLOPs, not the work done.
+    estimate, so numbers compare with theirs; for a causal model it overstates that term about 2x. Layers
+    of other kinds (Mamba or convolution mixers of hybrids) count their MLP only. Frozen weights (LoRA)
+    still count their weight-gradient matmuls: the model's FLOPs, not the work done.
     """
     return 3.0 * forward_flops_per_token(config, seq_length)
 
@@ -215,21 +192,41 @@ def max_over_ranks(value: float, device: torch.device | str | None = None) -> fl
 
 # ---- the log fields -------------------------------------------------------------------------------
 
-def speed_metrics(tokens: float, seconds: float, steps: int, world_size: int, *, flops_per_token: float,
-                  peak_flops: float, device: torch.device | str | None = None) -> dict[str, float]:
+def logged_only(field: str, what: str, compute: Callable[[], _V]) -> _V | None:
+    """``compute()``, or None with one warning naming what could not be computed: a value computed only to
+    be logged never stops a run. Any exception is caught on purpose: a model family the FLOPs formula
+    does not know, or a device without a memory counter, fails in its own way, and only a log field
+    depends on it."""
+    try:
+        return compute()
+    except Exception as exc:  # noqa: BLE001 -- see the docstring
+        warn_once(logger, f"{field} is logged as null: cannot compute {what} ({type(exc).__name__}: {exc}). "
+                          "Training goes on.")
+        return None
+
+
+def speed_metrics(tokens: float | None, seconds: float, steps: int, world_size: int, *,
+                  flops_per_token: float | None, peak_flops: float | None,
+                  device: torch.device | str | None = None) -> dict[str, float | None]:
     """The speed fields of one log record from one logging window.
 
     ``tokens``: real tokens of all ranks in the window; ``seconds``: its wall time; ``steps``: optimizer
     steps in it; ``world_size``: ranks sharing the work (every parallel dimension); ``flops_per_token``:
     ``flops_per_token(config, s)``; ``peak_flops``: one rank's peak. mfu = tokens/s * flops_per_token /
-    world_size / peak_flops. Collective when a process group exists (peak memory is a MAX over ranks).
+    world_size / peak_flops. A field whose inputs are unknown (None) is None (``null`` in the log).
+    Collective when a process group exists (peak memory is a MAX over ranks; every rank joins it).
     """
     seconds = max(seconds, 1e-9)
-    tokens_per_second = tokens / seconds
-    mfu = tokens_per_second * flops_per_token / (max(world_size, 1) * peak_flops)
-    peak_gb = max_over_ranks(peak_memory_bytes(device) / 2**30, device)
-    return {"step_time": round(seconds / max(steps, 1), 4), "tokens_per_second": round(tokens_per_second, 2),
-            "mfu": float(f"{mfu:.4g}"), "peak_memory_gb": round(peak_gb, 4)}
+    tokens_per_second = None if tokens is None else tokens / seconds
+    mfu = None
+    if tokens_per_second is not None and flops_per_token is not None and peak_flops:
+        mfu = float(f"{tokens_per_second * flops_per_token / (max(world_size, 1) * peak_flops):.4g}")
+    local = logged_only("peak_memory_gb", "this process's peak memory",
+                        lambda: peak_memory_bytes(device) / 2**30)
+    peak_gb = max_over_ranks(-1.0 if local is None else local, device)
+    return {"step_time": round(seconds / max(steps, 1), 4),
+            "tokens_per_second": None if tokens_per_second is None else round(tokens_per_second, 2),
+            "mfu": mfu, "peak_memory_gb": None if peak_gb < 0 else round(peak_gb, 4)}
 
 
 class SpeedMeter:
@@ -239,15 +236,24 @@ class SpeedMeter:
     def __init__(self, model_config: Any, world_size: int, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         self.model_config, self.world_size, self.device = model_config, world_size, device
-        self.peak_flops, self.peak_source = hardware_peak_flops(device, dtype)
-        log_rank0(logger, "MFU peak: %.3g FLOP/s per rank (%s), %d rank(s)", self.peak_flops,
-                  self.peak_source, world_size)
+        peak = logged_only("mfu", "the hardware's peak FLOP/s", lambda: hardware_peak_flops(device, dtype))
+        self.peak_flops, self.peak_source = peak if peak is not None else (None, "unknown")
+        if peak is not None:
+            log_rank0(logger, "MFU peak: %.3g FLOP/s per rank (%s), %d rank(s)", self.peak_flops,
+                      self.peak_source, world_size)
 
-    def metrics(self, tokens: float, seconds: float, steps: int, seq_length: float) -> dict[str, float]:
+    def metrics(self, tokens: float | None, seconds: float, steps: int,
+                seq_length: float) -> dict[str, float | None]:
         """``speed_metrics`` of a window whose samples average ``seq_length`` real tokens. Collective."""
-        return speed_metrics(tokens, seconds, steps, self.world_size,
-                             flops_per_token=flops_per_token(self.model_config, seq_length),
+        model_type = model_type_of(self.model_config)
+        flops = logged_only("mfu", f"the FLOPs per token of this model (model_type {model_type!r})",
+                            lambda: flops_per_token(self.model_config, seq_length))
+        return speed_metrics(tokens, seconds, steps, self.world_size, flops_per_token=flops,
                              peak_flops=self.peak_flops, device=self.device)
+
+
+def model_type_of(config: Any) -> str | None:
+    return config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
 
 
 def training_dtype(bf16: bool, fp16: bool) -> torch.dtype:

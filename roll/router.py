@@ -70,8 +70,9 @@ def check_batch_fits(config: RunConfig, rows: int, dp_size: int) -> None:
 
 
 def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
-        out: Callable[[str], None] = sys.stdout.write) -> TrainResult | None:
-    """Run the configured stage end to end (or only the data side with dry_run)."""
+        out: Callable[[str], None] | None = None) -> TrainResult | None:
+    """Run the configured stage end to end (or only the data side with dry_run, written with ``out``:
+    by default the current ``sys.stdout``, looked up at call time so a caller may have replaced it)."""
     from roll import unpickle
 
     unpickle.set_trusted(config.model.trust_checkpoint_pickles)  # loads deep inside DeepSpeed / PyTorch DCP
@@ -82,7 +83,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
 
         job, stats = build_job(config, policy)
         summary, text = dry_run_report(job, stats)
-        out(json.dumps(summary) + "\n" if as_json else text)
+        (out or sys.stdout.write)(json.dumps(summary) + "\n" if as_json else text)
         return None
     from roll.checkpoints import prepare_output_dir
     from roll.outputs import run_identity, write_marker

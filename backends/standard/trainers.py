@@ -13,7 +13,8 @@ What they add to HF/TRL, and why:
   micro-batch, divided by grad_accum and averaged over ranks: the mean over pairs of the global
   batch (micro-batches are equal-sized).
 * **Speed**: every training log carries roll.perf's ``step_time``, ``tokens_per_second`` (real, non-pad
-  tokens only), ``mfu`` and ``peak_memory_gb``, as the mca backend's do.
+  tokens only), ``mfu`` and ``peak_memory_gb``, as the mca backend's do; one that cannot be computed
+  for a model is ``null`` in train_log.jsonl, with one warning, and never stops the run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
 from roll import IGNORE_INDEX, redact
 from roll.logging import TRAIN_LOG_FILE
-from roll.perf import SpeedMeter, training_dtype
+from roll.perf import SPEED_KEYS, SpeedMeter, logged_only, training_dtype
 
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -48,7 +49,10 @@ class RollTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         pad_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
         # Kept a tensor until the next log: reading it every micro-step would wait for the GPU each time.
-        self._roll_tokens = getattr(self, "_roll_tokens", 0) + _real_tokens(inputs, pad_id)
+        tokens = logged_only("tokens_per_second", "the batch's real (non-pad) tokens",
+                             lambda: _real_tokens(inputs, pad_id))
+        self._roll_tokens_unknown = getattr(self, "_roll_tokens_unknown", False) or tokens is None
+        self._roll_tokens = getattr(self, "_roll_tokens", 0) + (0 if tokens is None else tokens)
         ids = inputs.get("input_ids")
         rows = ids.shape[0] if isinstance(ids, torch.Tensor) else 0
         self._roll_rows = getattr(self, "_roll_rows", 0) + rows
@@ -60,7 +64,9 @@ class RollTrainerMixin:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.model.training:
-            logs.update(self._throughput())
+            # A field that could not be computed is left out here (HF's reporters warn on every None they
+            # get) and written as null by JsonlLogCallback.
+            logs.update({k: v for k, v in self._throughput().items() if v is not None})
         super().log(logs, start_time)
 
     def _throughput(self) -> dict[str, float]:
@@ -74,8 +80,11 @@ class RollTrainerMixin:
             counts = self.accelerator.reduce(counts, reduction="sum")
         tokens, rows = counts.tolist()
         steps = self.state.global_step - (getattr(self, "_roll_window_step", None) or 0)
+        known = not getattr(self, "_roll_tokens_unknown", False)
         self._roll_tokens, self._roll_rows, self._roll_window_step, self._roll_last_log_time = 0, 0, None, now
-        return self._roll_speed.metrics(tokens, now - since, steps, seq_length=tokens / max(rows, 1))
+        self._roll_tokens_unknown = False
+        return self._roll_speed.metrics(tokens if known else None, now - since, steps,
+                                        seq_length=tokens / max(rows, 1))
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """HF ends this with a pickle of its TrainingArguments (hub_token included) in
@@ -129,8 +138,11 @@ class JsonlLogCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            record = {"step": state.global_step, **logs}
+            if "loss" in logs:  # a training record carries every speed field, null when unknown
+                record.update({key: logs.get(key) for key in SPEED_KEYS})
             with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+                fh.write(json.dumps(record) + "\n")
 
 
 class RollTrainer(SafeCheckpointMixin, SafeStepMixin, RollTrainerMixin, Trainer):

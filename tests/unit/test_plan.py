@@ -63,6 +63,22 @@ def test_parameter_count_matches_a_saved_model(tiny_model_factory, kind):
     assert shape.total_params() == saved
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "phi3"])
+def test_parameter_count_of_moe_and_mla_families(family):
+    """Experts sized by intermediate_size (Mixtral), shared experts with a gate (Qwen2-MoE), n_routed_experts
+    with a dense first layer (GLM-4-MoE, DeepSeek), latent attention (DeepSeek): the count from the config
+    dict equals the HF model's own parameters (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import tiny_config
+
+    config = tiny_config(family, 1000, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert shape_from_hf_config(config.to_dict()).total_params() == sum(p.numel() for p in model.parameters())
+
+
 def test_builtin_shapes_give_the_published_sizes():
     """Totals of the real checkpoints (their safetensors index): the table rows are the public config.json."""
     assert KNOWN_SHAPES["qwen2.5-7b"].total_params() == 7_615_616_512

@@ -65,7 +65,7 @@ class MetricsWriter:
             return
         append_log(os.path.dirname(self.path), entry)
         if self._tensorboard is not None:
-            for key, value in record.items():
+            for key, value in ((k, v) for k, v in record.items() if v is not None):  # null: not computable
                 self._tensorboard.add_scalar(f"train/{key}" if not key.startswith("eval_") else
                                              f"eval/{key[5:]}", value, step)
         if self._bar is not None and "loss" in record:
@@ -81,12 +81,10 @@ class MetricsWriter:
 def bar_postfix(record: dict[str, float]) -> dict[str, str]:
     """The progress bar's postfix of a training record: loss and the speed fields it has."""
     out = {"loss": f"{record['loss']:.4f}"}
-    if "tokens_per_second" in record:
-        out["tok/s"] = f"{record['tokens_per_second']:.4g}"
-    if "mfu" in record:
-        out["mfu"] = f"{record['mfu']:.2%}"
-    if "peak_memory_gb" in record:
-        out["mem"] = f"{record['peak_memory_gb']:.2f}GB"
+    for key, short, fmt in (("tokens_per_second", "tok/s", "{:.4g}"), ("mfu", "mfu", "{:.2%}"),
+                            ("peak_memory_gb", "mem", "{:.2f}GB")):
+        if record.get(key) is not None:  # null: not computable for this model (roll.perf warned once)
+            out[short] = fmt.format(record[key])
     return out
 
 
