@@ -15,7 +15,7 @@ import json
 import os
 import struct
 
-from roll.checkpoints import check_output_dir, resolve_resume
+from roll.checkpoints import BATCH_RECORD, check_output_dir, resolve_resume
 from roll.config.training import read_json_object
 from roll.errors import ConfigError, ModelError
 
@@ -32,16 +32,39 @@ def check_before_training(config, *, launching: bool) -> None:
     """Every check of this module, cheapest first; ``launching``: this process starts the ranks."""
     training = config.training
     check_output_dir(training)
+    check_output_writable(training.output_dir)
     if launching:
         check_machine(training)
     model = config.model
+    check_not_adapter(model.model_name_or_path)
     check_model_dir(model.model_name_or_path, trust_remote_code=model.trust_remote_code,
                     use_mca=training.use_mca)
     if config.finetuning.stage == "dpo" and config.finetuning.ref_model:
         check_model_dir(config.finetuning.ref_model, trust_remote_code=model.trust_remote_code,
                         use_mca=training.use_mca, key="ref_model")
+    check_reference_vocab(config)
+    check_tokenizer_files(config.model)
     check_chat_template(config)
     check_resume(config)
+
+
+# ---- output_dir ---------------------------------------------------------------------------------
+
+def check_output_writable(output_dir: str) -> None:
+    """output_dir is a directory this process can write, or can be created (nothing is created here)."""
+    path = os.path.abspath(output_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"output_dir={output_dir!r} is a file, not a directory: choose another output_dir.")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"output_dir={output_dir!r} cannot be created: {parent!r} is a file. Choose "
+                          "another output_dir.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        what = "is not writable" if parent == path else f"cannot be created ({parent!r} is not writable)"
+        raise ConfigError(f"output_dir={output_dir!r} {what} by this user (or its file system is read-only): "
+                          "choose an output_dir you can write.")
 
 
 # ---- the machine --------------------------------------------------------------------------------
@@ -92,6 +115,60 @@ def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
     hf_config = read_json_object(config_file, config_file, ModelError)
     check_remote_code(hf_config, config_file, trust_remote_code=trust_remote_code)
     check_weight_files(path, use_mca=use_mca, key=key)
+
+
+def check_not_adapter(path: str | None, *, key: str = "model_name_or_path") -> None:
+    """A PEFT adapter directory (adapter_config.json, adapter weights only) given as the model."""
+    if not path or not os.path.isfile(os.path.join(path, _ADAPTER_CONFIG)):
+        return
+    names = map(os.path.basename, weight_files(path))
+    full = [name for name in names if not name.startswith("adapter_model")]
+    if full or glob.glob(os.path.join(path, "pytorch_model*.bin")):
+        return  # full weights next to an adapter: a model
+    adapter_config = os.path.join(path, _ADAPTER_CONFIG)
+    base = read_json_object(adapter_config, adapter_config, ModelError).get("base_model_name_or_path")
+    raise ModelError(f"{key}={path!r} is a LoRA adapter directory (adapter_config.json and adapter weights "
+                     f"only), not a model: set {key} to the base model it was trained from ({base!r} "
+                     "according to adapter_config.json). To train a model with the adapter merged in, use the "
+                     "full model a LoRA run writes with export_merged: true (OUTPUT_DIR/merged).")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt")
+"""Any of these makes a directory a tokenizer transformers can load."""
+
+
+def check_tokenizer_files(model) -> None:
+    """The tokenizer directory (tokenizer_name_or_path, else the model's) holds tokenizer files."""
+    key = "tokenizer_name_or_path" if model.tokenizer_name_or_path else "model_name_or_path"
+    path = model.tokenizer_name_or_path or model.model_name_or_path
+    if not path or not os.path.isdir(path):
+        return
+    if any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return
+    raise ModelError(f"{key}={path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}): copy them "
+                     "from the model's original directory, or set tokenizer_name_or_path to the directory of the "
+                     "tokenizer the model was trained with.")
+
+
+def check_reference_vocab(config) -> None:
+    """DPO compares the policy's and the reference's log-probabilities of the same token ids."""
+    ref = config.finetuning.ref_model
+    if config.finetuning.stage != "dpo" or not ref or config.finetuning.ref_free:
+        return
+    policy = config.model.model_name_or_path
+    sizes = []
+    for path in (policy, ref):
+        config_file = os.path.join(path or "", "config.json")
+        if not os.path.isfile(config_file):
+            return
+        hf_config = read_json_object(config_file, config_file, ModelError)
+        sizes.append((hf_config.get("text_config") or hf_config).get("vocab_size"))
+    if None not in sizes and sizes[0] != sizes[1]:
+        raise ConfigError(f"ref_model={ref!r} has vocab_size {sizes[1]}, model_name_or_path={policy!r} has "
+                          f"{sizes[0]}: DPO compares both models' probabilities of the same token ids, so "
+                          "the reference must share the policy's vocabulary. Set ref_model to the model the "
+                          "policy starts from (or leave it unset: a frozen copy of the policy).")
 
 
 def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
@@ -251,9 +328,16 @@ def _check_same_batch(config, ckpt: str, state: dict, is_mca_ckpt: bool) -> None
         now = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
         detail = (f"per_device_train_batch_size {t.per_device_train_batch_size} * "
                   f"gradient_accumulation_steps {t.gradient_accumulation_steps} * data-parallel size {dp}")
+    elif os.path.isfile(os.path.join(ckpt, BATCH_RECORD)):  # what roll records next to HF's files
+        record = read_json_object(os.path.join(ckpt, BATCH_RECORD), f"{ckpt}/{BATCH_RECORD}")
+        saved = record.get("global_batch_size")
+        world = t.world_size_from_launch
+        now = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
+        detail = (f"per_device_train_batch_size {t.per_device_train_batch_size} * "
+                  f"gradient_accumulation_steps {t.gradient_accumulation_steps} * {world} process(es)")
     else:
-        # HF's trainer_state records the per-device batch; its rng_state_R.pth files, the world size.
-        # (It does not record gradient_accumulation_steps.)
+        # A checkpoint without roll's record: HF's trainer_state records the per-device batch, its
+        # rng_state_R.pth files the world size (gradient_accumulation_steps is not known).
         ranks = len(glob.glob(os.path.join(ckpt, "rng_state_*.pth"))) or 1
         per_device = state.get("train_batch_size")
         saved = None if per_device is None else per_device * ranks

@@ -58,11 +58,21 @@ class RunConfig:
         else:
             self._validate_standard()
         backend_cls.check_config(self)
+        self._check_precision()
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
         if self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
             warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
+
+    def _check_precision(self) -> None:
+        """dtype (how the weights are loaded) and bf16 / fp16 (the compute precision) must not contradict."""
+        dtype, training = self.model.dtype, self.training
+        wanted = "bfloat16" if training.bf16 else "float16" if training.fp16 else None
+        if wanted and dtype in ("bfloat16", "float16") and dtype != wanted:
+            flag = "bf16" if training.bf16 else "fp16"
+            raise ConfigError(f"dtype={dtype} contradicts {flag}=true (weights in {dtype}, computation in "
+                              f"{wanted}): choose one precision, e.g. dtype: auto with {flag}: true.")
 
     def _validate_mca(self) -> None:
         self.layout = self.megatron.build_layout(self.training.world_size_from_launch)

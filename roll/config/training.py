@@ -86,6 +86,11 @@ class TrainingArguments(transformers.TrainingArguments):
     default so no finished work is lost; resuming (resume_from_checkpoint) needs no overwrite, and logs
     alone (train_log.jsonl, loss.png, runs/ of a run that saved nothing) never block."""
 
+    resume_from_checkpoint: str | None = None
+    """Continue a run: true -> the latest complete OUTPUT_DIR/checkpoint-N (an error when there is none); a
+    path -> that checkpoint; auto -> the latest checkpoint-N if there is one, else a fresh run (for requeued
+    or preempted jobs that rerun one command); unset / false -> a fresh run."""
+
     save_on_preemption: bool = True
     """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
     code 75 (EXIT_PREEMPTED); resume_from_checkpoint: true then continues. False: stop without saving."""
@@ -109,6 +114,10 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}.")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be a positive step count or -1 (use num_train_epochs), got {self.max_steps}.")
+        if self.max_steps == -1 and not self.num_train_epochs > 0:
+            raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1 (its default), got "
+                              f"{self.num_train_epochs}: nothing would be trained. Set num_train_epochs "
+                              "(e.g. 1) or max_steps.")
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both true: choose one precision.")
         if isinstance(self.deepspeed, str):
