@@ -1,9 +1,10 @@
 """Checks roll-train runs before it trains (and before it launches any process): the mistakes that can be
 found from files alone, in milliseconds, instead of N ranks later as a Megatron or safetensors traceback.
 
-What is checked: output_dir (``roll.checkpoints.check_output_dir``), nproc_per_node against this machine
-(only when launching), the model directory (config.json, remote code, weights files intact), the chat template
-stages sft/dpo need, and a resumed checkpoint against this run (backend, model, LoRA or full, global batch).
+What is checked: output_dir (``roll.checkpoints.check_output_dir``; writable), nproc_per_node against this
+machine (only when launching), the model directory (not an adapter directory, config.json, remote code, weights
+files intact, tokenizer files), a DPO reference's vocabulary, the chat template stages sft/dpo need, and a
+resumed checkpoint against this run (backend, model, LoRA or full, global batch).
 Layout rules that need the model's config (heads / layers / experts divisible by TP / PP / EP) are part of
 config validation (``RunConfig.validate``), so --print-config reports them too.
 """
