@@ -59,6 +59,10 @@ class RunConfig:
             self._validate_standard()
         backend_cls.check_config(self)
         self._check_precision()
+        evaluates = str(getattr(self.training.eval_strategy, "value", self.training.eval_strategy))
+        if evaluates != "no" and not (self.data.val_size or self.data.eval_dataset):
+            raise ConfigError(f"eval_strategy={evaluates} needs an evaluation set: set val_size (e.g. 0.1) "
+                              "or eval_dataset, or eval_strategy: no.")
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")

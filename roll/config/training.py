@@ -46,6 +46,11 @@ def read_deepspeed_json(path: str) -> dict:
     return read_json_object(path, f"deepspeed config {path!r}")
 
 
+def _choice(value) -> str:
+    """An HF choice field's text, whether it holds the enum or the string."""
+    return str(getattr(value, "value", value))
+
+
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     output_dir: str = "outputs/roll"
@@ -120,8 +125,23 @@ class TrainingArguments(transformers.TrainingArguments):
                               "(e.g. 1) or max_steps.")
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both true: choose one precision.")
+        self._check_schedule_keys()
         if isinstance(self.deepspeed, str):
             read_deepspeed_json(self.deepspeed)
+
+    def _check_schedule_keys(self) -> None:
+        """Step intervals and the scheduler name (HF would reject them with a traceback at train time)."""
+        for key, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
+                              ("eval_steps", "eval_strategy")):
+            value, every = getattr(self, key), _choice(getattr(self, strategy))
+            if every == "steps" and value is not None and not value > 0:
+                raise ConfigError(f"{key} must be > 0 with {strategy}: steps (a step count, or below 1 a "
+                                  f"fraction of the run), got {value}.")
+        names = [kind.value for kind in transformers.SchedulerType]
+        scheduler = _choice(self.lr_scheduler_type)
+        if scheduler not in names:
+            raise ConfigError(f"lr_scheduler_type {scheduler!r} is not a learning-rate schedule: choose one "
+                              f"of {', '.join(names)}.")
 
     def _check_launch_keys(self) -> None:
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:

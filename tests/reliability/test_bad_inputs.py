@@ -197,6 +197,11 @@ CASES: dict[str, tuple[Build, str]] = {
     "recipe-max-steps-zero": (_with("max_steps=0"), "max_steps must be a positive step count"),
     "recipe-zero-epochs": (_with("max_steps=-1", "num_train_epochs=0"), "num_train_epochs must be > 0"),
     "recipe-negative-learning-rate": (_with("learning_rate=-1e-4"), "learning_rate must be >= 0"),
+    "recipe-zero-logging-steps": (_with("logging_steps=0"), "logging_steps must be > 0"),
+    "recipe-zero-save-steps": (_with("save_strategy=steps", "save_steps=0"), "save_steps must be > 0"),
+    "recipe-unknown-lr-scheduler": (_with("lr_scheduler_type=bogus"), "is not a learning-rate schedule"),
+    "recipe-evaluation-without-an-eval-set": (_with("eval_strategy=steps", "eval_steps=1"),
+                                              "needs an evaluation set"),
     "recipe-dtype-contradicts-precision": (_with("dtype=float16", "bf16=true"),
                                            "dtype=float16 contradicts bf16=true"),
     # ---- command line ----
