@@ -159,6 +159,8 @@ def _alive(record: dict) -> bool:
 
 
 def _start_time(pid: int) -> float | None:
+    """When process ``pid`` started (epoch seconds), None when there is no such process; tells a reused PID
+    from the recorded one. psutil comes with accelerate, which the standard backend needs."""
     import psutil
 
     try:
