@@ -10,6 +10,7 @@ the next start.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -43,21 +44,34 @@ def last_checkpoint(output_dir: str) -> str | None:
     return dirs[-1][1] if dirs else None
 
 
+AUTO = "auto"
+"""``resume_from_checkpoint: auto``: the latest complete checkpoint if there is one, else a fresh run."""
+
+
+def is_auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
 def resolve_resume(value, output_dir: str) -> str | None:
     """``resume_from_checkpoint``: true -> the latest checkpoint in output_dir; a path -> that
-    checkpoint; false / none / empty -> None (a fresh run)."""
+    checkpoint; auto -> the latest checkpoint or None; false / none / empty -> None (a fresh run)."""
     text = "" if value is None else str(value).strip()
     if text.lower() in ("", "none") or (is_bool_word(text) and not coerce(text, bool)):
         return None
+    if is_auto(text):
+        return last_checkpoint(output_dir)
     if is_bool_word(text):  # the recipe's boolean words: true/yes/on/1
         last = last_checkpoint(output_dir)
         if last is None:
             raise ConfigError(f"resume_from_checkpoint=true but {output_dir!r} holds no checkpoint-N "
-                              "directory; train with save_steps first or give the checkpoint path.")
+                              "directory; train with save_steps first, give the checkpoint path, or use "
+                              "resume_from_checkpoint: auto (resume if there is a checkpoint, else start "
+                              "fresh).")
         return last
     if not os.path.isdir(text):
         raise ConfigError(f"resume_from_checkpoint={text!r} is not a checkpoint directory; use true "
-                          "(latest in output_dir) or a path such as OUTPUT_DIR/checkpoint-3.")
+                          "(latest in output_dir), auto (latest if any, else start fresh) or a path such as "
+                          "OUTPUT_DIR/checkpoint-3.")
     return text
 
 
@@ -99,6 +113,20 @@ def clean_stale(output_dir: str) -> list[str]:
     return stale
 
 
+BATCH_RECORD = "roll_batch.json"
+"""In a standard-backend checkpoint: the batch sizes it was trained with. HF's trainer_state.json records only
+the per-device batch, so a changed gradient_accumulation_steps would go unnoticed and the resumed run would
+read other samples than the uninterrupted one."""
+
+
+def write_batch_record(checkpoint_dir: str, *, per_device: int, grad_accum: int, world_size: int) -> None:
+    record = {"global_batch_size": per_device * grad_accum * world_size,
+              "per_device_train_batch_size": per_device, "gradient_accumulation_steps": grad_accum,
+              "world_size": world_size}
+    with open(os.path.join(checkpoint_dir, BATCH_RECORD), "w", encoding="utf-8") as fh:
+        json.dump(record, fh)
+
+
 def _fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -120,8 +148,11 @@ FINAL_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.inde
 (a run that stopped before saving anything) do not count: there is nothing to lose but a log."""
 
 
-def wants_resume(value) -> bool:
-    """Whether ``resume_from_checkpoint`` asks to resume (true or a path), without checking the path."""
+def wants_resume(value, output_dir: str | None = None) -> bool:
+    """Whether ``resume_from_checkpoint`` asks to resume (true or a path, without checking the path; auto
+    when ``output_dir`` holds a complete checkpoint)."""
+    if is_auto(value):
+        return output_dir is not None and last_checkpoint(output_dir) is not None
     text = "" if value is None else str(value).strip()
     return not (text.lower() in ("", "none") or (is_bool_word(text) and not coerce(text, bool)))
 
@@ -137,7 +168,7 @@ def trained_outputs(output_dir: str) -> list[str]:
 def check_output_dir(training) -> None:
     """Refuse a fresh run into an output_dir that holds a trained model or checkpoints (they would be
     overwritten), unless ``overwrite_output_dir`` or ``resume_from_checkpoint`` is set."""
-    if training.overwrite_output_dir or wants_resume(training.resume_from_checkpoint):
+    if training.overwrite_output_dir or wants_resume(training.resume_from_checkpoint, training.output_dir):
         return
     found = trained_outputs(training.output_dir)
     if found:
@@ -153,7 +184,8 @@ def prepare_output_dir(training, *, is_rank0: bool) -> list[str]:
     checkpoint-N directories (else ``resume_from_checkpoint: true`` could later pick an old run's latest);
     returns the deleted paths. The old final-model files are replaced when this run saves its own."""
     check_output_dir(training)
-    if not (training.overwrite_output_dir and is_rank0) or wants_resume(training.resume_from_checkpoint):
+    if not (training.overwrite_output_dir and is_rank0) or wants_resume(training.resume_from_checkpoint,
+                                                                        training.output_dir):
         return []
     doomed = [path for _, path in checkpoint_dirs(training.output_dir)]
     for path in doomed:

@@ -85,29 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_run(config)
             sys.stdout.write(json.dumps(plan.to_dict()) + "\n" if options.json else plan.format())
             return 0
-        from roll import launch, preflight
-
         if options.dry_run:  # the tokenizer (and, with --use-mca, the model's config) must be on this machine
-            preflight.check_model_paths(config)
-        else:  # mistakes found from files alone, before any process starts
-            preflight.check_before_training(config, launching=launch.needs_launch(config))
-        if not options.dry_run and launch.needs_launch(config):
-            outcome = launch.relaunch(config, argv)
-            if outcome.message:
-                sys.stderr.write(f"roll-train: {_LABELS.get(outcome.code, 'error')}: {outcome.message}\n")
-            return outcome.code
-        from roll import reliability, router
+            from roll import preflight, router
 
-        if not options.dry_run:
-            reliability.STOP.install()
-        try:
-            router.run(config, dry_run=options.dry_run, as_json=options.json)
-        except Exception as exc:
-            hung = reliability.collective_failure(exc, config.training.ddp_timeout)
-            if hung is None:
-                raise
-            raise hung from None
-        return 0
+            preflight.check_model_paths(config)
+            router.run(config, dry_run=True, as_json=options.json)
+            return 0
+        return _train(config, argv)
     except RollError as exc:
         return _report(EXIT_USAGE, str(exc))
     except TrainingStopped as exc:
@@ -126,6 +110,35 @@ def _printable(config) -> dict:
                               "vpp": layout.vpp_size, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,
                               "etp": layout.expert_tp, "sequence_parallel": layout.sequence_parallel}
     return resolved
+
+
+def _train(config, argv: list[str]) -> int:
+    """Check what files alone can tell, lock output_dir (``roll.lock``), then launch ranks or train here."""
+    from roll import launch, lock
+    from roll.preflight import check_before_training
+
+    check_before_training(config, launching=launch.needs_launch(config))
+    held = lock.acquire(config.training.output_dir) if lock.takes_lock(config.training) else None
+    try:
+        if launch.needs_launch(config):
+            outcome = launch.relaunch(config, argv, inherit=held.fd if held else None)
+            if outcome.message:
+                sys.stderr.write(f"roll-train: {_LABELS.get(outcome.code, 'error')}: {outcome.message}\n")
+            return outcome.code
+        from roll import reliability, router
+
+        reliability.STOP.install()
+        try:
+            router.run(config)
+        except Exception as exc:
+            hung = reliability.collective_failure(exc, config.training.ddp_timeout)
+            if hung is None:
+                raise
+            raise hung from None
+        return 0
+    finally:
+        if held is not None:
+            held.release()
 
 
 _LABELS = {EXIT_USAGE: "error", EXIT_DIVERGED: "stopped", EXIT_HUNG: "error", EXIT_PREEMPTED: "stopped"}

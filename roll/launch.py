@@ -118,10 +118,14 @@ class Outcome:
     message: str | None = None
 
 
-def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
+def relaunch(config: RunConfig, argv: list[str], inherit: int | None = None) -> Outcome:
     """Run the launcher as a child and wait; the first Ctrl-C / SIGTERM asks every rank to finish its step
     and save (``roll.reliability``), a second one stops the launcher at once. The ranks report how they ended
-    in status files, so the exit code is theirs (2 user mistake, 3 diverged, 4 hung, 75 preempted)."""
+    in status files, so the exit code is theirs (2 user mistake, 3 diverged, 4 hung, 75 preempted).
+
+    ``inherit``: an open file (the output_dir lock, ``roll.lock``) that the launcher and every rank get as
+    their stdin. torchrun and the deepspeed launcher close every other descriptor in their children but pass
+    stdin on, so the lock is held as long as any process of the run lives (ranks never read stdin)."""
     from roll import redact
 
     t = config.training
@@ -142,7 +146,7 @@ def relaunch(config: RunConfig, argv: list[str]) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir, \
             _hosted_store(config, env, addr, port):
         env[STATUS_DIR_ENV] = status_dir
-        code = run_child(cmd, graceful=True, env=env)
+        code = run_child(cmd, graceful=True, env=env, **({} if inherit is None else {"stdin": inherit}))
         first = (t.node_rank or 0) * t.nproc_per_node
         return summarize(read_statuses(status_dir), range(first, first + t.nproc_per_node), code)
 

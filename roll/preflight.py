@@ -1,10 +1,11 @@
 """Checks roll-train runs before it trains (and before it launches any process): the mistakes that can be
 found from files alone, in milliseconds, instead of N ranks later as a Megatron or safetensors traceback.
 
-What is checked: output_dir (``roll.outputs``, ``roll.checkpoints.check_output_dir``), nproc_per_node against
-this machine
-(only when launching), the model directory (config.json, remote code, weights files intact), the chat template
-stages sft/dpo need, and a resumed checkpoint against this run (backend, model, LoRA or full, global batch).
+What is checked: output_dir (``roll.outputs``, ``roll.checkpoints.check_output_dir``; writable), nproc_per_node
+against this machine (only when launching), the model directory (not an adapter directory, config.json, remote
+code, weights files intact, tokenizer files), a DPO reference's vocabulary, the chat template stages sft/dpo
+need, a resumed checkpoint against this run (backend, model, LoRA or full, global batch), and every pickle
+that would be loaded (``roll.unpickle``).
 Layout rules that need the model's config (heads / layers / experts divisible by TP / PP / EP) are part of
 config validation (``RunConfig.validate``), so --print-config reports them too.
 """
@@ -16,7 +17,7 @@ import json
 import os
 import struct
 
-from roll.checkpoints import check_output_dir, resolve_resume, wants_resume
+from roll.checkpoints import BATCH_RECORD, check_output_dir, resolve_resume, wants_resume
 from roll.config.training import read_json_object
 from roll.errors import ConfigError, ModelError
 
@@ -33,9 +34,11 @@ def check_before_training(config, *, launching: bool) -> None:
     """Every check of this module, cheapest first; ``launching``: this process starts the ranks."""
     training = config.training
     check_output_place(config)
+    check_output_writable(training.output_dir)
     if launching:
         check_machine(training)
     model = config.model
+    check_not_adapter(model.model_name_or_path)
     check_model_dir(model.model_name_or_path, trust_remote_code=model.trust_remote_code,
                     use_mca=training.use_mca)
     if model.tokenizer_name_or_path:
@@ -43,6 +46,8 @@ def check_before_training(config, *, launching: bool) -> None:
     if config.finetuning.stage == "dpo" and config.finetuning.ref_model:
         check_model_dir(config.finetuning.ref_model, trust_remote_code=model.trust_remote_code,
                         use_mca=training.use_mca, key="ref_model")
+    check_reference_vocab(config)
+    check_tokenizer_files(config.model)
     check_chat_template(config)
     check_resume(config)
     check_pickles(config)
@@ -63,8 +68,27 @@ def check_output_place(config) -> None:
     outputs.check_location(training.output_dir, model_dirs=models, data_paths=data)
     outputs.check_no_linked_checkpoints(training.output_dir)
     check_output_dir(training)
-    if not (training.overwrite_output_dir or wants_resume(training.resume_from_checkpoint)):
+    if not (training.overwrite_output_dir or wants_resume(training.resume_from_checkpoint, training.output_dir)):
         outputs.check_contents(training.output_dir, outputs.run_identity(config))
+
+
+# ---- output_dir ---------------------------------------------------------------------------------
+
+def check_output_writable(output_dir: str) -> None:
+    """output_dir is a directory this process can write, or can be created (nothing is created here)."""
+    path = os.path.abspath(output_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"output_dir={output_dir!r} is a file, not a directory: choose another output_dir.")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"output_dir={output_dir!r} cannot be created: {parent!r} is a file. Choose "
+                          "another output_dir.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        what = "is not writable" if parent == path else f"cannot be created ({parent!r} is not writable)"
+        raise ConfigError(f"output_dir={output_dir!r} {what} by this user (or its file system is read-only): "
+                          "choose an output_dir you can write.")
 
 
 # ---- the machine --------------------------------------------------------------------------------
@@ -162,6 +186,60 @@ def _looks_like_hub_id(path: str) -> bool:
     """``org/name`` as the Hub spells it: one slash, neither part empty nor a relative-path marker."""
     parts = path.split("/")
     return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and ".." not in parts
+
+
+def check_not_adapter(path: str | None, *, key: str = "model_name_or_path") -> None:
+    """A PEFT adapter directory (adapter_config.json, adapter weights only) given as the model."""
+    if not path or not os.path.isfile(os.path.join(path, _ADAPTER_CONFIG)):
+        return
+    names = map(os.path.basename, weight_files(path))
+    full = [name for name in names if not name.startswith("adapter_model")]
+    if full or glob.glob(os.path.join(path, "pytorch_model*.bin")):
+        return  # full weights next to an adapter: a model
+    adapter_config = os.path.join(path, _ADAPTER_CONFIG)
+    base = read_json_object(adapter_config, adapter_config, ModelError).get("base_model_name_or_path")
+    raise ModelError(f"{key}={path!r} is a LoRA adapter directory (adapter_config.json and adapter weights "
+                     f"only), not a model: set {key} to the base model it was trained from ({base!r} "
+                     "according to adapter_config.json). To train a model with the adapter merged in, use the "
+                     "full model a LoRA run writes with export_merged: true (OUTPUT_DIR/merged).")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt")
+"""Any of these makes a directory a tokenizer transformers can load."""
+
+
+def check_tokenizer_files(model) -> None:
+    """The tokenizer directory (tokenizer_name_or_path, else the model's) holds tokenizer files."""
+    key = "tokenizer_name_or_path" if model.tokenizer_name_or_path else "model_name_or_path"
+    path = model.tokenizer_name_or_path or model.model_name_or_path
+    if not path or not os.path.isdir(path):
+        return
+    if any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return
+    raise ModelError(f"{key}={path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}): copy them "
+                     "from the model's original directory, or set tokenizer_name_or_path to the directory of the "
+                     "tokenizer the model was trained with.")
+
+
+def check_reference_vocab(config) -> None:
+    """DPO compares the policy's and the reference's log-probabilities of the same token ids."""
+    ref = config.finetuning.ref_model
+    if config.finetuning.stage != "dpo" or not ref or config.finetuning.ref_free:
+        return
+    policy = config.model.model_name_or_path
+    sizes = []
+    for path in (policy, ref):
+        config_file = os.path.join(path or "", "config.json")
+        if not os.path.isfile(config_file):
+            return
+        hf_config = read_json_object(config_file, config_file, ModelError)
+        sizes.append((hf_config.get("text_config") or hf_config).get("vocab_size"))
+    if None not in sizes and sizes[0] != sizes[1]:
+        raise ConfigError(f"ref_model={ref!r} has vocab_size {sizes[1]}, model_name_or_path={policy!r} has "
+                          f"{sizes[0]}: DPO compares both models' probabilities of the same token ids, so "
+                          "the reference must share the policy's vocabulary. Set ref_model to the model the "
+                          "policy starts from (or leave it unset: a frozen copy of the policy).")
 
 
 def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
@@ -340,9 +418,16 @@ def _check_same_batch(config, ckpt: str, state: dict, is_mca_ckpt: bool) -> None
         now = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
         detail = (f"per_device_train_batch_size {t.per_device_train_batch_size} * "
                   f"gradient_accumulation_steps {t.gradient_accumulation_steps} * data-parallel size {dp}")
+    elif os.path.isfile(os.path.join(ckpt, BATCH_RECORD)):  # what roll records next to HF's files
+        record = read_json_object(os.path.join(ckpt, BATCH_RECORD), f"{ckpt}/{BATCH_RECORD}")
+        saved = record.get("global_batch_size")
+        world = t.world_size_from_launch
+        now = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
+        detail = (f"per_device_train_batch_size {t.per_device_train_batch_size} * "
+                  f"gradient_accumulation_steps {t.gradient_accumulation_steps} * {world} process(es)")
     else:
-        # HF's trainer_state records the per-device batch; its rng_state_R.pth files, the world size.
-        # (It does not record gradient_accumulation_steps.)
+        # A checkpoint without roll's record: HF's trainer_state records the per-device batch, its
+        # rng_state_R.pth files the world size (gradient_accumulation_steps is not known).
         ranks = len(glob.glob(os.path.join(ckpt, "rng_state_*.pth"))) or 1
         per_device = state.get("train_batch_size")
         saved = None if per_device is None else per_device * ranks

@@ -100,7 +100,8 @@ class StandardBackend(Backend):
         if wants_ref:
             # A second load, not a deepcopy: under ZeRO-3 the policy's weights are already partitioned.
             ref_path = finetuning.ref_model or model_args.model_name_or_path
-            ref = M.freeze_reference(M.load_causal_lm(ref_path, **load))
+            what = "ref_model" if finetuning.ref_model else "model_name_or_path"
+            ref = M.freeze_reference(M.load_causal_lm(ref_path, what=what, **load))
         return ModelBundle(policy=policy, ref=ref)
 
     def apply_finetuning(self, models: ModelBundle) -> ModelBundle:

@@ -63,16 +63,37 @@ def resolve_dtype(dtype: str, *, bf16: bool, fp16: bool) -> torch.dtype:
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False,
-                   attn_implementation: str | None = None) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained``; under a live ZeRO-3 config it loads partitioned."""
+                   attn_implementation: str | None = None, what: str = "model_name_or_path") -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained``; under a live ZeRO-3 config it loads partitioned.
+
+    Strict: a model weight the checkpoint lacks, a checkpoint tensor the model does not use or one of
+    another shape is a ModelError (``roll.weights``), not a model trained from random weights."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    # ignore_mismatched_sizes: report shape mismatches to us (below) instead of raising HF's RuntimeError
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                       ignore_mismatched_sizes=True, **kwargs)
+    check_loading_info(model, info, path, what=what)
     model.config.use_cache = False  # training never reuses a KV cache
     return model
+
+
+def check_loading_info(model: nn.Module, info: dict, path: str, *, what: str = "model_name_or_path") -> None:
+    """transformers' load report (``output_loading_info``) against ``roll.weights``' allowlists."""
+    from roll.weights import check_weights_match
+
+    missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
+    mismatched = [f"{name}: {tuple(saved)} vs {tuple(wanted)}" for name, saved, wanted in
+                  sorted(info.get("mismatched_keys") or (), key=lambda entry: entry[0])]
+    text_config = model.config.get_text_config()
+    used = len(model.state_dict()) - len(missing)
+    check_weights_match(path, missing=missing, unexpected=unexpected, mismatched=mismatched,
+                        model_type=getattr(model.config, "model_type", None),
+                        tied=bool(getattr(text_config, "tie_word_embeddings", False)),
+                        checkpoint_size=len(unexpected) + max(used, 0), key=what)
 
 
 def freeze_reference(model: nn.Module) -> nn.Module:

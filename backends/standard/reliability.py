@@ -69,6 +69,12 @@ class SafeCheckpointMixin:
             super()._save_checkpoint(model, trial)  # writes STAGING/checkpoint-N (HF names it)
         finally:
             self._roll_staging = None
+        if self.args.should_save:
+            args = self.args
+            checkpoints.write_batch_record(os.path.join(final + ".tmp", os.path.basename(final)),
+                                           per_device=args.per_device_train_batch_size,
+                                           grad_accum=args.gradient_accumulation_steps,
+                                           world_size=args.world_size)
         checkpoints.flush_to_disk()
         _barrier()
         if self.args.should_save:  # global rank 0 (or every node's local 0 with save_on_each_node)

@@ -58,6 +58,11 @@ class RunConfig:
         else:
             self._validate_standard()
         backend_cls.check_config(self)
+        self._check_precision()
+        evaluates = str(getattr(self.training.eval_strategy, "value", self.training.eval_strategy))
+        if evaluates != "no" and not (self.data.val_size or self.data.eval_dataset):
+            raise ConfigError(f"eval_strategy={evaluates} needs an evaluation set: set val_size (e.g. 0.1) "
+                              "or eval_dataset, or eval_strategy: no.")
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
@@ -77,6 +82,15 @@ class RunConfig:
                 warn_once(logger, f"{key}={value} is more than this machine's {cores} CPU core(s) allow"
                                   f"{' per process' if limit != cores else ''}; using {limit}.")
                 setattr(section, key, limit)
+
+    def _check_precision(self) -> None:
+        """dtype (how the weights are loaded) and bf16 / fp16 (the compute precision) must not contradict."""
+        dtype, training = self.model.dtype, self.training
+        wanted = "bfloat16" if training.bf16 else "float16" if training.fp16 else None
+        if wanted and dtype in ("bfloat16", "float16") and dtype != wanted:
+            flag = "bf16" if training.bf16 else "fp16"
+            raise ConfigError(f"dtype={dtype} contradicts {flag}=true (weights in {dtype}, computation in "
+                              f"{wanted}): choose one precision, e.g. dtype: auto with {flag}: true.")
 
     def _validate_mca(self) -> None:
         self.layout = self.megatron.build_layout(self.training.world_size_from_launch)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass
 
-from roll.config.hf_training import HFTrainingFields
+from roll.config.hf_training import HFTrainingFields, SchedulerType
 from roll.errors import ConfigError, RollError
 from roll.outputs import output_dir_value
 
@@ -48,6 +49,11 @@ def read_deepspeed_json(path: str) -> dict:
         raise ConfigError(f"deepspeed config file {path!r} does not exist. Use one of recipes/deepspeed/"
                           "ds_z0.json, ds_z2.json, ds_z3.json, ds_z3_offload.json or drop the 'deepspeed' key.")
     return read_json_object(path, f"deepspeed config {path!r}")
+
+
+def _choice(value) -> str:
+    """An HF choice field's text, whether it holds the enum or the string."""
+    return str(getattr(value, "value", value))
 
 
 @dataclass
@@ -92,6 +98,11 @@ class TrainingArguments(HFTrainingFields):
     no overwrite, and a run of the same recipe (.roll_run.json) or logs alone (train_log.jsonl, loss.png,
     runs/ of a run that saved nothing) never block."""
 
+    resume_from_checkpoint: str | None = None
+    """Continue a run: true -> the latest complete OUTPUT_DIR/checkpoint-N (an error when there is none); a
+    path -> that checkpoint; auto -> the latest checkpoint-N if there is one, else a fresh run (for requeued
+    or preempted jobs that rerun one command); unset / false -> a fresh run."""
+
     save_on_preemption: bool = True
     """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
     code 75 (EXIT_PREEMPTED); resume_from_checkpoint: true then continues. False: stop without saving."""
@@ -122,8 +133,13 @@ class TrainingArguments(HFTrainingFields):
             raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}.")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be a positive step count or -1 (use num_train_epochs), got {self.max_steps}.")
+        if self.max_steps == -1 and not self.num_train_epochs > 0:
+            raise ConfigError(f"num_train_epochs must be > 0 when max_steps is -1 (its default), got "
+                              f"{self.num_train_epochs}: nothing would be trained. Set num_train_epochs "
+                              "(e.g. 1) or max_steps.")
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both true: choose one precision.")
+        self._check_schedule_keys()
         if isinstance(self.deepspeed, str):
             read_deepspeed_json(self.deepspeed)
 
@@ -137,6 +153,20 @@ class TrainingArguments(HFTrainingFields):
             raise ConfigError(f"warmup_ratio ({self.warmup_ratio}) and warmup_steps ({self.warmup_steps}) are "
                               "both set: keep one (warmup_steps takes a step count, or below 1 a ratio).")
         self.warmup_steps = self.warmup_ratio
+
+    def _check_schedule_keys(self) -> None:
+        """Step intervals and the scheduler name (HF would reject them with a traceback at train time)."""
+        for key, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
+                              ("eval_steps", "eval_strategy")):
+            value, every = getattr(self, key), _choice(getattr(self, strategy))
+            if every == "steps" and value is not None and not value > 0:
+                raise ConfigError(f"{key} must be > 0 with {strategy}: steps (a step count, or below 1 a "
+                                  f"fraction of the run), got {value}.")
+        names = list(typing.get_args(SchedulerType))  # the snapshot's choices: no transformers import
+        scheduler = _choice(self.lr_scheduler_type)
+        if scheduler not in names:
+            raise ConfigError(f"lr_scheduler_type {scheduler!r} is not a learning-rate schedule: choose one "
+                              f"of {', '.join(names)}.")
 
     def _check_launch_keys(self) -> None:
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:

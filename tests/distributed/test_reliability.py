@@ -16,7 +16,9 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,28 +151,27 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
 
 @pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])
 def test_sigkill_during_checkpoint_saves_always_resumes(tiny_model_dir, tmp_path, use_mca, reference):
-    """5 trials per backend, chained: each restart resumes from what the previous kill left."""
+    """5 trials per backend, chained, every start the same command (``resume_from_checkpoint=auto``, as a
+    requeued job reruns it): the first kill lands inside the very first save, which leaves no checkpoint
+    (``auto`` then starts fresh); each later restart resumes from what the previous kill left."""
     trials = 5
     rng = random.Random(1234 + use_mca)
     out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
 
-    def args(resume: bool, max_steps: int = 10_000) -> list[str]:
-        keys = dict(max_steps=max_steps, save_strategy="steps", save_steps=1, save_total_limit=2)
-        if resume:
-            keys["resume_from_checkpoint"] = "true"
-        else:
-            keys["overwrite_output_dir"] = "true"
-        return _args(tiny_model_dir, out, use_mca, **keys)
+    def args(max_steps: int = 10_000) -> list[str]:
+        return _args(tiny_model_dir, out, use_mca, max_steps=max_steps, save_strategy="steps", save_steps=1,
+                     save_total_limit=2, resume_from_checkpoint="auto")
 
-    def has_checkpoint() -> bool:  # a kill inside the very first save leaves nothing to resume from
+    def has_checkpoint() -> bool:
         return bool(glob.glob(os.path.join(out, "checkpoint-*[0-9]")))
 
     def saving() -> bool:
         return bool(glob.glob(os.path.join(out, "checkpoint-*.tmp")))
 
-    left_partial = 0
-    for _ in range(trials):
-        proc = _start(args(has_checkpoint()), log)
+    _kill_inside_the_first_save(lambda: _start(args(), log), out, log)
+    left_partial = 1
+    for _ in range(1, trials):
+        proc = _start(args(), log)
         try:
             target = _steps_logged(out) + rng.randint(1, 2)
             assert wait_until(lambda: _steps_logged(out) >= target, TIMEOUT, 0.05), open(log).read()[-4000:]
@@ -189,16 +190,37 @@ def test_sigkill_during_checkpoint_saves_always_resumes(tiny_model_dir, tmp_path
             _kill_tree(proc)
         left_partial += saving()
     assert _steps_logged(out) < STEPS, "the kills came too late to check the resumed steps"
-    code, text = _finish(_start(args(has_checkpoint(), STEPS), log), log)
+    code, text = _finish(_start(args(STEPS), log), log)
     assert code == 0, text[-4000:]
     assert left_partial >= trials // 2, f"only {left_partial} of {trials} kills landed inside a save"
     assert "left by a save that did not finish" in text
     assert not glob.glob(os.path.join(out, "checkpoint-*.tmp"))
     _assert_same_losses(_losses(out), reference(use_mca))
     # resuming a finished run trains nothing (HF 5.23 alone would train one step past max_steps)
-    code, text = _finish(_start(args(True, STEPS), log), log)
+    code, text = _finish(_start(args(STEPS), log), log)
     assert code == 0, text[-4000:]
     _assert_same_losses(_losses(out), reference(use_mca))
+
+
+def _kill_inside_the_first_save(start, out: str, log: str, attempts: int = 5) -> None:
+    """Start a run and SIGKILL all its processes while checkpoint-1 is being written: the output_dir then
+    holds checkpoint-1.tmp and no checkpoint (the case a requeued job with ``resume_from_checkpoint: true``
+    could not continue from). The processes are frozen first, so what is on disk is checked before the kill."""
+    for _ in range(attempts):
+        shutil.rmtree(out, ignore_errors=True)
+        proc = start()
+        try:
+            assert wait_until(lambda: len(_ranks(proc)) == 2, TIMEOUT, 0.05), open(log).read()[-4000:]
+            procs = _tree(proc)
+            assert wait_until(lambda: os.path.isdir(os.path.join(out, "checkpoint-1.tmp")), TIMEOUT, 0.001)
+            for p in procs:
+                p.suspend()
+            inside = not os.path.isdir(os.path.join(out, "checkpoint-1"))
+        finally:
+            _kill_tree(proc)
+        if inside:
+            return
+    raise AssertionError(f"no kill of {attempts} landed inside the first save")
 
 
 @pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])
@@ -222,6 +244,54 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resumes(tiny_model_dir, tmp_pat
     code, text = _finish(_start(resumed, log), log)
     assert code == 0, text[-4000:]
     _assert_same_losses(_losses(out), reference(use_mca))
+
+
+def test_one_run_per_output_dir(tiny_model_dir, tmp_path, reference):
+    """A second run on a live run's output_dir exits 2 naming it, and the first goes on unharmed (its losses
+    are the uninterrupted run's). Then the first's roll-train is SIGKILLed while its launcher and ranks are
+    frozen (alive, as until the parent-death signal has stopped them): the same command again waits for
+    them instead of writing next to them, and once they are gone takes the lock over, resumes (``auto``)
+    and finishes."""
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+
+    def args(max_steps: int) -> list[str]:
+        return _args(tiny_model_dir, out, False, max_steps=max_steps, save_strategy="steps", save_steps=2,
+                     resume_from_checkpoint="auto")
+
+    first, orphans = _start(args(10_000), log), []
+    try:
+        assert wait_until(lambda: _steps_logged(out) >= 2, TIMEOUT, 0.05), open(log).read()[-4000:]
+        second = subprocess.run([sys.executable, "-m", "roll.cli", *args(STEPS)], cwd=REPO, env=clean_env(),
+                                capture_output=True, text=True, timeout=120)  # the same recipe started twice
+        assert second.returncode == 2, second.stderr[-4000:]
+        assert f"is in use by another run: PID {first.pid} on {socket.gethostname()}" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert wait_until(lambda: _steps_logged(out) >= STEPS, TIMEOUT, 0.05), "the first run stopped"
+        orphans = _tree(first)[1:]
+        for p in orphans:
+            p.suspend()
+        first.kill()
+        first.wait(timeout=30)
+        rerun_log, frozen_at = str(tmp_path / "rerun.log"), _steps_logged(out)
+        rerun = _start(args(frozen_at + 3), rerun_log)  # they finish one more step and save on SIGTERM
+        assert wait_until(lambda: "waiting up to" in open(rerun_log).read(), TIMEOUT, 0.2), \
+            open(rerun_log).read()[-4000:]
+        time.sleep(2)
+        with open(os.path.join(out, ".roll.lock"), encoding="utf-8") as fh:
+            assert json.load(fh)["pid"] == first.pid  # the rerun has not taken over while they live
+        for p in orphans:
+            p.resume()  # the parent-death SIGTERM is delivered: they finish their step, save and stop
+        code, text = _finish(rerun, rerun_log)
+    finally:
+        for p in orphans:
+            p.kill() if p.is_running() else None
+        _kill_tree(first)
+    assert code == 0, text[-4000:]
+    assert f"left by PID {first.pid}" in text, text[-4000:]
+    assert not os.path.exists(os.path.join(out, ".roll.lock"))  # released at the end
+    assert _steps_logged(out) == frozen_at + 3
+    losses = _losses(out)
+    _assert_same_losses({step: losses[step] for step in range(1, STEPS + 1)}, reference(False))
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from typing import Callable
 
 import pytest
 
+from roll import lock
 from tests.helpers import output_of, roll_train
 
 SFT_ROWS = [{"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} equals {a + b}."}
@@ -80,6 +81,25 @@ def _truncate(model_dir: str) -> None:
         fh.truncate(os.path.getsize(weights) // 2)
 
 
+def _drop_tokenizer(model_dir: str) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        os.remove(os.path.join(model_dir, name))
+
+
+def _make_adapter_dir(out: str, base: str) -> None:
+    """What a LoRA run leaves in output_dir: adapter config and weights, tokenizer files, no model."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(out)
+    _write(os.path.join(out, "adapter_config.json"), json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": base, "r": 4, "target_modules": ["q_proj"]}))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)},
+              os.path.join(out, "adapter_model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(base, name), out)
+
+
 def _drop_chat_template(model_dir: str) -> None:
     os.remove(os.path.join(model_dir, "chat_template.jinja"))
     _edit_json(os.path.join(model_dir, "tokenizer_config.json"), chat_template=None)
@@ -116,6 +136,13 @@ def world(tmp_path_factory, tiny_model_factory) -> World:
     _model_copy(root, model, "no_template", _drop_chat_template)
     _model_copy(root, model, "deep_config",
                 lambda d: _write(os.path.join(d, "config.json"), '{"x": ' + deep + "}"))
+    _model_copy(root, model, "bert_config", lambda d: _edit_json(os.path.join(d, "config.json"), model_type="bert"))
+    _model_copy(root, model, "qwen3_config", lambda d: _edit_json(  # qwen2 weights: q/k/v biases, no q/k norms
+        os.path.join(d, "config.json"), model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16))
+    _model_copy(root, model, "other_vocab", lambda d: _edit_json(os.path.join(d, "config.json"), vocab_size=640))
+    _model_copy(root, model, "no_tokenizer", _drop_tokenizer)
+    _make_adapter_dir(w.path("adapter"), base=model)
+    _write(w.path("a_file"), "not a directory\n")
     # One real run, so the checkpoint cases resume from what roll writes (not a hand-made imitation).
     proc = roll_train(*w.base(w.trained, "max_steps=2", "save_strategy=steps", "save_steps=1"), timeout=300)
     assert proc.returncode == 0, output_of(proc)
@@ -147,7 +174,8 @@ def _with(*extra: str) -> Build:
 def _places(w: World) -> dict[str, str]:
     names = ("typo.yaml", "list.yaml", "broken.yaml", "bad.jsonl", "empty.jsonl", "deep.jsonl", "rows.xml",
              "pairs.json", "no_answers.json", "weights_only", "truncated", "remote_code", "unknown_arch",
-             "gpt2_arch", "no_template", "deep_config")
+             "gpt2_arch", "no_template", "deep_config", "bert_config", "qwen3_config", "other_vocab",
+             "no_tokenizer", "adapter", "a_file")
     places = {name.replace(".", "_"): w.path(name) for name in names}
     return {**places, "moe": w.moe, "model": w.model, "root": w.root,
             "ckpt": os.path.join(w.trained, "checkpoint-2"),
@@ -174,6 +202,15 @@ CASES: dict[str, tuple[Build, str]] = {
     "recipe-two-precisions": (_with("bf16=true", "fp16=true"), "choose one precision"),
     "recipe-deepspeed-file-missing": (_with("deepspeed=ds_nope.json"), "drop the 'deepspeed' key"),
     "recipe-max-steps-zero": (_with("max_steps=0"), "max_steps must be a positive step count"),
+    "recipe-zero-epochs": (_with("max_steps=-1", "num_train_epochs=0"), "num_train_epochs must be > 0"),
+    "recipe-negative-learning-rate": (_with("learning_rate=-1e-4"), "learning_rate must be >= 0"),
+    "recipe-zero-logging-steps": (_with("logging_steps=0"), "logging_steps must be > 0"),
+    "recipe-zero-save-steps": (_with("save_strategy=steps", "save_steps=0"), "save_steps must be > 0"),
+    "recipe-unknown-lr-scheduler": (_with("lr_scheduler_type=bogus"), "is not a learning-rate schedule"),
+    "recipe-evaluation-without-an-eval-set": (_with("eval_strategy=steps", "eval_steps=1"),
+                                              "needs an evaluation set"),
+    "recipe-dtype-contradicts-precision": (_with("dtype=float16", "bf16=true"),
+                                           "dtype=float16 contradicts bf16=true"),
     # ---- command line ----
     "cli-unknown-key": (_with("--lerning_rate", "1e-4"), "did you mean 'learning_rate'"),
     "cli-unknown-switch": (_with("--frobnicate"), "unknown key 'frobnicate'"),
@@ -194,6 +231,7 @@ CASES: dict[str, tuple[Build, str]] = {
     "data-unsupported-file-type": (_with("dataset={rows_xml}"), "unsupported file type"),
     "data-wrong-format-for-stage": (_with("dataset={pairs_json}"), "cannot be used for stage sft"),
     "data-cutoff-shorter-than-every-prompt": (_with("cutoff_len=4"), "raise cutoff_len"),
+    "data-val-size-larger-than-dataset": (_with("val_size=100"), "val_size=100.0 leaves no training"),
     # ---- model directory ----
     "model-missing": (_with("model_name_or_path={missing}"), "does not exist"),
     "model-no-config-json": (_with("model_name_or_path={weights_only}"), "has no config.json"),
@@ -210,12 +248,29 @@ CASES: dict[str, tuple[Build, str]] = {
                                      "config.json nests arrays/objects too deep to read"),
     "model-tokenizer-without-chat-template": (_with("model_name_or_path={no_template}"),
                                               "Set template: to one of"),
+    "model-without-tokenizer-files": (_with("model_name_or_path={no_tokenizer}"), "has no tokenizer files"),
+    "model-adapter-directory-as-model": (_with("model_name_or_path={adapter}"),
+                                         "is a LoRA adapter directory"),
+    "model-dpo-reference-with-another-vocabulary": (
+        _with("stage=dpo", "dataset={pairs_json}", "ref_model={other_vocab}"), "has vocab_size 640"),
+    # a Qwen2 checkpoint whose config.json names another architecture: weights do not load, on both backends
+    "model-config-of-another-architecture": (_with("model_name_or_path={bert_config}"),
+                                             "none of the checkpoint's tensors is used"),
+    "model-config-of-another-architecture-mca": (_with("model_name_or_path={bert_config}", MCA),
+                                                 "config.json's model_type is wrong"),
+    "model-config-of-another-family": (_with("model_name_or_path={qwen3_config}"),
+                                       "6 checkpoint tensor(s) are not used by the model"),
+    "model-config-of-another-family-mca": (_with("model_name_or_path={qwen3_config}", MCA),
+                                           "4 weight(s) of the model are not in the checkpoint"),
     # ---- checkpoint ----
     "resume-path-missing": (_with("resume_from_checkpoint={missing}"), "is not a checkpoint directory"),
     "resume-true-without-checkpoint": (_with("resume_from_checkpoint=true"), "holds no checkpoint-N"),
     "resume-from-another-model": (_with("model_name_or_path={moe}", RESUME), "is of another model"),
     "resume-changed-global-batch": (_with("per_device_train_batch_size=4", RESUME),
                                     "global batch of 2 samples"),
+    "resume-changed-gradient-accumulation": (_with("gradient_accumulation_steps=2", RESUME),
+                                             "global batch of 2 samples per step (or micro-step), this run "
+                                             "uses 4"),
     "resume-full-checkpoint-as-lora": (_with("finetuning_type=lora", RESUME),
                                        "resume with the finetuning_type it was saved with"),
     "resume-standard-checkpoint-with-mca": (_with(MCA, RESUME), "Resume with the backend that wrote it"),
@@ -231,6 +286,11 @@ CASES: dict[str, tuple[Build, str]] = {
     "layout-ep-not-dividing-experts": (
         _with("model_name_or_path={moe}", MCA, "nproc_per_node=3", "expert_model_parallel_size=3"),
         "Set expert_model_parallel_size to one of 1, 2, 4"),
+    "layout-more-pipeline-stages-than-layers": (_with(MCA, "nproc_per_node=4", "pipeline_model_parallel_size=4"),
+                                                "num_layers(2) is not divisible by pp(4)"),
+    "layout-ep-larger-than-the-experts": (
+        _with("model_name_or_path={moe}", MCA, "nproc_per_node=8", "expert_model_parallel_size=8"),
+        "expert_model_parallel_size"),
     "layout-more-processes-than-the-machine": (_with(f"nproc_per_node={_machine_size() + 1}"),
                                                f"Set nproc_per_node to at most {_machine_size()}"),
     # ---- output_dir ----
@@ -246,6 +306,9 @@ CASES: dict[str, tuple[Build, str]] = {
     "output-dir-holds-other-files": (_with(), "no roll run wrote it (notes.txt)"),
     "output-dir-holds-another-recipe": (_with(), "holds a run of another recipe (model_name_or_path"),
     "output-dir-linked-checkpoint": (_with("resume_from_checkpoint=true"), "checkpoint-2 is a symbolic link"),
+    "output-dir-is-a-file": (_with("output_dir={a_file}"), "is a file, not a directory"),
+    "output-dir-under-a-file": (_with("output_dir={a_file}/out"), "cannot be created"),
+    "output-dir-in-use-by-a-live-run": (_with(), f"is in use by another run: PID {os.getpid()}"),
 }
 
 _FILLED_OUTPUT_DIRS = {"output-dir-holds-a-trained-model": None,
@@ -307,6 +370,7 @@ class Outcome:
 
 
 _CASE_TEST = "test_bad_input_exits_2_with_a_message_and_loses_nothing"
+_LOCKED = "output-dir-in-use-by-a-live-run"
 _WORKERS = 2
 
 
@@ -320,9 +384,14 @@ def outcomes(world, request, tmp_path_factory) -> dict[str, Outcome]:
     def run(case: str) -> Outcome:
         out = os.path.join(root, case, "out")
         _prepare_output_dir(world, case, out)
-        before = _snapshot(out)
-        proc = roll_train(*CASES[case][0](world, out), timeout=180)
-        return Outcome(proc, before, _snapshot(out))
+        held = lock.acquire(out) if case == _LOCKED else None  # this test process plays the live run
+        try:
+            before = _snapshot(out)
+            proc = roll_train(*CASES[case][0](world, out), timeout=180)
+            return Outcome(proc, before, _snapshot(out))
+        finally:
+            if held is not None:
+                held.release()
 
     with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
         return dict(zip(selected, pool.map(run, selected)))

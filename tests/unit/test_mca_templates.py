@@ -227,3 +227,36 @@ def test_streaming_loader_fills_a_te_layout_chunk_as_any_rank(tiny_model_factory
     if kind == "qwen3_moe":
         assert torch.equal(loaded["decoder.layers.0.mlp.experts.linear_fc2.weight0"],  # local 0 = global 2
                            hf_sd["model.layers.0.mlp.experts.2.down_proj.weight"])
+
+
+def test_streaming_loader_refuses_weights_that_do_not_fit_the_config(tiny_model_factory, tmp_path):
+    """Strict both ways, with the standard backend's message (roll.weights): a tensor no rank reads (a layer
+    past num_hidden_layers) and a weight the checkpoint lacks each stop the load, naming the key."""
+    from safetensors.torch import save_file
+
+    from backends.mca.models.loader import load_hf_weights
+
+    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("qwen2", tie_word_embeddings=False))
+    config = McaModelConfig.from_hf(hf_config)
+    place = layout.placement(config, pp_rank=0, vpp_stage=0, ep_rank=0)
+    coords = {"tp_size": 1, "tp_rank": 0, "etp_size": 1, "etp_rank": 0}
+    shapes = {layout.to_impl_name(name, config): tuple(tensor.shape)
+              for name, tensor in get_template("qwen2").hf_to_mca(hf_sd, config).items()}
+
+    def load(tensors: dict[str, torch.Tensor], name: str):
+        model_dir = tmp_path / name
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(hf_config))
+        save_file(tensors, str(model_dir / "model.safetensors"))
+        return load_hf_weights([_fake_chunk(shapes)], config, str(model_dir), placements=[place],
+                               coords=coords)
+
+    assert load(hf_sd, "complete").params_loaded == len(shapes)
+    extra_layer = {**hf_sd, "model.layers.2.input_layernorm.weight": torch.ones(64)}
+    with pytest.raises(ModelError, match=r"1 checkpoint tensor\(s\) are not used by the model "
+                                         r"\(model\.layers\.2\.input_layernorm\.weight\)"):
+        load(extra_layer, "extra_layer")
+    without_bias = {k: v for k, v in hf_sd.items() if not k.endswith("q_proj.bias")}
+    with pytest.raises(ModelError, match=r"2 weight\(s\) of the model are not in the checkpoint "
+                                         r"\(model\.layers\.0\.self_attn\.q_proj\.bias.*Likely cause"):
+        load(without_bias, "without_bias")

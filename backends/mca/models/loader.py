@@ -23,6 +23,7 @@ from backends.mca.models.gpt import canonical_tensors, rank_coordinates
 from backends.mca.models.mapping import Mapping
 from backends.mca.models.template import Template, get_template
 from roll.errors import ModelError
+from roll.weights import check_weights_match
 
 if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
@@ -75,16 +76,33 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     coords = coords if coords is not None else rank_coordinates()
     template = get_template(config.hf_model_type)
     weight_map = hf_weight_map(hf_dir)
-    for name in weight_map:
-        template.match_hf(name)  # every HF parameter must be mapped; raises listing the known patterns
     targets = _targets(chunks, placements, config, template)
-    missing = sorted({n for t in targets.values() for n in t.hf_names} - set(weight_map))
-    if missing:
-        raise ModelError(f"{hf_dir!r} lacks HF parameters this model needs: {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+    missing = {n for t in targets.values() for n in t.hf_names} - set(weight_map)
+    layer_patterns = {t.convert.mca for t in targets.values() if "{layer}" in t.convert.mca}
+    unused = [name for name in weight_map if not _used_by_model(template, name, config, layer_patterns)]
+    check_weights_match(hf_dir, missing=missing, unexpected=unused, model_type=config.hf_model_type,
+                        checkpoint_size=len(weight_map))  # strict both ways, the standard backend's message
     report = LoadReport(tensors_in_checkpoint=len(weight_map))
     _stream(targets, config, hf_dir, weight_map, report, coords)
     return report
+
+
+def _used_by_model(template: Template, hf_name: str, config: McaModelConfig, layer_patterns: set[str]) -> bool:
+    """Whether the whole model (every rank's part) reads ``hf_name``. A rank reads only its own layers and
+    experts, but every rank holds at least one layer and all layers have the same parameters, so a layer
+    tensor is read by some rank when the template maps it, its layer / expert index exists in this config
+    and its Megatron parameter is one of this rank's layers' (``layer_patterns``: e.g. no q/k/v bias in a
+    model without one). Tensors outside layers (embedding, final norm, head) live on the first or last
+    pipeline stage only: mapped is enough."""
+    try:
+        match, _ = template.match_hf(hf_name)
+    except ModelError:
+        return False
+    layer, expert = match.index.get("layer"), match.index.get("expert")
+    if layer is None:
+        return True
+    return (layer < config.num_layers and match.mapping.mca in layer_patterns
+            and (expert is None or expert < (config.num_moe_experts or 0)))
 
 
 def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement] | None, config: McaModelConfig,

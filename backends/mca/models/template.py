@@ -131,7 +131,9 @@ def get_template(model_type: str) -> Template:
     if model_type not in _TEMPLATES:
         raise ModelError(f"model_type {model_type!r} has no Megatron conversion template. Supported families: "
                          f"{', '.join(sorted(_TEMPLATES))}. Train it with use_mca: false (the standard backend) "
-                         "or add a template under backends/mca/models/templates/.")
+                         "or add a template under backends/mca/models/templates/. (If the weights are of a "
+                         "supported family, config.json's model_type is wrong: use the config.json that came "
+                         "with them.)")
     return _TEMPLATES[model_type]
 
 
