@@ -126,8 +126,10 @@ def _take(fd: int, path: str) -> None:
     if previous:
         logger.warning("taking over %s, left by PID %s on %s (started %s), which is no longer running", path,
                        previous.get("pid"), previous.get("host"), _when(previous))
+    from roll.redact import redact_argv
+
     record = {"host": _host(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-              "command": " ".join(sys.argv)}
+              "command": " ".join(redact_argv(sys.argv))}  # shown by the refusal; no hub_token there
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     os.fsync(fd)

@@ -33,6 +33,18 @@ def test_a_second_holder_is_refused_naming_host_and_pid(tmp_path):
     lock.acquire(str(tmp_path)).release()  # free again
 
 
+def test_the_lock_record_and_its_refusal_hold_no_secret(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["roll-train", "r.yaml", "hub_token=hf_SECRET", "--api_key", "k-SECRET"])
+    held = lock.acquire(str(tmp_path))
+    try:
+        assert "SECRET" not in (tmp_path / lock.LOCK_NAME).read_text()
+        with pytest.raises(ConfigError) as refused:
+            lock.acquire(str(tmp_path), wait_s=0)
+        assert "hub_token=<redacted>" in str(refused.value) and "SECRET" not in str(refused.value)
+    finally:
+        held.release()
+
+
 def test_a_dead_holders_lock_is_taken_over_with_a_log_line(tmp_path, caplog, monkeypatch):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
