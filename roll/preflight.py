@@ -2,8 +2,8 @@
 found from files alone, in milliseconds, instead of N ranks later as a Megatron or safetensors traceback.
 
 What is checked: output_dir (``roll.outputs``, ``roll.checkpoints.check_output_dir``; writable), nproc_per_node
-against this machine (only when launching), the model directory (not an adapter directory, config.json, remote
-code, weights files intact, tokenizer files), a DPO reference's vocabulary, the chat template stages sft/dpo
+against this machine (only when launching), the model directory (``roll.model_dir``: not an adapter directory,
+config.json, remote code, weights files intact, tokenizer files), a DPO reference's vocabulary, the chat template stages sft/dpo
 need, a resumed checkpoint against this run (backend, model, LoRA or full, global batch), and every pickle
 that would be loaded (``roll.unpickle``).
 Layout rules that need the model's config (heads / layers / experts divisible by TP / PP / EP) are part of
@@ -13,13 +13,15 @@ config validation (``RunConfig.validate``), so --print-config reports them too.
 from __future__ import annotations
 
 import glob
-import json
 import os
-import struct
 
 from roll.checkpoints import BATCH_RECORD, check_output_dir, resolve_resume, wants_resume
 from roll.config.training import read_json_object
 from roll.errors import ConfigError, ModelError
+from roll.model_dir import (DEMO_MODEL_DIR, DEMO_SFT_OUTPUT, TOKENIZER_FILES, check_model_dir,  # noqa: F401
+                            check_model_exists, check_model_paths, check_not_adapter, check_reference_vocab,
+                            check_remote_code, check_safetensors_file, check_tokenizer_files,
+                            check_weight_files, weight_files)
 
 ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "intermediate_size", "vocab_size")
@@ -110,208 +112,6 @@ def check_machine(training) -> None:
         raise ConfigError(f"nproc_per_node={training.nproc_per_node} but this machine has {what}: one "
                           f"process per device. Set nproc_per_node to at most {count} (and the parallel "
                           "sizes to match).")
-
-
-# ---- the model directory ------------------------------------------------------------------------
-
-def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
-                    key: str = "model_name_or_path") -> None:
-    """A local model directory (the value of ``key``) is complete and loadable without surprises."""
-    check_model_exists(path, key)
-    if not os.path.isdir(path):
-        raise ModelError(f"{key}={path!r} is a file; give the directory that holds config.json.")
-    config_file = os.path.join(path, "config.json")
-    if use_mca and os.path.isfile(os.path.join(path, _MCA_CONFIG)):
-        return  # a roll Megatron checkpoint: its own loader checks it
-    if not os.path.isfile(config_file):
-        raise ModelError(f"{key}={path!r} has no config.json: it is not a Hugging Face model "
-                         "directory (a run's checkpoint-N is resumed with resume_from_checkpoint).")
-    hf_config = read_json_object(config_file, config_file, ModelError)
-    check_remote_code(hf_config, config_file, trust_remote_code=trust_remote_code)
-    check_weight_files(path, use_mca=use_mca, key=key)
-
-
-DEMO_MODEL_DIR = ".demo/tiny-qwen2"
-"""Where the demo recipes expect the tiny model (``python scripts/make_tiny_model.py --out`` it)."""
-
-DEMO_SFT_OUTPUT = "outputs/demo/tiny_sft/standard"
-"""The tiny sft model ``make demo`` trains on the standard backend (tiny_dpo starts from it)."""
-
-
-def check_model_paths(config) -> None:
-    """The model, tokenizer and (dpo) reference directories the run names exist on this machine: the
-    check for commands that load only part of a model (--dry-run, roll-parity before its runs)."""
-    model, finetuning = config.model, config.finetuning
-    check_model_exists(model.model_name_or_path, "model_name_or_path")
-    if model.tokenizer_name_or_path:
-        check_model_exists(model.tokenizer_name_or_path, "tokenizer_name_or_path")
-    if finetuning.stage == "dpo" and finetuning.ref_model:
-        check_model_exists(finetuning.ref_model, "ref_model")
-
-
-def check_model_exists(path: str | None, key: str = "model_name_or_path") -> None:
-    """ModelError saying how to get the model when ``path`` (the value of ``key``) is not on this machine.
-
-    roll reads models from local directories and never downloads one: a Hub id (``Qwen/Qwen2.5-7B``) in a
-    recipe names the model to fetch, and without this check transformers would try the Hub and answer with
-    a network or repo-id error.
-    """
-    if not path:
-        raise ConfigError(f"{key} is not set: point it at a Hugging Face model directory (config.json + "
-                          "safetensors), in the recipe or as key=value on the command line.")
-    if os.path.exists(path):
-        return
-    where = os.path.normpath(path)
-    if where == os.path.normpath(DEMO_SFT_OUTPUT):
-        raise ModelError(f"{key}={path!r} does not exist yet: it is the tiny sft model `make demo` trains "
-                         "(recipes/demo/tiny_sft.yaml on the standard backend). Run `make demo` (or `python "
-                         "scripts/demo.py`) first, or point it at another model directory.")
-    if where.split(os.sep)[0] == os.path.normpath(DEMO_MODEL_DIR).split(os.sep)[0]:
-        also = "; `make tiny-model` and `make demo` build it too" if where == os.path.normpath(DEMO_MODEL_DIR) else ""
-        raise ModelError(f"{key}={path!r} does not exist yet: it is the demo's tiny model. Build it with "
-                         f"`python scripts/make_tiny_model.py --out {path}` (seconds, no download{also}), then "
-                         "run this command again.")
-    if _looks_like_hub_id(path):
-        use = f"pass {key} DIR" if key.startswith("-") else f"set {key}=DIR in the recipe or on the command line"
-        raise ModelError(f"{key}={path!r} is not a directory on this machine, and roll never downloads a "
-                         "model. If it is a Hub id, on a machine with network run `huggingface-cli download "
-                         f"{path} --local-dir DIR` (copy DIR here if needed), then {use}.")
-    what = "the tokenizer files" if key.startswith("tokenizer") else "config.json + safetensors"
-    raise ModelError(f"{key}={path!r} does not exist. Point it at a local Hugging Face model directory "
-                     f"({what}); `python scripts/make_tiny_model.py --out DIR` builds a tiny one to try "
-                     "roll with.")
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    """``org/name`` as the Hub spells it: one slash, neither part empty nor a relative-path marker."""
-    parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and ".." not in parts
-
-
-def check_not_adapter(path: str | None, *, key: str = "model_name_or_path") -> None:
-    """A PEFT adapter directory (adapter_config.json, adapter weights only) given as the model."""
-    if not path or not os.path.isfile(os.path.join(path, _ADAPTER_CONFIG)):
-        return
-    names = map(os.path.basename, weight_files(path))
-    full = [name for name in names if not name.startswith("adapter_model")]
-    if full or glob.glob(os.path.join(path, "pytorch_model*.bin")):
-        return  # full weights next to an adapter: a model
-    adapter_config = os.path.join(path, _ADAPTER_CONFIG)
-    base = read_json_object(adapter_config, adapter_config, ModelError).get("base_model_name_or_path")
-    raise ModelError(f"{key}={path!r} is a LoRA adapter directory (adapter_config.json and adapter weights "
-                     f"only), not a model: set {key} to the base model it was trained from ({base!r} "
-                     "according to adapter_config.json). To train a model with the adapter merged in, use the "
-                     "full model a LoRA run writes with export_merged: true (OUTPUT_DIR/merged).")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
-                   "vocab.txt")
-"""Any of these makes a directory a tokenizer transformers can load."""
-
-
-def check_tokenizer_files(model) -> None:
-    """The tokenizer directory (tokenizer_name_or_path, else the model's) holds tokenizer files."""
-    key = "tokenizer_name_or_path" if model.tokenizer_name_or_path else "model_name_or_path"
-    path = model.tokenizer_name_or_path or model.model_name_or_path
-    if not path or not os.path.isdir(path):
-        return
-    if any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        return
-    raise ModelError(f"{key}={path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}): copy them "
-                     "from the model's original directory, or set tokenizer_name_or_path to the directory of the "
-                     "tokenizer the model was trained with.")
-
-
-def check_reference_vocab(config) -> None:
-    """DPO compares the policy's and the reference's log-probabilities of the same token ids."""
-    ref = config.finetuning.ref_model
-    if config.finetuning.stage != "dpo" or not ref or config.finetuning.ref_free:
-        return
-    policy = config.model.model_name_or_path
-    sizes = []
-    for path in (policy, ref):
-        config_file = os.path.join(path or "", "config.json")
-        if not os.path.isfile(config_file):
-            return
-        hf_config = read_json_object(config_file, config_file, ModelError)
-        sizes.append((hf_config.get("text_config") or hf_config).get("vocab_size"))
-    if None not in sizes and sizes[0] != sizes[1]:
-        raise ConfigError(f"ref_model={ref!r} has vocab_size {sizes[1]}, model_name_or_path={policy!r} has "
-                          f"{sizes[0]}: DPO compares both models' probabilities of the same token ids, so "
-                          "the reference must share the policy's vocabulary. Set ref_model to the model the "
-                          "policy starts from (or leave it unset: a frozen copy of the policy).")
-
-
-def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
-    """A config that needs the model's own Python code (``auto_map``, or a model_type transformers lacks)."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    model_type = hf_config.get("model_type")
-    if hf_config.get("auto_map"):
-        if not trust_remote_code:
-            names = sorted(hf_config["auto_map"])
-            raise ModelError(f"{where} ships its own Python code (auto_map: {names}), which roll does "
-                             "not run by default: set trust_remote_code: true if you trust this code.")
-        return
-    if model_type not in CONFIG_MAPPING_NAMES:
-        remote = "" if trust_remote_code else (
-            ", or, for a model that ships its code (auto_map in config.json), set trust_remote_code: true if "
-            "you trust this code")
-        raise ModelError(f"{where}: model_type {model_type!r} is an architecture transformers "
-                         f"{transformers.__version__} does not know (architectures "
-                         f"{hf_config.get('architectures')}). Use a supported model or a newer "
-                         f"transformers{remote}.")
-
-
-def weight_files(model_dir: str) -> list[str]:
-    """The safetensors files of a model directory (those its index names, else every *.safetensors)."""
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        weight_map = read_json_object(index, index, ModelError).get("weight_map") or {}
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
-    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-
-
-def check_weight_files(model_dir: str, *, use_mca: bool, key: str = "model_name_or_path") -> None:
-    """Weights exist and every safetensors file is as long as its header says (a copy cut short is the
-    common case); pickled ``*.bin`` weights only on the standard backend, which loads them weights_only."""
-    files = weight_files(model_dir)
-    if not files:
-        has_bin = bool(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
-        if has_bin and not use_mca:
-            return  # transformers loads these with torch.load(weights_only=True)
-        detail = ("has only pickled .bin weights, which the mca backend does not read" if has_bin
-                  else "has no model.safetensors")
-        raise ModelError(f"{key}={model_dir!r} {detail}: re-save the model with "
-                         "save_pretrained(DIR, safe_serialization=True) or point at a complete model "
-                         "directory.")
-    for path in files:
-        check_safetensors_file(path)
-
-
-def check_safetensors_file(path: str) -> None:
-    """ModelError when ``path`` is missing, not safetensors, or shorter than its header describes."""
-    if not os.path.isfile(path):
-        raise ModelError(f"{path} is missing (model.safetensors.index.json names it): copy the whole model "
-                         "again.")
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < header_len <= size - 8:
-            raise ModelError(f"{path} is not a safetensors file or is truncated ({size} bytes): copy the "
-                             "model again or re-save it with save_pretrained(DIR, safe_serialization=True).")
-        try:
-            header = json.loads(fh.read(header_len))
-        except ValueError:
-            raise ModelError(f"{path} has a corrupt safetensors header: copy the model again.") from None
-    end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-              default=0)
-    expected = 8 + header_len + end
-    if size < expected:
-        raise ModelError(f"{path} is truncated: {size} bytes, its header describes {expected}. Copy the "
-                         "model again (an interrupted download or copy leaves such a file).")
 
 
 # ---- chat template ------------------------------------------------------------------------------
