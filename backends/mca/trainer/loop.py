@@ -203,6 +203,10 @@ class MegatronTrainer:
 
     def _reduce(self, outputs: list[dict], batches: list[dict]) -> tuple[dict[str, float], int]:
         """(the objective's metrics over the global batch, real tokens): one all-reduce of the reports."""
+        return self._metrics(self._local_sums(outputs, batches))
+
+    def _local_sums(self, outputs: list[dict], batches: list[dict]) -> torch.Tensor:
+        """This rank's share of the loss reports (summed over micro-batches) and of the real tokens."""
         size = self.objective.report_size
         sums = torch.zeros(size + 1, dtype=torch.float64, device=self.device)
         if self._owns_loss:
@@ -210,8 +214,13 @@ class MegatronTrainer:
                 sums[:size] += out[REPORT].to(sums)
         if self._owns_tokens:
             sums[size] = sum(real_tokens(batch, self.pad_token_id) for batch in batches)
+        return sums
+
+    def _metrics(self, sums: torch.Tensor) -> tuple[dict[str, float], int]:
+        """All-reduce ``_local_sums`` (collective) into (the objective's metrics, real tokens)."""
         dist.all_reduce(sums)
         values = sums.tolist()
+        size = self.objective.report_size
         return self.objective.metrics(values[:size]), int(values[size])
 
     # ---- evaluation -----------------------------------------------------------------------------
@@ -222,18 +231,18 @@ class MegatronTrainer:
         and sft, the mean over pairs for dpo, with dpo's eval rewards and log-probs), logged at the current
         step: through ``writer`` during training (history, TensorBoard), else appended to train_log.jsonl."""
         reliability.set_activity(f"evaluating at step {self.state.global_step}")
-        mbs = self.training.per_device_eval_batch_size
-        rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
-        rounds = self.layout.micro_batches_at_least(rounds)  # the interleaved schedule's rule (fillers)
-        plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
+        plan = self._eval_plan(len(dataset))
         sync_params(self.chunks)
-        micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)
+        sums = None
         for chunk in self.chunks:
             chunk.eval()
-        outputs = self._forward_backward(micro_batches, forward_only=True)
+        for call in range(math.ceil(len(dataset) / plan.global_batch_size)):
+            batches = collate_step(dataset, collator, plan.micro_batch_indices(call, len(dataset)), self.pad_token_id)
+            part = self._local_sums(self._forward_backward(batches, forward_only=True), batches)
+            sums = part if sums is None else sums + part
         for chunk in self.chunks:
             chunk.train()
-        metrics = {f"eval_{name}": value for name, value in self._reduce(outputs, micro_batches)[0].items()}
+        metrics = {f"eval_{name}": value for name, value in self._metrics(sums)[0].items()}
         log_rank0(logger, "eval_loss %.4f over %d samples at step %d", metrics["eval_loss"], len(dataset),
                   self.state.global_step)
         if writer is not None:
@@ -242,6 +251,16 @@ class MegatronTrainer:
             append_log(self.training.output_dir, {"step": self.state.global_step, **metrics})
         self.last_eval = (self.state.global_step, metrics)
         return metrics
+
+    def _eval_plan(self, num_samples: int) -> BatchPlan:
+        """One pass over the eval set in schedule calls of at most ``max(gradient_accumulation_steps, 8)``
+        micro-batches of ``per_device_eval_batch_size`` rows (the inputs on the device stay bounded), a count
+        the interleaved schedule accepts (``micro_batches_at_least``); slots past the end are fillers that
+        count nothing."""
+        mbs = self.training.per_device_eval_batch_size
+        rounds = math.ceil(num_samples / (mbs * self.plan.dp_size))
+        per_call = self.layout.micro_batches_at_least(min(rounds, max(self.plan.grad_accum, 8)))
+        return BatchPlan(mbs, per_call, self.plan.dp_size, self.plan.dp_rank)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 
