@@ -105,7 +105,8 @@ class McaBackend(Backend):
                                         pad_token_id=job.tokenizer.pad_token_id,
                                         objective=self._objective(job.stage, models))
         self._trainer.arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
-        return self._trainer.train(job.train_dataset, job.collator, resume_from=resume)
+        return self._trainer.train(job.train_dataset, job.collator, resume_from=resume,
+                                   eval_dataset=job.eval_dataset)
 
     def _objective(self, stage: str, models: ModelBundle):
         """What the loop optimises: the LM loss (pt, sft) or DPO against the frozen reference (None: ref_free)."""
@@ -124,11 +125,15 @@ class McaBackend(Backend):
         return DPOObjective(vocab_size, settings, models.policy, ref_mode=lambda: adapters_disabled(models.policy))
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
-        """``eval_loss`` on job.eval_dataset with the training loss definition (after train)."""
+        """``eval_loss`` on job.eval_dataset with the training loss definition (after train; the metrics of
+        the last step's eval when ``eval_strategy`` already ran it)."""
         if job.eval_dataset is None:
             return {}
         if self._trainer is None:
             raise RuntimeError("McaBackend.evaluate() needs train() first: it evaluates the trained chunks")
+        done = self._trainer.last_eval
+        if done is not None and done[0] == self._trainer.state.global_step:
+            return dict(done[1])  # eval_strategy evaluated the last step: a second pass would log it twice
         return self._trainer.evaluate(job.eval_dataset, job.collator)
 
     def save(self, models: ModelBundle, tokenizer, output_dir: str) -> str:

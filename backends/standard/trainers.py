@@ -12,6 +12,9 @@ What they add to HF/TRL, and why:
   step loss is the per-token mean over the global batch. dpo: TRL's per-pair mean of the
   micro-batch, divided by grad_accum and averaged over ranks: the mean over pairs of the global
   batch (micro-batches are equal-sized).
+* **Eval loss** (pt/sft): ``eval_loss`` is the per-token mean over the whole eval set (the token losses'
+  sum over the trainable-token count), as the mca backend computes it, whatever the eval batch size; HF's
+  own is a mean of per-batch means. dpo keeps TRL's: the mean over pairs.
 * **Speed**: every training log carries roll.perf's ``step_time``, ``tokens_per_second`` (real, non-pad
   tokens only), ``mfu`` and ``peak_memory_gb``, as the mca backend's do; one that cannot be computed
   for a model is ``null`` in train_log.jsonl, with one warning, and never stops the run.
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
@@ -145,8 +149,51 @@ class JsonlLogCallback(TrainerCallback):
                 fh.write(json.dumps(record) + "\n")
 
 
-class RollTrainer(SafeCheckpointMixin, SafeStepMixin, RollTrainerMixin, Trainer):
-    """HF Trainer for pt and sft: the model's own causal-LM loss with HF's global token count."""
+class TokenMeanEvalMixin:
+    """``eval_loss`` as the per-token mean over the eval set: every eval batch's per-row (loss sum, trainable
+    tokens) pairs are gathered over ranks (accelerate's ``gather_for_metrics`` drops the rows it repeated
+    to even out the last batch) and summed; the loop's metric is replaced by sum / count at its end."""
+
+    _roll_eval_sums: torch.Tensor | None = None
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._roll_eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            loss_sum, tokens = self._roll_eval_sums.tolist()
+        finally:
+            self._roll_eval_sums = None
+        key = f"{metric_key_prefix}_loss"
+        if key in output.metrics and tokens > 0:
+            output.metrics[key] = loss_sum / tokens
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self._roll_eval_sums is None or not prediction_loss_only or inputs.get("labels") is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            outputs = model(**{key: value for key, value in inputs.items() if key != "labels"})
+        rows = token_loss_rows(outputs.logits, inputs["labels"])
+        self._roll_eval_sums += self.accelerator.gather_for_metrics(rows).sum(dim=0)
+        loss_sum, tokens = rows.sum(dim=0)
+        return (loss_sum / tokens.clamp(min=1)).float(), None, None
+
+
+def token_loss_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[rows, 2] float64: each row's summed causal-LM token loss (labels shifted once, as HF's loss shifts
+    them) and its number of trainable tokens (labels other than -100)."""
+    shifted = labels[:, 1:]
+    losses = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="none").view(shifted.shape)
+    return torch.stack([losses.double().sum(dim=-1), (shifted != IGNORE_INDEX).sum(dim=-1).double()], dim=-1)
+
+
+class RollTrainer(SafeCheckpointMixin, SafeStepMixin, TokenMeanEvalMixin, RollTrainerMixin, Trainer):
+    """HF Trainer for pt and sft: the model's own causal-LM loss with HF's global token count; eval_loss
+    per token over the eval set (``TokenMeanEvalMixin``)."""
 
 
 @dataclass

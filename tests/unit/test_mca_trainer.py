@@ -166,3 +166,21 @@ def test_resuming_from_a_standard_backend_checkpoint_is_refused(tmp_path):
     (tmp_path / "trainer_state.json").write_text('{"global_step": 3, "log_history": []}')
     with pytest.raises(ConfigError, match="not a checkpoint of a Megatron"):
         load(str(tmp_path), [], None, TrainerState())
+
+
+@pytest.mark.parametrize("keys, expected", [
+    (dict(eval_strategy="steps", eval_steps=2), [2, 4, 5]),  # and the last step, as HF's DefaultFlowCallback
+    (dict(eval_strategy="steps", eval_steps=0.4), [2, 4, 5]),  # a ratio of the run: ceil(5 * 0.4) steps
+    (dict(eval_strategy="steps", eval_steps=None, logging_steps=3), [3, 5]),  # HF's default: logging_steps
+    (dict(eval_strategy="steps", eval_steps=2, eval_delay=3), [4, 5]),
+    (dict(eval_strategy="epoch"), [2, 4, 5]),  # 16 samples, 8 a step: an epoch is 2 steps
+    (dict(eval_strategy="epoch", eval_delay=1.5), [4, 5]),  # in epochs with the epoch strategy
+    (dict(eval_strategy="no", eval_steps=1), []),
+])
+def test_mid_run_eval_steps_follow_hf_trainer(keys, expected):
+    from backends.mca.trainer.loop import MegatronTrainer
+
+    trainer = object.__new__(MegatronTrainer)  # only the schedule's pieces: no model
+    trainer.training = SimpleNamespace(**{"logging_steps": 1, "eval_steps": None, "eval_delay": 0, **keys})
+    trainer.plan = BatchPlan(micro_batch_size=4, grad_accum=2, dp_size=1, dp_rank=0)
+    assert [step for step in range(1, 6) if trainer._should_evaluate(step, 5, 16)] == expected

@@ -6,6 +6,8 @@ model or DPO); ``finalize_model_grads`` reduces the gradients and divides them b
 count (tokens or pairs); the optimizer steps with the learning rate of the schedule. A step whose loss
 or gradient norm is not finite is skipped (no update) and counted (``roll.reliability``: too many in a row stop
 the run). After every step all ranks agree whether one got SIGTERM / SIGINT; if so they save and stop.
+With an eval set, ``eval_strategy`` / ``eval_steps`` / ``eval_delay`` / ``eval_on_start`` evaluate when HF
+Trainer would (after the step's log, before its save), each record in train_log.jsonl at the same step.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class MegatronTrainer:
         self._owns_loss = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
         self._owns_tokens = self._owns_loss and self.cp_rank == 0
         self.skips = reliability.SkipCounter(training.max_consecutive_skipped_steps)
+        self.last_eval: tuple[int, dict[str, float]] | None = None
+        """(step, metrics) of the latest evaluation."""
         self.state = checkpointing.TrainerState(global_batch_size=self.plan.global_batch_size,
                                                 layout=self._layout_dict(),
                                                 distributed_optimizer=megatron_args.use_distributed_optimizer,
@@ -89,7 +93,8 @@ class MegatronTrainer:
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def train(self, dataset, collator, resume_from: str | None = None) -> TrainResult:
+    def train(self, dataset, collator, resume_from: str | None = None, eval_dataset=None) -> TrainResult:
+        """Train to the run's last step; with ``eval_dataset``, evaluate at the recipe's eval steps."""
         t = self.training
         total = self.plan.total_steps(t.max_steps, t.num_train_epochs, len(dataset))
         schedule = schedule_for(t, total)
@@ -107,6 +112,8 @@ class MegatronTrainer:
         try:
             for chunk in self.chunks:
                 chunk.train()
+            if eval_dataset is not None and t.eval_on_start:
+                self.evaluate(eval_dataset, collator, writer)
             while self.state.global_step < total:
                 reliability.set_activity(f"training step {self.state.global_step + 1}")
                 stats = self._train_step(dataset, collator, schedule)
@@ -120,6 +127,8 @@ class MegatronTrainer:
                     window, window_start = [], time.perf_counter()
                 if reliability.STOP.requested():
                     self._stop_on_signal(window, writer, len(dataset), window_start)
+                if eval_dataset is not None and self._should_evaluate(step, total, len(dataset)):
+                    self.evaluate(eval_dataset, collator, writer)
                 if self._should_save(step, total, len(dataset)):
                     self._save()
         finally:
@@ -194,6 +203,10 @@ class MegatronTrainer:
 
     def _reduce(self, outputs: list[dict], batches: list[dict]) -> tuple[dict[str, float], int]:
         """(the objective's metrics over the global batch, real tokens): one all-reduce of the reports."""
+        return self._metrics(self._local_sums(outputs, batches))
+
+    def _local_sums(self, outputs: list[dict], batches: list[dict]) -> torch.Tensor:
+        """This rank's share of the loss reports (summed over micro-batches) and of the real tokens."""
         size = self.objective.report_size
         sums = torch.zeros(size + 1, dtype=torch.float64, device=self.device)
         if self._owns_loss:
@@ -201,31 +214,53 @@ class MegatronTrainer:
                 sums[:size] += out[REPORT].to(sums)
         if self._owns_tokens:
             sums[size] = sum(real_tokens(batch, self.pad_token_id) for batch in batches)
+        return sums
+
+    def _metrics(self, sums: torch.Tensor) -> tuple[dict[str, float], int]:
+        """All-reduce ``_local_sums`` (collective) into (the objective's metrics, real tokens)."""
         dist.all_reduce(sums)
         values = sums.tolist()
+        size = self.objective.report_size
         return self.objective.metrics(values[:size]), int(values[size])
 
     # ---- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, dataset, collator) -> dict[str, float]:
-        """``eval_loss`` (the training loss definition over the whole eval set; for dpo also the eval
-        rewards and log-probs), appended to train_log.jsonl at the current step."""
-        mbs = self.training.per_device_eval_batch_size
-        rounds = math.ceil(len(dataset) / (mbs * self.plan.dp_size))  # one pass; slots past the end train nothing
-        rounds = self.layout.micro_batches_at_least(rounds)  # the interleaved schedule's rule (fillers)
-        plan = BatchPlan(mbs, rounds, self.plan.dp_size, self.plan.dp_rank)
+    def evaluate(self, dataset, collator, writer: MetricsWriter | None = None) -> dict[str, float]:
+        """``eval_loss`` (the training loss definition over the whole eval set: the per-token mean for pt
+        and sft, the mean over pairs for dpo, with dpo's eval rewards and log-probs), logged at the current
+        step: through ``writer`` during training (history, TensorBoard), else appended to train_log.jsonl."""
+        reliability.set_activity(f"evaluating at step {self.state.global_step}")
+        plan = self._eval_plan(len(dataset))
         sync_params(self.chunks)
-        micro_batches = collate_step(dataset, collator, plan.micro_batch_indices(0, len(dataset)), self.pad_token_id)
+        sums = None
         for chunk in self.chunks:
             chunk.eval()
-        outputs = self._forward_backward(micro_batches, forward_only=True)
+        for call in range(math.ceil(len(dataset) / plan.global_batch_size)):
+            batches = collate_step(dataset, collator, plan.micro_batch_indices(call, len(dataset)), self.pad_token_id)
+            part = self._local_sums(self._forward_backward(batches, forward_only=True), batches)
+            sums = part if sums is None else sums + part
         for chunk in self.chunks:
             chunk.train()
-        metrics = {f"eval_{name}": value for name, value in self._reduce(outputs, micro_batches)[0].items()}
-        log_rank0(logger, "eval_loss %.4f over %d samples", metrics["eval_loss"], len(dataset))
-        append_log(self.training.output_dir, {"step": self.state.global_step, **metrics})
+        metrics = {f"eval_{name}": value for name, value in self._metrics(sums)[0].items()}
+        log_rank0(logger, "eval_loss %.4f over %d samples at step %d", metrics["eval_loss"], len(dataset),
+                  self.state.global_step)
+        if writer is not None:
+            writer.log(self.state.global_step, metrics)
+        else:
+            append_log(self.training.output_dir, {"step": self.state.global_step, **metrics})
+        self.last_eval = (self.state.global_step, metrics)
         return metrics
+
+    def _eval_plan(self, num_samples: int) -> BatchPlan:
+        """One pass over the eval set in schedule calls of at most ``max(gradient_accumulation_steps, 8)``
+        micro-batches of ``per_device_eval_batch_size`` rows (the inputs on the device stay bounded), a count
+        the interleaved schedule accepts (``micro_batches_at_least``); slots past the end are fillers that
+        count nothing."""
+        mbs = self.training.per_device_eval_batch_size
+        rounds = math.ceil(num_samples / (mbs * self.plan.dp_size))
+        per_call = self.layout.micro_batches_at_least(min(rounds, max(self.plan.grad_accum, 8)))
+        return BatchPlan(mbs, per_call, self.plan.dp_size, self.plan.dp_rank)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 
@@ -251,10 +286,24 @@ class MegatronTrainer:
         return record
 
     def _should_save(self, step: int, total: int, num_samples: int) -> bool:
-        strategy = str(getattr(self.training.save_strategy, "value", self.training.save_strategy))
-        if strategy == "steps":
-            return step % every(self.training.save_steps, total) == 0 or step == total
-        if strategy == "epoch":
+        t = self.training
+        return self._interval_due(t.save_strategy, t.save_steps, step, total, num_samples)
+
+    def _should_evaluate(self, step: int, total: int, num_samples: int) -> bool:
+        """HF Trainer's rule (DefaultFlowCallback): every ``eval_steps`` (HF's default: ``logging_steps``)
+        or epoch, and at the last step, once ``eval_delay`` (steps, or epochs with ``epoch``) has passed."""
+        t = self.training
+        steps = t.eval_steps or t.logging_steps
+        if not self._interval_due(t.eval_strategy, steps, step, total, num_samples):
+            return False
+        epochs = _strategy(t.eval_strategy) == "epoch"
+        return (t.eval_delay or 0) <= (step / self.plan.steps_per_epoch(num_samples) if epochs else step)
+
+    def _interval_due(self, strategy, steps: float, step: int, total: int, num_samples: int) -> bool:
+        """Whether a ``*_strategy`` of ``steps`` / ``epoch`` is due after ``step`` (always at the last)."""
+        if _strategy(strategy) == "steps":
+            return step % every(steps, total) == 0 or step == total
+        if _strategy(strategy) == "epoch":
             return step % self.plan.steps_per_epoch(num_samples) == 0 or step == total
         return False
 
@@ -262,6 +311,11 @@ class MegatronTrainer:
         lay = self.layout
         return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp_size, "cp": lay.cp, "ep": lay.ep, "etp": lay.expert_tp,
                 "dp": lay.dp}
+
+
+def _strategy(value) -> str:
+    """An HF ``IntervalStrategy`` / ``SaveStrategy`` (or its string) as its name: "no", "steps", "epoch"."""
+    return str(getattr(value, "value", value))
 
 
 def every(steps: float, total: int) -> int:
