@@ -135,6 +135,8 @@ def _train(config, argv: list[str]) -> int:
             if hung is None:
                 raise
             raise hung from None
+        finally:  # a caller that trains in-process (notebook, test) gets its own signal handlers back
+            reliability.STOP.uninstall()
         return 0
     finally:
         if held is not None:

@@ -36,8 +36,11 @@ class StopSignal:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
-        """Catch SIGTERM / SIGINT (main thread only; a no-op elsewhere)."""
+        """Catch SIGTERM / SIGINT (main thread only; a no-op elsewhere). Installing again (another run in the
+        same process) keeps the handlers found the first time, so ``uninstall`` restores those, not its own."""
         self.signum = None
+        if self._previous:
+            return
         try:
             self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOP_SIGNALS}
         except ValueError:  # not the main thread (e.g. a notebook's worker thread)

@@ -96,11 +96,11 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
             clean_stale(config.training.output_dir)
         job, _ = build_job(config, policy)
         check_batch_fits(config, len(job.train_dataset), info.dp_size)
-        if is_rank0():
-            write_marker(config.training.output_dir, run_identity(config))
         log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",
                   config.finetuning.stage, config.backend_name, info.world_size, info.dp_size)
         models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))
+        if is_rank0():  # after the model loaded: a mistake found while loading leaves output_dir untouched
+            write_marker(config.training.output_dir, run_identity(config))
         result = backend.train(job, models)
         if job.eval_dataset is not None:
             metrics = backend.evaluate(job, models)

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import signal
 
 import pytest
 
@@ -112,7 +113,10 @@ def test_family_trains_plans_and_dry_runs(family, shared, tmp_path, monkeypatch,
     assert roll_train([*args, "--dry-run", "--json"]) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["num_samples"] == len(SFT_ROWS)
 
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     assert roll_train(args) == 0, capsys.readouterr().err
+    # an in-process run hands its caller's signal handlers back (else a later run, or test, is "preempted")
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2], records

@@ -31,7 +31,8 @@ HUB_ERRORS = ("Repo id", "huggingface.co", "Traceback", "couldn't connect")
     ("/nowhere/models/qwen", "model_name_or_path", "does not exist. Point it at a local Hugging Face model"),
     ("tok/a/b", "tokenizer_name_or_path", "(the tokenizer files)"),
 ])
-def test_message_says_how_to_get_the_model(path, key, expected):
+def test_message_says_how_to_get_the_model(path, key, expected, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a clone where `make demo` already built .demo/ and outputs/ has them
     with pytest.raises(ModelError) as info:
         check_model_exists(path, key)
     message = str(info.value)

@@ -62,6 +62,16 @@ def test_stop_signal_sets_the_flag_once_then_the_second_signal_acts(monkeypatch)
         stop.uninstall()
 
 
+def test_installing_the_stop_handler_twice_still_restores_the_original_handlers():
+    """Two in-process runs install it twice: uninstall must restore the caller's handler, not its own."""
+    original = signal.getsignal(signal.SIGINT)
+    stop = reliability.StopSignal()
+    stop.install()
+    stop.install()
+    stop.uninstall()
+    assert signal.getsignal(signal.SIGINT) is original
+
+
 def _make_checkpoint(output_dir, step: int) -> str:
     path = os.path.join(output_dir, f"checkpoint-{step}")
     os.makedirs(path)
