@@ -51,6 +51,8 @@ def test_collective_failures_become_hung_with_rank_and_activity(monkeypatch):
 
 
 def test_stop_signal_sets_the_flag_once_then_the_second_signal_acts(monkeypatch):
+    # Python's own SIGINT handler underneath, whatever an earlier test or the CI shell left installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     stop = reliability.StopSignal()
     stop.install()
     try:
@@ -60,6 +62,7 @@ def test_stop_signal_sets_the_flag_once_then_the_second_signal_acts(monkeypatch)
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         stop.uninstall()
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_installing_the_stop_handler_twice_still_restores_the_original_handlers():
