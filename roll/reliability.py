@@ -74,6 +74,14 @@ STOP = StopSignal()
 """The one flag of this process (signal handlers are process-global)."""
 
 
+def barrier() -> None:
+    """Wait for every rank (a no-op without a multi-rank process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def any_rank(flag: bool) -> bool:
     """``flag`` OR-ed over all ranks (one all-reduce when a multi-rank process group exists)."""
     import torch
