@@ -54,6 +54,10 @@ class StopSignal:
     def _handle(self, signum, _frame) -> None:
         if self.signum is not None:  # the second signal: stop now, the default way
             self.uninstall()
+            if signal.getsignal(signum) == signal.SIG_IGN:
+                # A background job of a non-interactive shell (`roll-train ... &`, nohup) starts with SIGINT
+                # ignored; the user still asked to stop at once.
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.signum = signum
