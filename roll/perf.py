@@ -297,7 +297,8 @@ class SpeedWindow:
         seconds = now - (self.since if self.since is not None else now)
         unknown = self.tokens_unknown
         self._reset(since=now)
-        return self.meter.metrics(None if unknown else tokens, seconds, steps, seq_length=tokens / max(rows, 1))
+        return self.meter.metrics(None if unknown else tokens, seconds, steps,
+                                  seq_length=tokens / max(rows, 1))
 
 
 def real_tokens(batch: dict[str, Any], pad_token_id: int | None) -> torch.Tensor | int:

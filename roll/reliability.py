@@ -57,7 +57,8 @@ class StopSignal:
             if signal.getsignal(signum) == signal.SIG_IGN:
                 # A background job of a non-interactive shell (`roll-train ... &`, nohup) starts with SIGINT
                 # ignored; the user still asked to stop at once.
-                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+                default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+                signal.signal(signum, default)
             signal.raise_signal(signum)
             return
         self.signum = signum

@@ -1,8 +1,9 @@
 """Compat patches to how Megatron-Core (and PyTorch's distributed checkpoint under it) reads a checkpoint:
 unpickling restricted to an allow-list (``restricted_checkpoint_reads``, about trust, not the platform) and
 the distributed optimizer's AdamW ``step`` on resume without TE/Apex (``distopt_step_on_load``).
-``backends.mca.platform.apply_patches`` applies them with the others, from its one table (which says when each
-is needed and when it can go). Process-wide and permanent once applied: never in a test runner's own process."""
+``backends.mca.platform.apply_patches`` applies them with the others, from its one table (which says when
+each is needed and when it can go). Process-wide and permanent once applied: never in a test runner's own
+process."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ def patch_restricted_checkpoint_reads() -> None:
     """A checkpoint from elsewhere could run code when read: PyTorch's distributed-checkpoint reader unpickles
     ``.metadata`` with ``pickle.load`` and the bytes entries of ``.distcp`` files (``_extra_state``) with
     ``torch.load(weights_only=False)``; megatron-core reads ``common.pt`` and sharded objects with
-    ``torch.load`` and names no file when that refuses. All go through ``roll.unpickle`` (its allow-list unless
-    ``trust_checkpoint_pickles``), which names the file. Applied everywhere (not a platform bug); can go when
-    torch DCP reads both with an allow-list of its own (not as of torch 2.13)."""
+    ``torch.load`` and names no file when that refuses. All go through ``roll.unpickle`` (its allow-list
+    unless ``trust_checkpoint_pickles``), which names the file. Applied everywhere (not a platform bug); can
+    go when torch DCP reads both with an allow-list of its own (not as of torch 2.13)."""
     from megatron.core.dist_checkpointing.strategies import common
     from torch.distributed.checkpoint import default_planner, filesystem, metadata
 

@@ -83,7 +83,8 @@ class AutoModel:
             log_rank0(logger, "converting HF checkpoint %s to Megatron on the fly", path)
             load_hf_weights(chunks, config, path)
         else:
-            raise ModelError(f"{path!r} has {MCA_CONFIG_NAME} but no Megatron weights and no HF {HF_CONFIG_FILE} "
+            raise ModelError(f"{path!r} has {MCA_CONFIG_NAME} but no Megatron weights and no HF "
+                             f"{HF_CONFIG_FILE} "
                              "to convert from.")
         return chunks
 
@@ -120,4 +121,5 @@ def _check_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise ModelError(f"model path {path!r} is not a directory (roll loads local checkpoints only).")
     if not has_mca_config(path) and not has_hf_config(path):
-        raise ModelError(f"{path!r} has neither {MCA_CONFIG_NAME} nor {HF_CONFIG_FILE}: not a model directory.")
+        raise ModelError(f"{path!r} has neither {MCA_CONFIG_NAME} nor {HF_CONFIG_FILE}: not a model "
+                         "directory.")

@@ -13,8 +13,8 @@ A checkpoint holds, in one directory:
 
 The learning-rate schedule is a function of the step count (``optim.LRSchedule``), so the trainer
 state restores it. Writes go to ``checkpoint-N.tmp``, are flushed to disk by every rank and renamed into
-place by rank 0 after all finished (``roll.checkpoints.publishing``), so ``checkpoint-N`` always names a complete
-checkpoint.
+place by rank 0 after all finished (``roll.checkpoints.publishing``), so ``checkpoint-N`` always names a
+complete checkpoint.
 """
 
 from __future__ import annotations

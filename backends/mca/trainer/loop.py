@@ -118,7 +118,8 @@ class MegatronTrainer:
                 reliability.set_activity(f"training step {self.state.global_step + 1}")
                 self._speed.begin(self.state.global_step)
                 stats = self._train_step(dataset, collator, schedule)
-                self._speed.add(stats.real_tokens, self._rows_in_step(self.state.global_step - 1, len(dataset)))
+                self._speed.add(stats.real_tokens, self._rows_in_step(self.state.global_step - 1,
+                                                                      len(dataset)))
                 self.skips.record(stats.skipped, self.state.global_step,
                                   self.plan.step_samples(self.state.global_step - 1, len(dataset)))
                 window.append(stats)
