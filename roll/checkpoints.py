@@ -3,7 +3,8 @@
 Checkpoints are ``OUTPUT_DIR/checkpoint-N`` (N = optimizer steps done). A backend writes one under a
 temporary name (``checkpoint-N.tmp``), flushes it to disk on every rank, and renames it into place when
 complete (``publish``), so a directory with this exact name is a whole checkpoint and a save killed at any
-moment leaves the previous one as the latest. Old checkpoints are renamed to ``*.old`` before they are
+moment leaves the previous one as the latest. Both backends save through ``publishing``, the one copy of
+that sequence. Old checkpoints are renamed to ``*.old`` before they are
 deleted, so a half-deleted one is never picked either. ``clean_stale`` removes both kinds of leftovers at
 the next start.
 """
@@ -15,9 +16,12 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from roll.config.coerce import coerce, is_bool_word
 from roll.errors import ConfigError
+from roll.reliability import barrier
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +103,40 @@ def publish(tmp: str, final: str) -> None:
         shutil.rmtree(final + ".old", ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(os.path.dirname(final) or ".")
+
+
+@contextmanager
+def publishing(output_dir: str, step: int, *, is_writer: bool, keep: int | None = None,
+               nested: bool = False) -> Iterator[str]:
+    """Save ``OUTPUT_DIR/checkpoint-<step>`` crash-safely; every rank enters it (it is collective).
+
+    Yields the staging directory ``checkpoint-<step>.tmp``, created empty by the writer (a save that died
+    earlier is removed first) before any rank writes. The body writes the checkpoint there (``nested``:
+    into ``staging/checkpoint-<step>``, where HF's Trainer puts it itself). After the body: every rank
+    flushes its writes to disk, all meet at a barrier, the writer renames the checkpoint into place
+    (``publish``: rename, then fsync of output_dir) and deletes the oldest beyond ``keep`` (``rotate``),
+    and all meet again, so no rank goes on before the checkpoint exists. ``is_writer``: global rank 0 (or
+    each node's first rank when every node saves its own copy).
+
+    If the body raises, nothing is published: the exception propagates, the previous checkpoint stays the
+    latest, and the staging directory is left for ``clean_stale`` at the next start (removing it here
+    could pull files from under a rank still writing)."""
+    final = os.path.join(output_dir, f"{PREFIX}{step}")
+    staging = final + ".tmp"
+    if is_writer:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging, exist_ok=True)  # empty: Megatron's dist_checkpointing refuses a non-empty one
+    barrier()
+    yield staging
+    flush_to_disk()
+    barrier()  # every rank's files are on disk
+    if is_writer:
+        publish(os.path.join(staging, os.path.basename(final)) if nested else staging, final)
+        if nested:
+            os.rmdir(staging)
+        for path in rotate(output_dir, keep):
+            logger.info("deleted old checkpoint %s (save_total_limit %s)", path, keep)
+    barrier()
 
 
 def clean_stale(output_dir: str) -> list[str]:

@@ -44,9 +44,13 @@ class OutputDirLock:
 
     path: str
     fd: int
+    created: str | None = None
+    """The top-most directory ``acquire`` created for output_dir (None: output_dir existed)."""
 
     def release(self) -> None:
-        """Remove the lock file (if it is still ours) and close it; the lock is gone with the last holder."""
+        """Remove the lock file (if it is still ours) and close it; the lock is gone with the last holder.
+        The directories ``acquire`` created go too while empty: a run that failed before writing anything
+        leaves no empty output_dir behind."""
         try:
             if _same_file(self.fd, self.path):
                 os.unlink(self.path)
@@ -56,6 +60,7 @@ class OutputDirLock:
             os.close(self.fd)
         except OSError:
             pass
+        remove_created(os.path.dirname(self.path), self.created)
 
 
 def takes_lock(training, environ=os.environ) -> bool:
@@ -69,12 +74,48 @@ def takes_lock(training, environ=os.environ) -> bool:
 
 def acquire(output_dir: str, *, wait_s: float = ORPHAN_WAIT_S) -> OutputDirLock:
     """Create output_dir if needed and lock it; ConfigError when another live run holds it or output_dir
-    cannot be written."""
+    cannot be written (what it created for output_dir is removed again then)."""
+    created = _first_missing(output_dir)
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as exc:
+        remove_created(output_dir, created)
         raise ConfigError(f"output_dir={output_dir!r} cannot be created ({exc.strerror}): choose an "
                           "output_dir you can write.") from None
+    try:
+        return _lock(output_dir, wait_s, created)
+    except ConfigError:
+        remove_created(output_dir, created)
+        raise
+
+
+def _first_missing(path: str) -> str | None:
+    """The top-most directory of ``path`` that does not exist yet (None when ``path`` exists)."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_created(output_dir: str, created: str | None) -> None:
+    """Remove output_dir and its parents up to ``created`` (what a run created), each only while empty."""
+    if created is None:
+        return
+    path = os.path.abspath(output_dir)
+    while os.path.commonpath([path, created]) == created:  # never above what was created
+        try:
+            os.rmdir(path)  # fails on a directory that holds anything: nothing is lost
+        except OSError:
+            return
+        if path == created:
+            return
+        path = os.path.dirname(path)
+
+
+def _lock(output_dir: str, wait_s: float, created: str | None) -> OutputDirLock:
     path = os.path.join(output_dir, LOCK_NAME)
     deadline = None
     while True:
@@ -89,7 +130,7 @@ def acquire(output_dir: str, *, wait_s: float = ORPHAN_WAIT_S) -> OutputDirLock:
                 os.close(fd)
                 continue
             _take(fd, path)
-            return OutputDirLock(path, fd)
+            return OutputDirLock(path, fd, created)
         os.close(fd)
         if not _orphaned(holder):
             raise ConfigError(_refusal(output_dir, holder))

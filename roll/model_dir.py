@@ -13,6 +13,7 @@ import struct
 
 from roll.config.training import read_json_object
 from roll.errors import ConfigError, ModelError
+from roll.hf_config import has_hf_config, read_hf_config, text_config
 
 _MCA_CONFIG = "mca_config.json"
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -24,14 +25,13 @@ def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
     check_model_exists(path, key)
     if not os.path.isdir(path):
         raise ModelError(f"{key}={path!r} is a file; give the directory that holds config.json.")
-    config_file = os.path.join(path, "config.json")
     if use_mca and os.path.isfile(os.path.join(path, _MCA_CONFIG)):
         return  # a roll Megatron checkpoint: its own loader checks it
-    if not os.path.isfile(config_file):
+    if not has_hf_config(path):
         raise ModelError(f"{key}={path!r} has no config.json: it is not a Hugging Face model "
                          "directory (a run's checkpoint-N is resumed with resume_from_checkpoint).")
-    hf_config = read_json_object(config_file, config_file, ModelError)
-    check_remote_code(hf_config, config_file, trust_remote_code=trust_remote_code)
+    check_remote_code(read_hf_config(path), os.path.join(path, "config.json"),
+                      trust_remote_code=trust_remote_code)
     check_weight_files(path, use_mca=use_mca, key=key)
 
 
@@ -134,11 +134,9 @@ def check_reference_vocab(config) -> None:
     policy = config.model.model_name_or_path
     sizes = []
     for path in (policy, ref):
-        config_file = os.path.join(path or "", "config.json")
-        if not os.path.isfile(config_file):
+        if not has_hf_config(path):
             return
-        hf_config = read_json_object(config_file, config_file, ModelError)
-        sizes.append((hf_config.get("text_config") or hf_config).get("vocab_size"))
+        sizes.append(text_config(read_hf_config(path)).get("vocab_size"))
     if None not in sizes and sizes[0] != sizes[1]:
         raise ConfigError(f"ref_model={ref!r} has vocab_size {sizes[1]}, model_name_or_path={policy!r} has "
                           f"{sizes[0]}: DPO compares both models' probabilities of the same token ids, so "

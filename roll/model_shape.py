@@ -9,12 +9,11 @@ covers the Hub ids the shipped recipes name.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from roll.config.training import read_json_object
 from roll.errors import ModelError
+from roll.hf_config import has_hf_config, hf_config_path, read_hf_config
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -336,9 +335,9 @@ def resolve_shape(model_name_or_path: str | None) -> tuple[ModelShape, str]:
     if not model_name_or_path:
         raise ModelError("--plan needs model_name_or_path (a local model directory or one of the built-in "
                          f"shapes: {', '.join(KNOWN_SHAPES)}).")
-    config_file = os.path.join(model_name_or_path, "config.json")
-    if os.path.isfile(config_file):
-        cfg = read_json_object(config_file, f"{config_file} (model_name_or_path)", ModelError)
+    config_file = hf_config_path(model_name_or_path)
+    if has_hf_config(model_name_or_path):
+        cfg = read_hf_config(model_name_or_path, f"{config_file} (model_name_or_path)")
         try:
             return shape_from_hf_config(cfg), f"{config_file}"
         except ModelError as exc:

@@ -252,6 +252,68 @@ class SpeedMeter:
                              peak_flops=self.peak_flops, device=self.device)
 
 
+class SpeedWindow:
+    """One logging window of a run, the same on both backends: the real tokens and rows counted since the
+    previous training record, the optimizer steps done in it, and its wall time: from the run's first step
+    (not its set-up or an ``eval_on_start``) or the previous record, to this record."""
+
+    def __init__(self, meter: SpeedMeter) -> None:
+        self.meter = meter
+        self._reset(since=None)
+
+    def _reset(self, since: float | None) -> None:
+        self.tokens: torch.Tensor | int = 0
+        self.rows = 0
+        self.tokens_unknown = False
+        self.first_step: int | None = None
+        self.since = since
+
+    def begin(self, step: int) -> None:
+        """A step starts after ``step`` steps done (called once per step or per micro-batch: the first call
+        of a window counts)."""
+        if self.first_step is None:
+            self.first_step = step
+        if self.since is None:
+            self.since = time.perf_counter()
+
+    def add(self, tokens: torch.Tensor | int | None, rows: int) -> None:
+        """Count a batch's real tokens (None: not computable, so this window's tokens_per_second and mfu are
+        null) and rows (a DPO pair is two). Tokens may stay a device tensor until ``close``."""
+        self.tokens_unknown = self.tokens_unknown or tokens is None
+        self.tokens = self.tokens + (0 if tokens is None else tokens)
+        self.rows += rows
+
+    def close(self, step: int, over_ranks: Callable[[Any, int], tuple[int, int]] | None = None,
+              ) -> dict[str, float | None]:
+        """The speed fields of the window ending after ``step`` steps done; the next window starts now.
+        ``over_ranks`` maps this rank's (tokens, rows) to all ranks' (a collective), when counted per rank.
+        Collective (peak memory is a MAX over ranks)."""
+        now = time.perf_counter()
+        tokens, rows = self.tokens, self.rows
+        if over_ranks is not None:
+            tokens, rows = over_ranks(tokens, rows)
+        tokens = int(tokens)
+        steps = step - (self.first_step if self.first_step is not None else step)
+        seconds = now - (self.since if self.since is not None else now)
+        unknown = self.tokens_unknown
+        self._reset(since=now)
+        return self.meter.metrics(None if unknown else tokens, seconds, steps,
+                                  seq_length=tokens / max(rows, 1))
+
+
+def real_tokens(batch: dict[str, Any], pad_token_id: int | None) -> torch.Tensor | int:
+    """Non-pad tokens of a collated batch (for tokens_per_second): the attention mask's ones, or (packed
+    rows carry none) the ids that are not padding. A tensor on the batch's device: reading it would wait
+    for the GPU, so callers sum it and read it once per log."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask.sum()
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        return 0
+    return (ids != pad_token_id).sum() if pad_token_id is not None else ids.numel()
+
+
 def model_type_of(config: Any) -> str | None:
     return config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
 

@@ -18,6 +18,7 @@ import os
 from roll.checkpoints import BATCH_RECORD, check_output_dir, resolve_resume, wants_resume
 from roll.config.training import read_json_object
 from roll.errors import ConfigError, ModelError
+from roll.hf_config import has_hf_config, read_hf_config, text_config
 from roll.model_dir import (DEMO_MODEL_DIR, DEMO_SFT_OUTPUT, TOKENIZER_FILES, check_model_dir,  # noqa: F401
                             check_model_exists, check_model_paths, check_not_adapter, check_reference_vocab,
                             check_remote_code, check_safetensors_file, check_tokenizer_files,
@@ -190,18 +191,17 @@ def check_resume(config) -> None:
 
 
 def _check_same_model(config, ckpt: str, is_mca_ckpt: bool) -> None:
-    model_config = os.path.join(config.model.model_name_or_path or "", "config.json")
-    if not os.path.isfile(model_config):
+    model_dir = config.model.model_name_or_path
+    if not has_hf_config(model_dir):
         return
     if is_mca_ckpt:
         mca_config = read_json_object(os.path.join(ckpt, _MCA_CONFIG), f"{ckpt}/{_MCA_CONFIG}")
         saved = mca_config.get("hf_config") or {}
-    elif os.path.isfile(os.path.join(ckpt, "config.json")):
-        saved = read_json_object(os.path.join(ckpt, "config.json"), f"{ckpt}/config.json")
+    elif has_hf_config(ckpt):
+        saved = read_hf_config(ckpt, f"{ckpt}/config.json", ConfigError)
     else:
         return  # a LoRA checkpoint of the standard backend holds adapters only
-    current = read_json_object(model_config, model_config, ModelError)
-    saved, current = saved.get("text_config") or saved, current.get("text_config") or current
+    saved, current = text_config(saved), text_config(read_hf_config(model_dir))
     differ = [f"{key} {saved.get(key)} there, {current.get(key)} here" for key in ARCHITECTURE_KEYS
               if key in saved and key in current and saved[key] != current[key]]
     if differ:

@@ -54,6 +54,11 @@ class StopSignal:
     def _handle(self, signum, _frame) -> None:
         if self.signum is not None:  # the second signal: stop now, the default way
             self.uninstall()
+            if signal.getsignal(signum) == signal.SIG_IGN:
+                # A background job of a non-interactive shell (`roll-train ... &`, nohup) starts with SIGINT
+                # ignored; the user still asked to stop at once.
+                default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+                signal.signal(signum, default)
             signal.raise_signal(signum)
             return
         self.signum = signum
@@ -72,6 +77,14 @@ class StopSignal:
 
 STOP = StopSignal()
 """The one flag of this process (signal handlers are process-global)."""
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a multi-rank process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def any_rank(flag: bool) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import pytest
 
@@ -22,6 +23,24 @@ def _from_the_repo_root():
     os.chdir(repo)
     yield
     os.chdir(previous)
+
+
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_left_as_found(request):
+    """A test that leaves a SIGINT / SIGTERM handler of its own (or of a library it ran in this process)
+    installed fails, naming it, and the handler found before is put back: else a later test's Ctrl-C or
+    signal goes to a handler of a run long finished."""
+    before = {sig: signal.getsignal(sig) for sig in _WATCHED_SIGNALS}
+    yield
+    left = {sig: signal.getsignal(sig) for sig in _WATCHED_SIGNALS if signal.getsignal(sig) != before[sig]}
+    for sig in left:
+        signal.signal(sig, before[sig])
+    if left:
+        pytest.fail(f"{request.node.nodeid} left signal handlers installed: "
+                    + ", ".join(f"{sig.name}: {handler!r}" for sig, handler in left.items()), pytrace=False)
 
 
 @pytest.fixture(scope="session")

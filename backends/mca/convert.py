@@ -13,13 +13,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from backends.mca.models.auto import AutoModel, has_hf_config, save_mca
+from backends.mca.models.auto import AutoModel, save_mca
 from backends.mca.models.config import McaModelConfig
 from backends.mca.models.export import save_hf
 from backends.mca.models.gpt import model_device
 from roll.config.layout import ParallelLayout
 from roll.config.megatron import MegatronArguments
 from roll.errors import ModelError
+from roll.hf_config import has_hf_config
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)

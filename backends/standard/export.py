@@ -10,11 +10,10 @@ import logging
 import os
 import shutil
 
-import torch.distributed as dist
-
 from backends.standard._compat import drop_hf_deepspeed_config
 from roll.logging import is_rank0, log_rank0
 from roll.outputs import remove_stale_weights, weight_file_states, written_since
+from roll.reliability import barrier
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> str:
         config.use_cache = True  # training turned the KV cache off; inference wants it back
     before = weight_file_states(output_dir)
     trainer.save_model(output_dir)
-    _barrier()
+    barrier()
     if is_rank0():
         tokenizer.save_pretrained(output_dir)
         for name in remove_stale_weights(output_dir, keep=written_since(output_dir, before)):
@@ -39,7 +38,7 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> str:
             # TRL's DPO keeps a frozen copy of the adapter as "ref" for the reference;
             # only the trained one ships.
             shutil.rmtree(os.path.join(output_dir, "ref"), ignore_errors=True)
-    _barrier()
+    barrier()
     return output_dir
 
 
@@ -64,10 +63,5 @@ def export_merged(base_model_path: str, adapter_dir: str, tokenizer, *,
         merged.save_pretrained(out)
         tokenizer.save_pretrained(out)
         log_rank0(logger, "merged model (base + LoRA adapter) written to %s", out)
-    _barrier()
+    barrier()
     return out
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

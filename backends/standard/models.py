@@ -12,9 +12,9 @@ import os
 import torch
 from torch import nn
 
-from roll.config.training import read_json_object
 from roll.data.loading import hub_offline
 from roll.errors import ConfigError, ModelError
+from roll.hf_config import has_hf_config, read_hf_config
 from roll.logging import log_rank0
 from roll.preflight import check_remote_code, check_weight_files
 
@@ -34,12 +34,10 @@ def check_causal_lm(path: str | None, *, trust_remote_code: bool = False,
     if not os.path.exists(path) and (hub_offline() or path.startswith((".", "/"))):
         raise ModelError(f"{what}={path!r} does not exist (and the hub is offline). Create a tiny model with "
                          "`python scripts/make_tiny_model.py --out DIR` or point it at a model directory.")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.isdir(path) and not has_hf_config(path):
         raise ModelError(f"{what}={path!r} has no config.json: it is not a Hugging Face model directory.")
     if os.path.isdir(path):  # remote code or an unknown architecture: name the key to set (not HF's error)
-        config_file = os.path.join(path, "config.json")
-        check_remote_code(read_json_object(config_file, config_file, ModelError), f"{what}={path!r}",
-                          trust_remote_code=trust_remote_code)
+        check_remote_code(read_hf_config(path), f"{what}={path!r}", trust_remote_code=trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:

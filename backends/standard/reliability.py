@@ -5,7 +5,7 @@
   DeepSpeed the engine steps inside the last backward; ZeRO stages 1-3 skip a non-finite step
   themselves (fp32 and fp16; HF then logs an inf grad norm), and roll counts it.
 - ``SafeCheckpointMixin``: ``checkpoint-N`` is written as ``checkpoint-N.tmp/checkpoint-N`` by HF (and
-  DeepSpeed), flushed on every rank and renamed into place by rank 0 (``roll.checkpoints.publish``).
+  DeepSpeed), flushed on every rank and renamed into place by rank 0 (``roll.checkpoints.publishing``).
 - ``ReliabilityCallback``: counts skipped steps (``max_consecutive_skipped_steps`` in a row raise
   ``Diverged``) and, after every step, asks all ranks whether one got SIGTERM / SIGINT; then HF saves
   (``save_on_preemption``) and stops, and the backend raises ``Preempted``.
@@ -61,34 +61,21 @@ class SafeCheckpointMixin:
         return self._roll_staging or super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
-        run_dir = super()._get_output_dir(trial)
-        final = os.path.join(run_dir, f"{checkpoints.PREFIX}{self.state.global_step}")
-        self._roll_staging = final + ".tmp"
-        reliability.set_activity(f"saving checkpoint-{self.state.global_step}")
-        try:
-            super()._save_checkpoint(model, trial)  # writes STAGING/checkpoint-N (HF names it)
-        finally:
-            self._roll_staging = None
-        if self.args.should_save:
-            args = self.args
-            checkpoints.write_batch_record(os.path.join(final + ".tmp", os.path.basename(final)),
-                                           per_device=args.per_device_train_batch_size,
-                                           grad_accum=args.gradient_accumulation_steps,
-                                           world_size=args.world_size)
-        checkpoints.flush_to_disk()
-        _barrier()
-        if self.args.should_save:  # global rank 0 (or every node's local 0 with save_on_each_node)
-            checkpoints.publish(os.path.join(final + ".tmp", os.path.basename(final)), final)
-            os.rmdir(final + ".tmp")
-            checkpoints.rotate(run_dir, self.args.save_total_limit)
-        _barrier()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        run_dir, step, args = super()._get_output_dir(trial), self.state.global_step, self.args
+        reliability.set_activity(f"saving checkpoint-{step}")
+        # should_save: global rank 0 (or every node's local 0 with save_on_each_node)
+        with checkpoints.publishing(run_dir, step, is_writer=args.should_save, keep=args.save_total_limit,
+                                    nested=True) as staging:
+            self._roll_staging = staging
+            try:
+                super()._save_checkpoint(model, trial)  # writes STAGING/checkpoint-N (HF names it)
+            finally:
+                self._roll_staging = None
+            if args.should_save:
+                checkpoints.write_batch_record(os.path.join(staging, f"{checkpoints.PREFIX}{step}"),
+                                               per_device=args.per_device_train_batch_size,
+                                               grad_accum=args.gradient_accumulation_steps,
+                                               world_size=args.world_size)
 
 
 class RunComplete(Exception):

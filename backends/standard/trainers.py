@@ -23,9 +23,7 @@ What they add to HF/TRL, and why:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,8 +35,8 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
 from roll import IGNORE_INDEX, redact
-from roll.logging import TRAIN_LOG_FILE
-from roll.perf import SPEED_KEYS, SpeedMeter, logged_only, training_dtype
+from roll.perf import SpeedMeter, SpeedWindow, logged_only, real_tokens, training_dtype
+from roll.train_log import append_record, start_train_log, train_log_path
 
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -54,16 +52,10 @@ class RollTrainerMixin:
         pad_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)
         # Kept a tensor until the next log: reading it every micro-step would wait for the GPU each time.
         tokens = logged_only("tokens_per_second", "the batch's real (non-pad) tokens",
-                             lambda: _real_tokens(inputs, pad_id))
-        self._roll_tokens_unknown = getattr(self, "_roll_tokens_unknown", False) or tokens is None
-        self._roll_tokens = getattr(self, "_roll_tokens", 0) + (0 if tokens is None else tokens)
+                             lambda: real_tokens(inputs, pad_id))
         ids = inputs.get("input_ids")
-        rows = ids.shape[0] if isinstance(ids, torch.Tensor) else 0
-        self._roll_rows = getattr(self, "_roll_rows", 0) + rows
-        if getattr(self, "_roll_window_step", None) is None:  # a window's first step (or a resumed run's)
-            self._roll_window_step = self.state.global_step
-        if getattr(self, "_roll_last_log_time", None) is None:  # the first window starts here, not at set-up
-            self._roll_last_log_time = time.perf_counter()
+        self._roll_window.begin(self.state.global_step)
+        self._roll_window.add(tokens, ids.shape[0] if isinstance(ids, torch.Tensor) else 0)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -76,19 +68,15 @@ class RollTrainerMixin:
     def _throughput(self) -> dict[str, float]:
         """roll.perf's speed fields since the last log: real tokens summed over ranks; the attention
         term's sequence length is the mean real tokens per row (a collective: every rank logs)."""
-        now = time.perf_counter()
-        since = getattr(self, "_roll_last_log_time", None) or now
-        counts = torch.stack([torch.as_tensor(getattr(self, name, 0), dtype=torch.int64, device=self.args.device)
-                              for name in ("_roll_tokens", "_roll_rows")])
+        return self._roll_window.close(self.state.global_step, over_ranks=self._sum_over_ranks)
+
+    def _sum_over_ranks(self, tokens, rows: int) -> tuple[int, int]:
+        counts = torch.stack([torch.as_tensor(value, dtype=torch.int64, device=self.args.device)
+                              for value in (tokens, rows)])
         if self.args.world_size > 1:
             counts = self.accelerator.reduce(counts, reduction="sum")
         tokens, rows = counts.tolist()
-        steps = self.state.global_step - (getattr(self, "_roll_window_step", None) or 0)
-        known = not getattr(self, "_roll_tokens_unknown", False)
-        self._roll_tokens, self._roll_rows, self._roll_window_step, self._roll_last_log_time = 0, 0, None, now
-        self._roll_tokens_unknown = False
-        return self._roll_speed.metrics(tokens if known else None, now - since, steps,
-                                        seq_length=tokens / max(rows, 1))
+        return tokens, rows
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """HF ends this with a pickle of its TrainingArguments (hub_token included) in
@@ -110,43 +98,26 @@ class RollTrainerMixin:
             redact.save_arguments(getattr(self, "roll_arguments", None) or self.args.to_dict(), folder)
 
     def train(self, *args, **kwargs):
-        self._roll_last_log_time = self._roll_window_step = None
-        self._roll_speed = SpeedMeter(self.model.config, self.args.world_size, self.args.device,
-                                      training_dtype(self.args.bf16, self.args.fp16))
+        self._roll_window = SpeedWindow(SpeedMeter(self.model.config, self.args.world_size, self.args.device,
+                                                   training_dtype(self.args.bf16, self.args.fp16)))
         return super().train(*args, **kwargs)
 
 
-def _real_tokens(inputs: dict[str, Any], pad_id: int | None) -> torch.Tensor | int:
-    """Non-pad tokens: the attention mask's ones, or (packed rows have none) ids that are not padding."""
-    mask = inputs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return mask.sum()
-    ids = inputs.get("input_ids")
-    if not isinstance(ids, torch.Tensor):
-        return 0
-    return (ids != pad_id).sum() if pad_id is not None else ids.numel()
-
-
 class JsonlLogCallback(TrainerCallback):
-    """Rank 0 appends each log to OUTPUT_DIR/train_log.jsonl, for tools and tests (a resumed run appends)."""
+    """Rank 0 appends each log to OUTPUT_DIR/train_log.jsonl (``roll.train_log``; a resumed run appends)."""
 
     def __init__(self, output_dir: str, *, fresh: bool) -> None:
-        self.path = os.path.join(output_dir, TRAIN_LOG_FILE)
+        self.output_dir = output_dir
+        self.path = train_log_path(output_dir)
         self.fresh = fresh
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.fresh and state.is_world_process_zero:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            open(self.path, "w", encoding="utf-8").close()
+        if state.is_world_process_zero:
+            start_train_log(self.output_dir, fresh=self.fresh)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            record = {"step": state.global_step, **logs}
-            if "loss" in logs:  # a training record carries every speed field, null when unknown
-                record.update({key: logs.get(key) for key in SPEED_KEYS})
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
+            append_record(self.output_dir, state.global_step, logs)
 
 
 class TokenMeanEvalMixin:

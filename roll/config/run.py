@@ -13,8 +13,9 @@ from roll.config.finetuning import FinetuningArguments
 from roll.config.layout import ParallelLayout
 from roll.config.megatron import MegatronArguments
 from roll.config.model import ModelArguments
-from roll.config.training import TrainingArguments, read_json_object
-from roll.errors import ConfigError, ModelError
+from roll.config.training import TrainingArguments
+from roll.errors import ConfigError
+from roll.hf_config import has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
 
 logger = logging.getLogger(__name__)
@@ -119,11 +120,9 @@ class RunConfig:
     def model_hf_config(self) -> dict:
         """A local model's config.json (its text_config for a multimodal one); {} when not known yet."""
         path = self.model.model_name_or_path
-        config_file = os.path.join(path, "config.json") if path else None
-        if not config_file or not os.path.isfile(config_file):
+        if not has_hf_config(path):
             return {}
-        hf_config = read_json_object(config_file, f"{config_file} (model_name_or_path)", ModelError)
-        return hf_config.get("text_config") or hf_config
+        return text_config(read_hf_config(path, f"{hf_config_path(path)} (model_name_or_path)"))
 
     def _check_model_divides_layout(self) -> None:
         """Megatron splits attention heads and KV groups over TP ranks and experts over EP ranks; it asserts

@@ -102,6 +102,20 @@ def test_an_output_dir_that_cannot_be_created_is_a_config_error(tmp_path):
         lock.acquire(str(tmp_path / "a_file" / "out"))
 
 
+def test_an_output_dir_the_run_created_is_removed_again_while_empty(tmp_path):
+    """A run that fails before writing anything (a mistake found after the lock, e.g. by the ranks) leaves
+    the file system as it found it: the directories the lock created go on release, each only while empty."""
+    lock.acquire(str(tmp_path / "a" / "b" / "out")).release()
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "mine").mkdir()
+    held = lock.acquire(str(tmp_path / "mine" / "out"))
+    (tmp_path / "mine" / "out" / "train_log.jsonl").write_text("")
+    held.release()
+    assert os.listdir(tmp_path / "mine" / "out") == ["train_log.jsonl"]  # a run that wrote keeps its output
+    lock.acquire(str(tmp_path / "mine")).release()  # it existed: kept, though empty of the lock now
+    assert (tmp_path / "mine").is_dir()
+
+
 def _training(out, resume=None, overwrite=False):
     return SimpleNamespace(output_dir=str(out), resume_from_checkpoint=resume, overwrite_output_dir=overwrite)
 

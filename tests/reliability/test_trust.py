@@ -184,11 +184,11 @@ def test_the_loads_behind_the_preflight_are_restricted_too(runs):
     payloads.plant_pickle(os.path.join(meta_dir, ".metadata"), root + ".meta")
     payloads.plant_torch(os.path.join(common_dir, "common.pt"), root + ".common")
     script = f"""
-from backends.mca.platform import _patch_restricted_checkpoint_reads
+from backends.mca.checkpoint_reads import patch_restricted_checkpoint_reads
 from backends.standard._compat import restrict_deepspeed_loads
 from roll.unpickle import UntrustedPickle
 restrict_deepspeed_loads()
-_patch_restricted_checkpoint_reads()
+patch_restricted_checkpoint_reads()
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from torch.distributed.checkpoint import FileSystemReader

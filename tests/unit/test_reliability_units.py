@@ -65,6 +65,22 @@ def test_stop_signal_sets_the_flag_once_then_the_second_signal_acts(monkeypatch)
         signal.signal(signal.SIGINT, previous)
 
 
+def test_the_second_signal_stops_a_run_started_with_sigint_ignored():
+    """`roll-train ... &` from a script or nohup: the shell starts it with SIGINT ignored (Python keeps
+    SIG_IGN). The first SIGINT still asks for save-and-stop, and the second still stops at once."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = reliability.StopSignal()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_installing_the_stop_handler_twice_still_restores_the_original_handlers():
     """Two in-process runs install it twice: uninstall must restore the caller's handler, not its own."""
     original = signal.getsignal(signal.SIGINT)

@@ -383,15 +383,6 @@ def test_demo_recipe_learns(tiny_model_dir, tmp_path):
     AutoModelForCausalLM.from_pretrained(result.hf_model_dir)
 
 
-def test_throughput_counts_real_tokens_only():
-    from backends.standard.trainers import _real_tokens
-
-    padded = {"input_ids": torch.tensor([[5, 6, 7], [8, 0, 0]]),
-              "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
-    packed = {"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0]]),
-              "position_ids": torch.tensor([[0, 1, 0, 1, 0, 1]])}
-    assert int(_real_tokens(padded, pad_id=0)) == 4
-    assert int(_real_tokens(packed, pad_id=0)) == 4
 
 
 def test_preference_batch_docstring_example():

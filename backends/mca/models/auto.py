@@ -15,7 +15,6 @@ first for the run's ParallelLayout (``initialize_megatron``; ``McaBackend.setup_
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -26,21 +25,17 @@ from backends.mca.models.config import MCA_CONFIG_NAME, McaModelConfig, parallel
 from backends.mca.models.gpt import build_model_chunks
 from backends.mca.models.loader import load_hf_weights
 from roll.errors import ModelError
+from roll.hf_config import HF_CONFIG_FILE, has_hf_config, read_hf_config
 from roll.logging import log_rank0
 
 if TYPE_CHECKING:
     from roll.config.megatron import MegatronArguments
 
 logger = logging.getLogger(__name__)
-HF_CONFIG_NAME = "config.json"
 
 
 def has_mca_config(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MCA_CONFIG_NAME))
-
-
-def has_hf_config(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, HF_CONFIG_NAME))
 
 
 def has_megatron_weights(path: str) -> bool:
@@ -48,11 +43,6 @@ def has_megatron_weights(path: str) -> bool:
     from backends.mca.checkpoint import is_dist_checkpoint
 
     return is_dist_checkpoint(path)
-
-
-def read_hf_config(path: str) -> dict:
-    with open(os.path.join(path, HF_CONFIG_NAME), encoding="utf-8") as fh:
-        return json.load(fh)
 
 
 class AutoConfig:
@@ -93,7 +83,8 @@ class AutoModel:
             log_rank0(logger, "converting HF checkpoint %s to Megatron on the fly", path)
             load_hf_weights(chunks, config, path)
         else:
-            raise ModelError(f"{path!r} has {MCA_CONFIG_NAME} but no Megatron weights and no HF {HF_CONFIG_NAME} "
+            raise ModelError(f"{path!r} has {MCA_CONFIG_NAME} but no Megatron weights and no HF "
+                             f"{HF_CONFIG_FILE} "
                              "to convert from.")
         return chunks
 
@@ -130,4 +121,5 @@ def _check_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise ModelError(f"model path {path!r} is not a directory (roll loads local checkpoints only).")
     if not has_mca_config(path) and not has_hf_config(path):
-        raise ModelError(f"{path!r} has neither {MCA_CONFIG_NAME} nor {HF_CONFIG_NAME}: not a model directory.")
+        raise ModelError(f"{path!r} has neither {MCA_CONFIG_NAME} nor {HF_CONFIG_FILE}: not a model "
+                         "directory.")

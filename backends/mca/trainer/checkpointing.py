@@ -13,8 +13,8 @@ A checkpoint holds, in one directory:
 
 The learning-rate schedule is a function of the step count (``optim.LRSchedule``), so the trainer
 state restores it. Writes go to ``checkpoint-N.tmp``, are flushed to disk by every rank and renamed into
-place by rank 0 after all finished (``roll.checkpoints.publish``), so ``checkpoint-N`` always names a complete
-checkpoint.
+place by rank 0 after all finished (``roll.checkpoints.publishing``), so ``checkpoint-N`` always names a
+complete checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -67,31 +66,21 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
     ``arguments``: the run's, written as training_args.json with secrets redacted (``roll.redact``)."""
     from megatron.core import dist_checkpointing
 
-    final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
-    tmp = final + ".tmp"
     start = time.perf_counter()
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died earlier
-        os.makedirs(tmp)  # empty: dist_checkpointing treats a non-empty directory as a broken checkpoint
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, state.lora, is_loading=False), tmp)
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
-    if dist.get_rank() == 0:
-        with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
-            json.dump(dataclasses.asdict(state), fh, indent=2)
-        model_config.save_pretrained(tmp)
-        if arguments is not None:
-            redact.save_arguments(arguments, tmp)
-        if state.lora:
-            _write_adapter_config(chunks, tmp)
-    checkpoints.flush_to_disk()
-    dist.barrier()  # every rank's shards are on disk
-    if dist.get_rank() == 0:
-        checkpoints.publish(tmp, final)
-        for path in checkpoints.rotate(output_dir, keep):
-            logger.info("deleted old checkpoint %s (save_total_limit %s)", path, keep)
-    dist.barrier()
+    with checkpoints.publishing(output_dir, state.global_step, is_writer=dist.get_rank() == 0,
+                                keep=keep) as tmp:
+        dist_checkpointing.save(_sharded_state(chunks, optimizer, state.lora, is_loading=False), tmp)
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
+        if dist.get_rank() == 0:
+            with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
+                json.dump(dataclasses.asdict(state), fh, indent=2)
+            model_config.save_pretrained(tmp)
+            if arguments is not None:
+                redact.save_arguments(arguments, tmp)
+            if state.lora:
+                _write_adapter_config(chunks, tmp)
+    final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
     log_rank0(logger, "saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
     return final
 

@@ -125,14 +125,6 @@ def pad_to_length(batch: dict[str, torch.Tensor], length: int, pad_token_id: int
     return out
 
 
-def real_tokens(batch: dict[str, torch.Tensor], pad_token_id: int | None) -> int:
-    """Non-padding tokens of a collated batch (for tokens_per_second)."""
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    ids = batch["input_ids"]
-    return int((ids != pad_token_id).sum()) if pad_token_id is not None else ids.numel()
-
-
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: int = 1,
                  cp_rank: int = 0) -> dict[str, Any]:
     """A collated (shifted) batch -> GPTModel keyword inputs for this context-parallel rank.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +21,8 @@ import torch.distributed as dist
 
 from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
-from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length, real_tokens
-from backends.mca.trainer.metrics import MetricsWriter, append_log, speed_meter
+from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length
+from backends.mca.trainer.metrics import MetricsWriter, speed_meter
 from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_for,
                                         step_if_finite, sync_params, wrap_ddp)
 from backends.mca.trainer.param_groups import apply_weight_decay
@@ -32,6 +31,8 @@ from roll import reliability
 from roll.contract import TrainResult
 from roll.errors import Preempted
 from roll.logging import log_rank0
+from roll.perf import SpeedWindow, real_tokens
+from roll.train_log import append_record
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +107,8 @@ class MegatronTrainer:
                   self.plan.grad_accum, self.plan.dp_size, len(dataset))
         writer = MetricsWriter(t.output_dir, total, initial_step=self.state.global_step, fresh=resume_from is None,
                                report_to=t.report_to)
-        self._speed = speed_meter(self.model_config, t, self.device, dist.get_world_size())
+        self._speed = SpeedWindow(speed_meter(self.model_config, t, self.device, dist.get_world_size()))
         window: list[StepStats] = []
-        window_start = time.perf_counter()
         try:
             for chunk in self.chunks:
                 chunk.train()
@@ -116,17 +116,20 @@ class MegatronTrainer:
                 self.evaluate(eval_dataset, collator, writer)
             while self.state.global_step < total:
                 reliability.set_activity(f"training step {self.state.global_step + 1}")
+                self._speed.begin(self.state.global_step)
                 stats = self._train_step(dataset, collator, schedule)
+                self._speed.add(stats.real_tokens, self._rows_in_step(self.state.global_step - 1,
+                                                                      len(dataset)))
                 self.skips.record(stats.skipped, self.state.global_step,
                                   self.plan.step_samples(self.state.global_step - 1, len(dataset)))
                 window.append(stats)
                 writer.step_done()
                 step = self.state.global_step
                 if step % every(t.logging_steps, total) == 0 or step == total:
-                    writer.log(step, self._log_record(window, time.perf_counter() - window_start, len(dataset)))
-                    window, window_start = [], time.perf_counter()
+                    writer.log(step, self._log_record(window, len(dataset)))
+                    window = []
                 if reliability.STOP.requested():
-                    self._stop_on_signal(window, writer, len(dataset), window_start)
+                    self._stop_on_signal(window, writer, len(dataset))
                 if eval_dataset is not None and self._should_evaluate(step, total, len(dataset)):
                     self.evaluate(eval_dataset, collator, writer)
                 if self._should_save(step, total, len(dataset)):
@@ -148,12 +151,11 @@ class MegatronTrainer:
                                   self.model_config, keep=self.training.save_total_limit,
                                   arguments=getattr(self, "arguments", None))
 
-    def _stop_on_signal(self, window: list[StepStats], writer: MetricsWriter, num_samples: int,
-                        window_start: float) -> None:
+    def _stop_on_signal(self, window: list[StepStats], writer: MetricsWriter, num_samples: int) -> None:
         """Log the steps since the last log, save (``save_on_preemption``), raise ``Preempted``."""
         step = self.state.global_step
         if window:
-            writer.log(step, self._log_record(window, time.perf_counter() - window_start, num_samples))
+            writer.log(step, self._log_record(window, num_samples))
             window.clear()
         where = "no checkpoint written (save_on_preemption is false)"
         if self.training.save_on_preemption:
@@ -248,7 +250,7 @@ class MegatronTrainer:
         if writer is not None:
             writer.log(self.state.global_step, metrics)
         else:
-            append_log(self.training.output_dir, {"step": self.state.global_step, **metrics})
+            append_record(self.training.output_dir, self.state.global_step, metrics)
         self.last_eval = (self.state.global_step, metrics)
         return metrics
 
@@ -264,7 +266,7 @@ class MegatronTrainer:
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 
-    def _log_record(self, window: list[StepStats], seconds: float, num_samples: int) -> dict[str, float]:
+    def _log_record(self, window: list[StepStats], num_samples: int) -> dict[str, float]:
         done = [s for s in window if not s.skipped] or window
         record = {"loss": sum(s.loss for s in done) / len(done)}
         for name in done[-1].metrics:
@@ -272,11 +274,7 @@ class MegatronTrainer:
         if window[-1].grad_norm is not None:
             record["grad_norm"] = window[-1].grad_norm
         record["learning_rate"] = window[-1].learning_rate
-        tokens, step = sum(s.real_tokens for s in window), self.state.global_step
-        # The attention term's sequence length: mean real tokens per row (a DPO pair is two rows).
-        rows = sum(self.plan.samples_in_step(i, num_samples) for i in range(step - len(window), step))
-        rows *= 2 if isinstance(self.objective, DPOObjective) else 1
-        record.update(self._speed.metrics(tokens, seconds, len(window), seq_length=tokens / max(rows, 1)))
+        record.update(self._speed.close(self.state.global_step))
         record["epoch"] = round(self.state.global_step / self.plan.steps_per_epoch(num_samples), 4)
         aux = [s.moe_aux_loss for s in window if s.moe_aux_loss is not None]
         if aux:
@@ -284,6 +282,12 @@ class MegatronTrainer:
         if self.state.skipped_steps:
             record["skipped_steps"] = self.state.skipped_steps
         return record
+
+    def _rows_in_step(self, step: int, num_samples: int) -> int:
+        """Rows of global step ``step`` (0-based) over all ranks, for the speed window's mean real tokens
+        per row (the attention term's sequence length); a DPO pair is two rows."""
+        rows = self.plan.samples_in_step(step, num_samples)
+        return rows * 2 if isinstance(self.objective, DPOObjective) else rows
 
     def _should_save(self, step: int, total: int, num_samples: int) -> bool:
         t = self.training

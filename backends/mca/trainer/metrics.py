@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
-from roll.logging import TRAIN_LOG_FILE, is_rank0, warn_once
+from roll.logging import is_rank0, warn_once
 from roll.perf import SpeedMeter, training_dtype
+from roll.train_log import append_record, start_train_log, train_log_path
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,12 @@ class MetricsWriter:
     def __init__(self, output_dir: str, total_steps: int, *, initial_step: int = 0, fresh: bool = True,
                  report_to=None) -> None:
         self.enabled = is_rank0()
-        self.path = os.path.join(output_dir, TRAIN_LOG_FILE)
+        self.output_dir, self.path = output_dir, train_log_path(output_dir)
         self.history: list[dict] = []
         self._bar = self._tensorboard = None
         if not self.enabled:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        if fresh:
-            open(self.path, "w", encoding="utf-8").close()
+        start_train_log(output_dir, fresh=fresh)
         if "tensorboard" in report_targets(report_to):
             log_dir = os.path.expanduser(os.environ.get("TENSORBOARD_LOGGING_DIR") or os.path.join(output_dir, "runs"))
             self._tensorboard = _tensorboard_writer(log_dir)
@@ -59,11 +57,9 @@ class MetricsWriter:
 
     def log(self, step: int, record: dict[str, float]) -> None:
         """Append ``{"step": step, **record}`` to the log (rank 0), TensorBoard and the bar."""
-        entry = {"step": step, **record}
-        self.history.append(entry)
+        self.history.append(append_record(self.output_dir, step, record))
         if not self.enabled:
             return
-        append_log(os.path.dirname(self.path), entry)
         if self._tensorboard is not None:
             for key, value in ((k, v) for k, v in record.items() if v is not None):  # null: not computable
                 self._tensorboard.add_scalar(f"train/{key}" if not key.startswith("eval_") else
@@ -104,14 +100,6 @@ def hf_fields(config) -> dict:
             "num_experts": config.num_moe_experts, "num_experts_per_tok": config.moe_router_topk,
             "moe_intermediate_size": config.moe_ffn_hidden_size,
             "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size}
-
-
-def append_log(output_dir: str, entry: dict) -> None:
-    """Append one record to OUTPUT_DIR/train_log.jsonl (global rank 0 only)."""
-    if is_rank0():
-        os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, TRAIN_LOG_FILE), "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry) + "\n")
 
 
 def _tensorboard_writer(log_dir: str):
