@@ -111,3 +111,23 @@ def test_both_backends_give_bit_identical_dpo_log_probs(monkeypatch, tiny_model_
     assert fused.log_probs.dtype == torch.float64 and tokens.tolist() == [8, 8]
     assert fused.log_probs.sum(dim=1).tolist() == logps.tolist()
     assert fused.entropy.shape == fused.mean_logits.shape == fused.is_top1.shape == labels[:, 1:].shape
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_the_standard_trainers_take_their_losses_from_roll_loss(tiny_model_dir, tmp_path, monkeypatch, stage):
+    """The wiring: a standard-backend step calls roll.loss for its pt/sft loss (compute_loss_func) and for
+    the DPO policy and reference log-probs (TRL's fused head re-routed), not the model's or TRL's own."""
+    from tests.unit.test_standard_train import train_in_process
+
+    calls = []
+    original = roll_loss.token_log_probs
+
+    def spy(logits, labels):
+        calls.append(tuple(labels.shape))
+        return original(logits, labels)
+
+    monkeypatch.setattr(roll_loss, "token_log_probs", spy)
+    _, result, _, _ = train_in_process(tiny_model_dir, tmp_path, stage=stage, max_steps=1, learning_rate=1e-3)
+    # per micro-batch: sft once; dpo twice (policy, then the reference model)
+    assert len(calls) == (1 if stage == "sft" else 2), calls
+    assert len(result.log_history) >= 1
