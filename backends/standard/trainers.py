@@ -7,9 +7,11 @@ What they add to HF/TRL, and why:
   micro-batch ``j`` of every rank ``r`` batch ``j * world + r``, so global step ``k`` consumes
   exactly samples ``[k*B, (k+1)*B)`` with ``B = micro_batch * grad_accum * world``.
 * **Loss** (DESIGN.md §1). pt/sft: HF counts the trainable tokens of all micro-batches of a step
-  (``num_items_in_batch``, over ``labels[..., 1:]``), gathers the count over ranks
-  (``average_tokens_across_devices``) and the model divides its token-loss *sum* by it, so the
-  step loss is the per-token mean over the global batch. dpo: TRL's per-pair mean of the
+  (``num_items_in_batch``, over ``labels[..., 1:]``) and gathers the count over ranks
+  (``average_tokens_across_devices``); roll's ``compute_loss_func`` (``TokenMeanLossMixin``) divides the
+  token-loss *sum* by it, so the step loss is the per-token mean over the global batch. The token losses
+  are roll.loss's, as on the mca backend (the model's own ``F.cross_entropy`` is bypassed), and the logged
+  ``loss`` is that mean as optimised, accumulated in float64. dpo: TRL's per-pair mean of the
   micro-batch, divided by grad_accum and averaged over ranks: the mean over pairs of the global
   batch (micro-batches are equal-sized).
 * **Eval loss** (pt/sft): ``eval_loss`` is the per-token mean over the whole eval set (the token losses'
@@ -23,18 +25,19 @@ What they add to HF/TRL, and why:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
 from roll import IGNORE_INDEX, redact
+from roll import loss as roll_loss
 from roll.perf import SpeedMeter, SpeedWindow, logged_only, real_tokens, training_dtype
 from roll.train_log import append_record, start_train_log, train_log_path
 
@@ -154,17 +157,55 @@ class TokenMeanEvalMixin:
 
 
 def token_loss_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[rows, 2] float64: each row's summed causal-LM token loss (labels shifted once, as HF's loss shifts
-    them) and its number of trainable tokens (labels other than -100)."""
-    shifted = labels[:, 1:]
-    losses = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
-                             ignore_index=IGNORE_INDEX, reduction="none").view(shifted.shape)
-    return torch.stack([losses.double().sum(dim=-1), (shifted != IGNORE_INDEX).sum(dim=-1).double()], dim=-1)
+    """[rows, 2] float64: each row's summed causal-LM token loss (roll.loss; labels shifted once, as HF's
+    loss shifts them) and its number of trainable tokens (labels other than -100)."""
+    log_probs, mask = roll_loss.token_log_probs(logits[:, :-1], labels[:, 1:])
+    return torch.stack([-log_probs.double().sum(dim=-1), mask.sum(dim=-1).double()], dim=-1)
 
 
-class RollTrainer(SafeCheckpointMixin, SafeStepMixin, TokenMeanEvalMixin, RollTrainerMixin, Trainer):
-    """HF Trainer for pt and sft: the model's own causal-LM loss with HF's global token count; eval_loss
-    per token over the eval set (``TokenMeanEvalMixin``)."""
+class TokenMeanLossMixin:
+    """The pt/sft training loss by roll.loss (``compute_loss_func``: HF then leaves labels out of the model
+    call, so the model computes no loss of its own), and ``loss`` logged as that float64 number.
+
+    Each micro-batch returns its token-loss sum over the step's global token count (``num_items_in_batch``);
+    HF's logged loss adds those up in float32, so roll keeps a float64 sum beside it and logs that: the mean
+    of the step losses since the last log, summed over ranks."""
+
+    _roll_loss: torch.Tensor | None = None
+    _roll_loss_from_step = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.compute_loss_func = self._token_mean_loss
+
+    def _token_mean_loss(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        loss_sum, tokens = roll_loss.causal_lm_loss_sum(outputs.logits, labels)
+        loss = loss_sum / (tokens.clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        if self.model.training:
+            self._roll_loss = loss.detach() + (0 if self._roll_loss is None else self._roll_loss)
+        return loss.float()
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        self._roll_loss_from_step = self._globalstep_last_logged  # HF moves it on before it calls log()
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.model.training and self._roll_loss is not None:
+            total = self._roll_loss
+            if self.args.world_size > 1:
+                total = self.accelerator.reduce(total, reduction="sum")
+            steps = max(self.state.global_step - self._roll_loss_from_step, 1)
+            value = total.item() / steps
+            if math.isfinite(value):  # else HF's own (its logging_nan_inf_filter)
+                logs["loss"] = value
+            self._roll_loss = None
+        super().log(logs, start_time)
+
+
+class RollTrainer(SafeCheckpointMixin, SafeStepMixin, TokenMeanLossMixin, TokenMeanEvalMixin, RollTrainerMixin,
+                  Trainer):
+    """HF Trainer for pt and sft: roll.loss's causal-LM loss over HF's global token count
+    (``TokenMeanLossMixin``); eval_loss per token over the eval set (``TokenMeanEvalMixin``)."""
 
 
 @dataclass
@@ -209,7 +250,17 @@ def make_dpo_trainer_class():
         ``ref_free``: reference log-probs are 0 (TRL has no reference-free switch in 1.16; use its
         own once it has one), which we get by declaring them precomputed (hf_args sets
         ``precompute_ref_log_probs`` for ref_free only) and filling the columns with zeros.
+
+        Policy and reference log-probs are roll.loss's (``dpo_logps``), as on the mca backend.
         """
+
+        def __init__(self, *args, **kwargs) -> None:
+            from backends.standard.dpo_logps import use_roll_log_probs
+
+            super().__init__(*args, **kwargs)
+            use_roll_log_probs(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
+            if self.ref_model is not None:
+                use_roll_log_probs(self.ref_model)
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # roll.data tokenized it already; TRL's prompt/chosen/rejected path does not apply

@@ -12,12 +12,13 @@ import os
 
 import pytest
 
+from roll.parity_report import DEFAULT_TOLERANCE
 from tests.recipes.recipe_runs import RECIPES, STEPS, read_goldens, run_mca, run_standard
 
 GOLDEN_RTOL = 1e-4
 """Relative difference allowed against the goldens: CPU fp32 runs repeat to ~1e-7 here; 1e-4 leaves room
 for another BLAS or thread count, and is far below what a changed loss, mask or shift does (>1e-2)."""
-BACKEND_RTOL = 1e-3
+BACKEND_RTOL = DEFAULT_TOLERANCE
 """Relative difference allowed between the standard and mca backends at any step (roll-parity's default)."""
 REGENERATE = ("If the change of the losses is intended, regenerate the goldens with "
               "`OMP_NUM_THREADS=1 python scripts/update_goldens.py` and say in the commit message why the "

@@ -31,26 +31,26 @@ def test_within_tolerance_passes_and_the_table_shows_every_step():
     ]
     assert format_verdict(result).splitlines() == [
         "max rel diff: 4.01e-08 (step 2)",
-        "PASS: step 1 within 1e-05, every step within 0.001",
+        "PASS: step 1 within 1e-06, every step within 0.0001",
     ]
 
 
 def test_beyond_tolerance_fails_and_names_the_step():
-    mca = {1: 6.28150845, 2: 5.99004555, 3: 5.89215565 * (1 + 2e-3)}
+    mca = {1: 6.28150845, 2: 5.99004555, 3: 5.89215565 * (1 + 2e-4)}
     result = compare(STANDARD, mca, steps=3)
     assert not result.passed
-    assert result.failures() == ["step 3 rel diff 2.00e-03 > 0.001"]
-    assert format_table(result).splitlines()[-1].endswith("| 2.00e-03  (over 0.001)")
+    assert result.failures() == ["step 3 rel diff 2.00e-04 > 0.0001"]
+    assert format_table(result).splitlines()[-1].endswith("| 2.00e-04  (over 0.0001)")
     verdict = format_verdict(result)
-    assert "max rel diff: 2.00e-03 (step 3)" in verdict
-    assert verdict.splitlines()[-1] == ("FAIL (step 1 within 1e-05, every step within 0.001): "
-                                        "step 3 rel diff 2.00e-03 > 0.001")
+    assert "max rel diff: 2.00e-04 (step 3)" in verdict
+    assert verdict.splitlines()[-1] == ("FAIL (step 1 within 1e-06, every step within 0.0001): "
+                                        "step 3 rel diff 2.00e-04 > 0.0001")
 
 
 def test_the_first_step_is_held_to_the_tighter_tolerance():
-    mca = {**STANDARD, 1: STANDARD[1] * (1 + 5e-5)}  # within 1e-3, beyond 1e-5
-    assert compare(STANDARD, mca).failures() == ["step 1 rel diff 5.00e-05 > 1e-05"]
-    assert compare(STANDARD, mca, first_step_tolerance=1e-4).passed
+    mca = {**STANDARD, 1: STANDARD[1] * (1 + 5e-6)}  # within 1e-4, beyond 1e-6
+    assert compare(STANDARD, mca).failures() == ["step 1 rel diff 5.00e-06 > 1e-06"]
+    assert compare(STANDARD, mca, first_step_tolerance=1e-5).passed
 
 
 def test_a_missing_step_fails():
@@ -65,7 +65,7 @@ def test_a_missing_step_fails():
 
 def test_a_nan_loss_fails_and_json_stays_strict():
     result = compare(STANDARD, {**STANDARD, 2: float("nan")})
-    assert result.failures() == ["step 2 rel diff inf > 0.001"]
+    assert result.failures() == ["step 2 rel diff inf > 0.0001"]
     payload = parity.to_json(result, [])
     assert payload["losses"]["mca"][1] == "nan" and payload["rel_diff"][1] == "inf"
     json.loads(json.dumps(payload, allow_nan=False))
@@ -83,9 +83,9 @@ def test_parse_log_keeps_training_records():
 
 
 def test_command_line_separates_parity_options_from_overrides():
-    options = parse_command_line(["r.yaml", "--steps", "3", "--first-step-tolerance=1e-4", "--json",
+    options = parse_command_line(["r.yaml", "--steps", "3", "--first-step-tolerance=1e-5", "--json",
                                   "learning_rate=1e-3", "--tensor-model-parallel-size", "2", "output_dir=/tmp/x"])
-    assert (options.recipe, options.steps, options.first_step_tolerance, options.tolerance) == ("r.yaml", 3, 1e-4, 1e-3)
+    assert (options.recipe, options.steps, options.first_step_tolerance, options.tolerance) == ("r.yaml", 3, 1e-5, 1e-4)
     assert options.json and options.output_dir == "/tmp/x"
     assert options.overrides == {"learning_rate": "1e-3", "tensor_model_parallel_size": "2"}
 

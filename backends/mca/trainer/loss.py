@@ -11,6 +11,11 @@ Padded vocabulary columns (the embedding is padded to a multiple of
 ``make_vocab_size_divisible_by * TP``) hold no token: their logits are set to -inf before the
 softmax, so they add nothing to its denominator (Megatron-LM #1754: a zero row adds ``exp(0 - max)``
 and the loss differs from Hugging Face's).
+
+The arithmetic is roll.loss's, the standard backend's too: at TP1 these functions call it on the logits
+(the padded columns sliced off), with TP > 1 Megatron's vocab-parallel kernel does the same steps
+(max-subtracted log-sum-exp in float32, max and sum all-reduced over the shards); token log-probs are
+summed in float64.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from roll import IGNORE_INDEX
+from roll import loss as roll_loss
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -41,8 +47,11 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int)
 
     ``logits`` are ``[b, s, V/tp]`` (GPTModel's output on the last stage), ``labels`` ``[b, s]``.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return roll_loss.token_log_probs(logits[..., :vocab_size], labels)
     mask = labels != IGNORE_INDEX
     logits = mask_padded_vocab(logits.float(), vocab_size)
     # Like Megatron's own loss, the kernel may normalise the logits in place: they are not reused.
@@ -51,13 +60,13 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token losses, trainable tokens) of one pt/sft micro-batch."""
+    """(float64 sum of token losses, trainable tokens) of one pt/sft micro-batch."""
     log_probs, mask = token_log_probs(logits, labels, vocab_size)
-    return -log_probs.sum(), mask.sum()
+    return roll_loss.loss_sum(log_probs), mask.sum()
 
 
 def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of each row's response-token log-probs ``[rows]``, response tokens per row ``[rows]``).
+    """(float64 sum of each row's response-token log-probs ``[rows]``, response tokens per row ``[rows]``).
 
     With context parallelism each CP rank holds a part of every row: the parts are summed over the
     CP group. The sum's backward also sums (every CP rank computes the same loss from the totals), so
@@ -67,7 +76,7 @@ def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: i
     from megatron.core import parallel_state as ps
 
     log_probs, mask = token_log_probs(logits, labels, vocab_size)
-    logps, tokens = log_probs.sum(-1), mask.sum(-1)
+    logps, tokens = roll_loss.sequence_sums(log_probs), mask.sum(-1)
     if ps.get_context_parallel_world_size() > 1:
         import torch.distributed.nn.functional as dist_fn
 

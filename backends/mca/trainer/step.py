@@ -52,7 +52,8 @@ class LanguageModelObjective:
     def loss_func(self, labels: torch.Tensor, micro: dict) -> Callable:
         def loss_func(logits: torch.Tensor):
             loss_sum, count = L.lm_loss(logits, labels, self.vocab_size)
-            return loss_sum, count, {REPORT: torch.stack([loss_sum.detach(), count.float()])}
+            # The schedule backpropagates the float32 sum (its gradient is the same); the report keeps float64.
+            return loss_sum.float(), count, {REPORT: torch.stack([loss_sum.detach(), count.double()])}
 
         return loss_func
 
@@ -107,8 +108,8 @@ class DPOObjective:
             reference = torch.zeros_like(logps) if ref_logps is None else ref_logps.to(logps)
             losses, stats, pairs = L.dpo_losses(logps, reference, tokens, self.settings)
             loss_sum = losses.sum()
-            report = torch.cat([torch.stack([loss_sum.detach(), pairs.float()]), stats])
-            return loss_sum, pairs.to(torch.int), {REPORT: report}
+            report = torch.cat([torch.stack([loss_sum.detach(), pairs.double()]), stats.double()])
+            return loss_sum.float(), pairs.to(torch.int), {REPORT: report}
 
         return loss_func
 
