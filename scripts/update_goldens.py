@@ -5,7 +5,9 @@ usage: OMP_NUM_THREADS=1 python scripts/update_goldens.py
 Run this only when a change of the losses is intended (a new default, a fixed bug in the loss or the data
 pipeline), and say in the commit that changes goldens.json why the losses changed. The tests never
 regenerate goldens themselves. Same runs as the tests (tests/recipes/recipe_runs.py): the tiny BPE
-Qwen2 model, CPU, fp32, the mca backend in one 1-process torchrun job.
+Qwen2 model, CPU, fp32, the mca backend in one 1-process torchrun job. goldens.json records the command,
+the library versions, the commit and the date (``describe_environment``); commit first, so that the
+commit it names is the code that produced them.
 """
 
 import json
@@ -29,7 +31,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="roll-goldens-") as root:
         model_dir = make_tiny_model(os.path.join(root, "tiny_qwen2_bpe"), kind="qwen2", tokenizer="bpe")
         losses = run_all(model_dir, root)
-    goldens = {"steps": STEPS, "generated_by": "python scripts/update_goldens.py",
+    goldens = {"steps": STEPS, "generated_by": "OMP_NUM_THREADS=1 python scripts/update_goldens.py (CPU, fp32; "
+                                                "tests/recipes/recipe_runs.py: the tiny BPE Qwen2, mca in one "
+                                                "1-process torchrun job)",
                "environment": describe_environment(), "losses": losses}
     with open(GOLDENS, "w", encoding="utf-8") as fh:
         json.dump(goldens, fh, indent=1)

@@ -81,10 +81,28 @@ def read_goldens() -> dict:
 
 
 def describe_environment() -> dict[str, str]:
-    """What produced a set of goldens (stored next to them, shown when they do not match)."""
+    """What produced a set of goldens (stored next to them, shown when they do not match): library versions,
+    the commit (``-dirty`` with uncommitted changes), the date."""
+    import datetime
     import platform
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
 
     import torch
 
-    return {"torch": torch.__version__, "python": sys.version.split()[0], "machine": platform.machine(),
-            "torch_threads": str(torch.get_num_threads())}
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no")
+                                                    else "")
+    return {"torch": torch.__version__, **{name: installed(name) for name in ("transformers", "trl", "peft",
+                                                                            "megatron-core")},
+            "python": sys.version.split()[0], "machine": platform.machine(),
+            "torch_threads": str(torch.get_num_threads()), "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}

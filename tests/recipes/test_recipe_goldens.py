@@ -1,9 +1,12 @@
 """Recipe regression tests: every demo recipe (pt, sft, dpo, lora) trains STEPS steps on CPU on each
 backend (standard: 1 process, in this process; mca: 1 process, TP1, one torchrun job for all recipes),
-and its per-step losses must equal the golden values in tests/recipes/goldens.json within GOLDEN_RTOL,
-and the two backends must agree within BACKEND_RTOL. Also: every run writes loss.png.
+and its loss at every step must equal the golden value in tests/recipes/goldens.json within GOLDEN, and
+the two backends must agree within BACKEND (tests/bounds.py: both measured, with the measurement written
+there). Also: every run writes loss.png.
 
-The goldens are regenerated only by hand (scripts/update_goldens.py), never by a test.
+The goldens are regenerated only by hand (scripts/update_goldens.py, which writes into goldens.json the
+command, the library versions and the commit that produced them), never by a test: the last test here
+checks that the file is byte for byte what it was before these runs.
 """
 
 from __future__ import annotations
@@ -12,17 +15,19 @@ import os
 
 import pytest
 
-from roll.parity_report import DEFAULT_TOLERANCE
-from tests.recipes.recipe_runs import RECIPES, STEPS, read_goldens, run_mca, run_standard
+from tests.bounds import BACKEND, GOLDEN, Comparison, assert_within
+from tests.recipes.recipe_runs import GOLDENS, RECIPES, STEPS, read_goldens, run_mca, run_standard
 
-GOLDEN_RTOL = 1e-4
-"""Relative difference allowed against the goldens: CPU fp32 runs repeat to ~1e-7 here; 1e-4 leaves room
-for another BLAS or thread count, and is far below what a changed loss, mask or shift does (>1e-2)."""
-BACKEND_RTOL = DEFAULT_TOLERANCE
-"""Relative difference allowed between the standard and mca backends at any step (roll-parity's default)."""
 REGENERATE = ("If the change of the losses is intended, regenerate the goldens with "
               "`OMP_NUM_THREADS=1 python scripts/update_goldens.py` and say in the commit message why the "
               "losses changed.")
+
+
+@pytest.fixture(scope="module")
+def goldens_before() -> bytes:
+    """goldens.json as it was before this module's runs (requested by the first test, so taken first)."""
+    with open(GOLDENS, "rb") as fh:
+        return fh.read()
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +51,28 @@ def mca_losses(tiny_model, runs_root) -> dict[str, list[float]]:
     return run_mca(RECIPES, tiny_model, runs_root)
 
 
-def _mismatches(losses: list[float], reference: list[float], rtol: float) -> list[str]:
-    if len(losses) != len(reference):
-        return [f"{len(losses)} logged steps, expected {len(reference)}"]
-    return [f"step {step}: {a:.8f} vs {b:.8f} (rel {abs(a - b) / abs(b):.2e})"
-            for step, (a, b) in enumerate(zip(losses, reference), start=1) if abs(a - b) > rtol * abs(b)]
+def golden_comparison(name: str, backend: str, losses: list[float]) -> Comparison:
+    return Comparison(f"recipes/demo/{name}.yaml on {backend}", losses, read_goldens()["losses"][name][backend],
+                      GOLDEN)
 
 
 def _check_golden(name: str, backend: str, losses: list[float]) -> None:
-    golden = read_goldens()["losses"][name][backend]
-    bad = _mismatches(losses, golden, GOLDEN_RTOL)
-    assert not bad, (f"recipes/demo/{name}.yaml on the {backend} backend: per-step losses differ from "
-                     f"tests/recipes/goldens.json beyond {GOLDEN_RTOL:g} (relative): " + "; ".join(bad)
-                     + f"\n  got    {losses}\n  golden {golden}\n{REGENERATE}")
+    comparison = golden_comparison(name, backend, losses)
+    assert not comparison.failures(), ("per-step losses differ from tests/recipes/goldens.json: "
+                                       + "; ".join(comparison.failures())
+                                       + f"\n  got    {losses}\n  golden {comparison.reference}\n{REGENERATE}")
 
 
-def test_goldens_cover_every_recipe_and_backend():
+def test_goldens_cover_every_recipe_and_backend_and_say_how_they_were_made(goldens_before):
     goldens = read_goldens()
     assert goldens["steps"] == STEPS
     for name in RECIPES:
         for backend in ("standard", "mca"):
             values = goldens["losses"][name][backend]
             assert len(values) == STEPS and all(v > 0 for v in values), (name, backend, values)
+    assert goldens["generated_by"].startswith("OMP_NUM_THREADS=1 python scripts/update_goldens.py"), goldens
+    for key in ("torch", "transformers", "trl", "peft", "megatron-core", "python", "commit", "date"):
+        assert goldens["environment"].get(key), (key, goldens["environment"])
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -84,10 +89,18 @@ def test_mca_backend_matches_goldens(mca_losses, runs_root, name):
     assert os.path.isfile(os.path.join(runs_root, name, "mca", "loss.png"))
 
 
+def backend_comparison(name: str, standard: list[float], mca: list[float]) -> Comparison:
+    return Comparison(f"recipes/demo/{name}.yaml mca vs standard", mca, standard, BACKEND)
+
+
 @pytest.mark.distributed
 @pytest.mark.mca
 @pytest.mark.parametrize("name", RECIPES)
 def test_both_backends_agree(standard_losses, mca_losses, name):
-    bad = _mismatches(mca_losses[name], standard_losses[name], BACKEND_RTOL)
-    assert not bad, (f"recipes/demo/{name}.yaml: the mca backend's losses differ from the standard backend's "
-                     f"beyond {BACKEND_RTOL:g} (relative): " + "; ".join(bad))
+    assert_within([backend_comparison(name, standard_losses[name], mca_losses[name])])
+
+
+def test_the_checking_runs_left_goldens_untouched(goldens_before, standard_losses):
+    """Last in this module: after every run above, goldens.json is byte for byte what it was."""
+    with open(GOLDENS, "rb") as fh:
+        assert fh.read() == goldens_before, "a test run rewrote tests/recipes/goldens.json"

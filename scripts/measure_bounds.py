@@ -1,0 +1,197 @@
+"""Measure the gaps behind every parity and golden bound in tests/bounds.py, with the tests' own runs.
+
+usage: OMP_NUM_THREADS=1 python scripts/measure_bounds.py [--case NAME ...] [--json OUT.json]
+
+Each case runs exactly what its test runs (the same functions: tests/recipes, tests/distributed/test_mca_*.py,
+test_parity_tool.py) on CPU in fp32 and builds the same comparisons; for every bound it prints the largest
+relative gap over every step of every comparison held to it, where that gap is, and the bound's ratio to it.
+It exits 1 when a gap comes within 3x of its bound (a flaky test) or a bound is more than 100x a gap (a bound
+that a bug hides under); a bit-identical comparison counts as one fp32 rounding (1e-7) there. Cases:
+goldens, backend, layouts, eval, resume, packed, lora, dpo, parity_tool, export (all by default; ~10 min on 2 idle cores).
+Write a new measurement into tests/bounds.py with its date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                   ("TOKENIZERS_PARALLELISM", "false"), ("DS_ACCELERATOR", "cpu")):
+    os.environ.setdefault(var, value)
+
+from tests import bounds  # noqa: E402
+from tests.bounds import Bound, Comparison  # noqa: E402
+
+ONE_ROUNDING = 1e-7
+"""A bit-identical comparison's gap, for the too-loose check: about one fp32 rounding (2**-23)."""
+
+
+def model_maker(root: Path):
+    """``tiny_model_factory``'s equivalent: make(kind, **overrides) -> a tiny model dir, cached."""
+    from roll.tiny import make_tiny_model
+
+    cache: dict[tuple, str] = {}
+
+    def make(kind: str = "qwen2", tokenizer: str = "bpe", **overrides) -> str:
+        key = (kind, tokenizer, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = root / f"model_{len(cache)}_{kind}"
+            cache[key] = make_tiny_model(str(out), kind=kind, tokenizer=tokenizer, **overrides)
+        return cache[key]
+
+    return make
+
+
+def case_goldens(make, root: Path) -> list[Comparison]:
+    from tests.recipes.recipe_runs import RECIPES, run_all
+    from tests.recipes.test_recipe_goldens import backend_comparison, golden_comparison
+
+    losses = run_all(make("qwen2"), str(root))
+    return [*(golden_comparison(name, backend, losses[name][backend]) for name in RECIPES
+              for backend in ("standard", "mca")),
+            *(backend_comparison(name, losses[name]["standard"], losses[name]["mca"]) for name in RECIPES)]
+
+
+def case_backend(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_train import backend_comparisons, backend_runs
+
+    return backend_comparisons(backend_runs(make("qwen2"), root))
+
+
+def case_layouts(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_train import layout_comparisons, layout_runs
+
+    return layout_comparisons(layout_runs(make, root))
+
+
+def case_resume(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_train import resume_comparisons, resume_runs
+
+    return resume_comparisons(resume_runs(make("qwen2"), root))
+
+
+def case_eval(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_train import eval_comparisons, eval_runs
+
+    return eval_comparisons(*eval_runs(make("qwen2"), root))
+
+
+def case_packed(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_train import packed_comparison, packed_runs
+
+    comparisons = []
+    for layout in ([], ["context_parallel_size=2"]):
+        (root / str(len(layout))).mkdir()
+        comparisons.append(packed_comparison(packed_runs(make("qwen2"), root / str(len(layout)), layout), layout))
+    return comparisons
+
+
+def case_lora(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_train import lora_comparisons, lora_runs
+
+    return lora_comparisons(*lora_runs(make, root))
+
+
+def case_dpo(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_dpo import dpo_comparisons, dpo_runs
+
+    return dpo_comparisons(*dpo_runs(make, root))
+
+
+def case_parity_tool(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_parity_tool import TP2_PADDED, roll_parity, sft_recipe
+
+    recipe = sft_recipe(make("qwen2"), root)
+    comparisons = []
+    for label, extra, bound in (("roll-parity tp1", (), bounds.PARITY_TOOL_TP1),
+                                ("roll-parity tp2 padded", TP2_PADDED, bounds.PARITY_TOOL_TP2)):
+        _, result, _ = roll_parity(recipe, "--steps", "3", *extra, timeout=600)
+        comparisons.append(Comparison(label, result["losses"]["mca"], result["losses"]["standard"], bound))
+    return comparisons
+
+
+def case_export(make, root: Path) -> list[Comparison]:
+    """The export's logits against the trained model's, as a gap relative to the largest logit."""
+    from tests.distributed.test_mca_export import export_runs, overlap_comparison
+
+    result = export_runs(make("qwen2"), root)
+    return [overlap_comparison(result),
+            *(Comparison(f"export {name}", [1.0 + run["export_vs_trained"] / run["logit_scale"]], [1.0],
+                         bounds.EXPORT_LOGITS) for name, run in result.items())]
+
+
+CASES = {name[len("case_"):]: function for name, function in globals().items() if name.startswith("case_")}
+
+
+def bound_names() -> dict[int, str]:
+    names = {id(value): name for name, value in vars(bounds).items() if isinstance(value, Bound)}
+    names.update({id(value): f"LAYOUT[{key!r}]" for key, value in bounds.LAYOUT.items()})
+    return names
+
+
+def summarise(comparisons: list[Comparison]) -> list[dict]:
+    """One row per bound: the largest gap over its comparisons and steps, and where."""
+    names, rows = bound_names(), {}
+    for comparison in comparisons:
+        for step, gap in enumerate(comparison.gaps(), start=1):
+            row = rows.setdefault(id(comparison.bound), {"bound": names[id(comparison.bound)],
+                                                         "rel": comparison.bound.rel, "recorded": comparison.bound.measured,
+                                                         "gap": -1.0, "where": "", "compared": 0})
+            row["compared"] += 1
+            if gap > row["gap"]:
+                row["gap"], row["where"] = gap, f"{comparison.label}, step {step}"
+    for row in rows.values():
+        row["verdict"] = verdict(row["rel"], row["gap"])
+    return list(rows.values())
+
+
+def verdict(rel: float, gap: float) -> str:
+    if gap * 3 > rel:
+        return "TOO TIGHT"
+    if rel > 100 * max(gap, ONE_ROUNDING):
+        return "TOO LOOSE"
+    return "ok"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="a case to run (default: all)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    options = parser.parse_args()
+    from roll.logging import setup_logging
+
+    setup_logging("WARNING")
+    rows = []
+    print(f"{'case':<12} {'bound':<32} {'rel':>8} {'measured':>9} {'ratio':>7} {'n':>4}  verdict    worst at",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="roll-bounds-") as tmp:
+        make = model_maker(Path(tmp))
+        for name in options.case or list(CASES):
+            start = time.monotonic()
+            (Path(tmp) / name).mkdir()
+            with contextlib.redirect_stdout(sys.stderr):  # the standard backend's own log lines
+                comparisons = CASES[name](make, Path(tmp) / name)
+            case_rows = [{"case": name, **row} for row in summarise(comparisons)]
+            print(f"case {name}: {time.monotonic() - start:.0f} s", file=sys.stderr)
+            for row in case_rows:
+                ratio = row["rel"] / max(row["gap"], ONE_ROUNDING)
+                print(f"{row['case']:<12} {row['bound']:<32} {row['rel']:>8.1e} {row['gap']:>9.1e} {ratio:>7.0f} "
+                      f"{row['compared']:>4}  {row['verdict']:<10} {row['where']}", flush=True)
+            rows += case_rows
+    if options.json:
+        with open(options.json, "w", encoding="utf-8") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0 if all(row["verdict"] == "ok" for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Every parity and golden bound of the loss tests, next to the gap it was set from.
+
+On CPU in fp32 a run repeats bit for bit, and two runs that compute the same thing differently (the two
+backends, two parallel layouts) differ only by the order of floating-point sums: ~1e-7 relative per step.
+Each bound here is about 10x the largest gap ``scripts/measure_bounds.py`` measured for its case, over
+every logged step, so that a real bug (a changed loss, mask, schedule or weight decay moves a loss by 1e-5
+or more) cannot hide under it: the weight decay of 0.01 that Megatron applies when the recipe's 0 is not
+passed moves the tiny SFT recipe's loss by 4.8e-5 and fails GOLDEN and BACKEND.
+
+To re-measure (after a change that moves a gap, e.g. another loss arithmetic):
+``OMP_NUM_THREADS=1 python scripts/measure_bounds.py`` prints each bound next to its new measurement and
+exits 1 when a gap comes within 3x of its bound (too tight: flaky) or a bound is over 100x its gap (too
+loose: a bug hides). Write the new measurement here with its date.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bound:
+    rel: float
+    """Largest relative difference allowed, at every step (for logits: relative to the largest logit)."""
+    measured: float
+    """Largest relative difference measured over every step of the case (scripts/measure_bounds.py)."""
+    date: str
+    """When ``measured`` was measured."""
+    why: str
+    """Where the measured gap comes from, and so why it is not zero."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One series of per-step values against its reference, held to ``bound`` at every step."""
+    label: str
+    values: list[float]
+    reference: list[float]
+    bound: Bound
+    atol: float = 0.0
+    """An absolute floor for values that start at 0 (DPO's rewards at step 1)."""
+
+    def gaps(self) -> list[float]:
+        """The relative difference at each step, beyond ``atol`` (inf when the step counts differ)."""
+        if len(self.values) != len(self.reference):
+            return [float("inf")]
+        return [max(abs(a - b) - self.atol, 0.0) / abs(b) if b else (float("inf") if abs(a - b) > self.atol else 0.0)
+                for a, b in zip(self.values, self.reference)]
+
+    def failures(self) -> list[str]:
+        if len(self.values) != len(self.reference):
+            return [f"{self.label}: {len(self.values)} steps, expected {len(self.reference)}"]
+        return [f"{self.label}: step {step} {a!r} vs {b!r} (rel {gap:.2e} > {self.bound.rel:g})"
+                for step, (a, b, gap) in enumerate(zip(self.values, self.reference, self.gaps()), start=1)
+                if gap > self.bound.rel]
+
+
+def assert_within(comparisons: list[Comparison]) -> None:
+    """Every step of every comparison within its bound; the message lists each step beyond."""
+    bad = [line for comparison in comparisons for line in comparison.failures()]
+    assert not bad, "beyond the measured bounds (tests/bounds.py):\n  " + "\n  ".join(bad)
+
+
+DATE = "2026-11-25"
+SUMS = "the same arithmetic with floating-point sums in another order"
+
+# ---- goldens and the two backends, same layout (1 process), fp32 --------------------------------------------
+GOLDEN = Bound(1e-6, 0.0, DATE,
+               "a rerun of the same code on the same CPU is bit-identical (measured at 1 and 2 threads); 1e-6 "
+               "leaves room for another CPU's kernels (sum order, ~1e-7), not for a changed computation")
+BACKEND = Bound(3e-6, 3.1e-7, DATE,
+                "HF/TRL vs Megatron-Core: another attention, cross entropy and AdamW implementation, " + SUMS)
+BACKEND_TP2 = Bound(3e-6, 0.0, DATE, "the backend gap plus TP2's split matmuls and vocab-parallel cross entropy")
+BACKEND_LORA = Bound(3e-6, 0.0, DATE, "PEFT's LoRA vs ours, " + SUMS)
+BACKEND_DPO = Bound(3e-6, 0.0, DATE, "TRL's DPO vs ours, " + SUMS)
+BACKEND_EVAL = Bound(5e-7, 4e-8, DATE, "eval_loss, the per-token mean over the eval set: HF's forward vs Megatron's")
+
+# ---- Megatron layouts against TP1 x DP2 (same global batch), fp32 -------------------------------------------
+LAYOUT = {
+    "gas4_mbs1": Bound(1e-6, 0.0, DATE, "gradients summed over 4 micro-batches instead of 1, " + SUMS),
+    "distributed_optimizer": Bound(1e-6, 0.0, DATE, "reduce-scatter + all-gather instead of all-reduce"),
+    "tp2": Bound(1e-6, 0.0, DATE, "row-parallel matmuls summed over 2 ranks, vocab-parallel cross entropy"),
+    "tp2_sp": Bound(1e-6, 0.0, DATE, "TP2 with the sequence split for norms and dropout"),
+    "pp2": Bound(1e-6, 0.0, DATE, "2 pipeline stages, tied embedding gradients summed across them"),
+    "pp2_vpp2": Bound(1e-6, 0.0, DATE, "4 virtual stages (interleaved schedule)"),
+    "cp2": Bound(1e-6, 0.0, DATE, "ring attention over 2 sequence halves: softmax merged from partial sums"),
+    "moe_ep2": Bound(1e-6, 0.0, DATE, "experts on 2 ranks: token all-to-all, expert gradients reduced apart"),
+    "overlap": Bound(1e-6, 0.0, DATE, "DP2 with overlap_grad_reduce and overlap_param_gather vs without"),
+    "packed": Bound(1e-6, 0.0, DATE, "THD-packed samples vs the same samples padded, " + SUMS),
+    "packed_cp2": Bound(1e-6, 0.0, DATE, "THD packing with CP2 vs unpacked"),
+    "eval_micro_batches": Bound(1e-6, 1e-8, DATE, "eval_loss in eval micro-batches of 1 vs 4 (sums regrouped)"),
+    "resume_pp2": Bound(1e-6, 0.0, DATE, "a TP2 checkpoint resumed at PP2"),
+    "resume_dp2": Bound(1e-6, 0.0, DATE, "a TP2 checkpoint resumed at TP1 x DP2"),
+}
+LORA_LAYOUT = Bound(1e-6, 0.0, DATE, "LoRA at TP2, TP2+SP, PP2 and EP2, " + SUMS)
+DPO_LAYOUT = Bound(1e-6, 0.0, DATE, "DPO at TP2, PP2, PP2 x VPP2, CP2, EP2 and the distributed optimizer, " + SUMS)
+
+# ---- roll-parity as a user runs it (3 steps) ----------------------------------------------------------------
+PARITY_TOOL_TP1 = Bound(3e-6, 0.0, DATE, "the backend gap through roll-parity's logs")
+PARITY_TOOL_TP2 = Bound(3e-6, 0.0, DATE, "the backend gap at TP2 with a padded vocabulary")
+
+# ---- the HF export against the trained model ------------------------------------------------------------------
+EXPORT_LOGITS = Bound(5e-6, 3.5e-7, DATE,
+                      "transformers' eager attention and matmuls vs Megatron's on the same weights (TP2: split "
+                      "matmuls); relative to the largest logit")
