@@ -26,6 +26,7 @@ DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
                 "test_weight_decay_and_an_hf_schedule_match_the_standard_backend")
 MCA_TRAIN = "tests/distributed/test_mca_train.py"
 MCA_DPO = "tests/distributed/test_mca_dpo.py"
+ONE_PROCESS = f"{MCA_TRAIN}::test_export_accumulation_and_resume_on_one_process"
 
 
 @dataclass(frozen=True)
@@ -113,22 +114,24 @@ MUTANTS: list[Mutant] = [
            HF_ARGS, 'kwargs["average_tokens_across_devices"] = True',
            'kwargs["average_tokens_across_devices"] = True\n    kwargs["max_grad_norm"] = 0.0',
            (PARITY_TP1, DECAY_PARITY)),
-    Mutant("export_stale_overlap_mca", "mca, overlap_param_gather: the export misses the last update's all-gather",
-           LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
-           "        pass  # the final eval and the HF export",
-           (f"{MCA_TRAIN}::test_overlap_options_export_the_last_update",)),
     Mutant("export_stale_mca", "mca: the last optimizer step is not in the exported weights",
            LOOP, "        if not skipped:\n            updated, grad_norm = step_if_finite(self.optimizer)",
            "        if not skipped and self.state.global_step + 1 < self.plan.total_steps(\n"
            "                self.training.max_steps, self.training.num_train_epochs, len(dataset)):\n"
            "            updated, grad_norm = step_if_finite(self.optimizer)",
-           (f"{MCA_TRAIN}::test_the_export_holds_the_last_update",)),
+           (ONE_PROCESS,)),
     Mutant("resume_repeats_batch_mca", "mca: a resumed run repeats the checkpoint's last batch",
            "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
-           "state = TrainerState(**json.load(fh))\n    state.global_step -= 1",
-           (f"{MCA_TRAIN}::test_resume_reproduces_the_uninterrupted_run",)),
+           "state = TrainerState(**json.load(fh))\n    state.global_step -= 1", (ONE_PROCESS,)),
+    Mutant("resume_skips_batch_mca", "mca: a resumed run skips the batch after the checkpoint",
+           "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
+           "state = TrainerState(**json.load(fh))\n    state.global_step += 1", (ONE_PROCESS,)),
     Mutant("loss_per_micro_batch_mca", "mca: loss normalised per micro-batch, not per global batch",
            "backends/mca/trainer/step.py", "return loss_sum, count, {REPORT:",
            "return loss_sum / count.clamp(min=1), torch.ones_like(count), {REPORT:",
-           (f"{MCA_TRAIN}::test_layouts_give_the_same_losses",)),
+           (ONE_PROCESS,)),
+    Mutant("export_stale_overlap_mca", "mca, overlap_param_gather: the export misses the last update's all-gather",
+           LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
+           "        pass  # the final eval and the HF export",
+           (f"{MCA_TRAIN}::test_overlap_options_export_the_last_update",)),
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,13 +85,19 @@ def run_tests(root: Path, tests: list[str], timeout: float) -> tuple[str, list[s
     env.pop("CI", None)  # a skip is a skip here: the baseline run reports it
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", *tests]
     start = time.monotonic()
+    # A session of its own: on a timeout the whole tree (pytest, torchrun, its ranks) is killed.
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
         return "timeout", [], time.monotonic() - start, out[-3000:]
+    except BaseException:  # the gate itself stopped (Ctrl-C): leave no test tree running
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     seconds = time.monotonic() - start
-    out = proc.stdout + proc.stderr
     failed = [match.group(2) for match in map(_SUMMARY.match, out.splitlines()) if match]
     if proc.returncode == 0:
         return "passed", [], seconds, out[-3000:]
