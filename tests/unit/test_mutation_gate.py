@@ -51,13 +51,16 @@ def tree(tmp_path_factory) -> Path:
 
 
 def test_a_mutant_that_changes_nothing_survives(tree):
-    control = Mutant("control", "no change", FAST[0].file, FAST[0].anchor, FAST[0].anchor, FAST[0].tests)
+    model = next(mutant for mutant in FAST if not mutant.file.startswith("backends/mca/"))  # no Megatron needed
+    control = Mutant("control", "no change", model.file, model.anchor, model.anchor, model.tests)
     outcome = run_mutant(tree, control, TIMEOUT)
     assert outcome.status == "survived", outcome.output
 
 
 @pytest.mark.parametrize("mutant", FAST, ids=[mutant.name for mutant in FAST])
 def test_fast_mutant_is_caught(tree, mutant):
+    if mutant.file.startswith("backends/mca/"):
+        pytest.importorskip("megatron.core")  # its tests skip without it, and a skipped test catches nothing
     outcome = run_mutant(tree, mutant, TIMEOUT)
     assert outcome.status == "caught", (f"{mutant.name} ({mutant.bug}) {outcome.status} {mutant.tests}:\n"
                                         f"{outcome.output}")
