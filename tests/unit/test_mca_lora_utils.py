@@ -113,3 +113,34 @@ def test_resolve_lora_targets(roll_warnings):
 def test_resolve_lora_targets_errors_name_the_key(target, message):
     with pytest.raises(ConfigError, match=message):
         resolve_lora_targets(gpt(moe=True), target)
+
+
+class TELinear(nn.Linear):
+    """Stand-in for Transformer Engine's replicated linear: returns (output, bias) like Megatron's linears."""
+
+    parallel_mode, tp_group = "duplicated", None
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+def test_lora_output_is_base_plus_alpha_over_rank_times_b_a():
+    """The adapter adds ``(alpha / r) * B A x`` (LoRA's and PEFT's scaling; rsLoRA's alpha / sqrt(r) is
+    another model), computed here by hand."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    from backends.mca.lora.layers import add_lora
+
+    torch.manual_seed(0)
+    module = TELinear(6, 5)
+    x = torch.randn(3, 6)
+    base = module(x)[0].detach()
+    add_lora(module, {"proj": 5}, rank=4, alpha=8.0)
+    a, b = torch.randn(4, 6), torch.randn(5, 4)
+    with torch.no_grad():
+        module.lora_A["proj"].copy_(a)
+        module.lora_B["proj"].copy_(b)
+    out, bias = module(x)
+    assert bias is None
+    torch.testing.assert_close(out, base + (8.0 / 4) * x @ a.t() @ b.t(), rtol=1e-6, atol=1e-6)

@@ -131,3 +131,18 @@ def test_roll_convert_refuses_non_positive_sizes(option, capsys):
         _parser().parse_args(["check", "--input", "model", option, "0"])
     assert exit_info.value.code == 2
     assert f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_moe_aux_loss_coefficient_is_hf_router_aux_loss_coef_at_any_tp():
+    """The load-balancing coefficient is the HF config's ``router_aux_loss_coef``, or the recipe's
+    ``moe_aux_loss_coeff`` when it sets one, at TP1 and TP2 alike: a layout splits the work, it does not
+    change the objective (a coefficient scaled by the TP size trains TP2 towards another model)."""
+    from backends.mca.models.config import parallel_overrides
+    from roll.config import MegatronArguments
+
+    hf = _hf("qwen3_moe", router_aux_loss_coef=0.02)
+    for tp in (1, 2):
+        config = McaModelConfig.from_hf(hf, **parallel_overrides(MegatronArguments(tensor_model_parallel_size=tp)))
+        assert (config.tensor_model_parallel_size, config.moe_aux_loss_coeff) == (tp, 0.02)
+        recipe = MegatronArguments(tensor_model_parallel_size=tp, moe_aux_loss_coeff=0.05)
+        assert McaModelConfig.from_hf(hf, **parallel_overrides(recipe)).moe_aux_loss_coeff == 0.05

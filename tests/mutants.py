@@ -1,0 +1,137 @@
+"""Realistic bugs (mutants) and the tests that must catch each: the proof that those tests are sharp.
+
+Each mutant replaces one exact ``anchor`` (it must occur exactly once in ``file``) with ``replacement`` in a
+copy of the tree; ``tests`` (pytest node ids, cheapest first) must then fail. ``fast`` mutants also run
+inside ``make test`` (``tests/unit/test_mutation_gate.py``); all of them run with ``make mutation``
+(``scripts/mutation.py``). The list is ordered cheapest first.
+
+Keep anchors short (a line or two) so that unrelated edits around them do not make them stale; when one is
+stale the gate says which, and the fix is to re-anchor the same bug in the changed code. A new bug class
+found in the wild belongs here, with the test that now catches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOOP = "backends/mca/trainer/loop.py"
+LOSS = "backends/mca/trainer/loss.py"
+HF_ARGS = "backends/standard/hf_args.py"
+TRAINERS = "backends/standard/trainers.py"
+
+MCA_UNIT = "tests/unit/test_mca_trainer.py"
+STD_UNIT = "tests/unit/test_standard_train.py"
+PARITY_TP1 = "tests/distributed/test_parity_tool.py::test_tp1_on_one_process_matches_the_standard_backend"
+DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
+                "test_weight_decay_and_an_hf_schedule_match_the_standard_backend")
+MCA_TRAIN = "tests/distributed/test_mca_train.py"
+MCA_DPO = "tests/distributed/test_mca_dpo.py"
+ONE_PROCESS = f"{MCA_TRAIN}::test_export_accumulation_and_resume_on_one_process"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str
+    """What the bug does, in a user's words."""
+    file: str
+    anchor: str
+    replacement: str
+    tests: tuple[str, ...]
+    fast: bool = False
+    """Cheap enough (unit tests only, seconds) to run inside ``make test``."""
+
+
+MUTANTS: list[Mutant] = [
+    # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("padded_vocab_rank_check", "padded-vocab columns masked only when a TP slice starts past the vocab",
+           LOSS, "if first + partition <= vocab_size:", "if first <= vocab_size:",
+           (f"{MCA_UNIT}::test_padded_vocabulary_columns_are_minus_infinity",), fast=True),
+    Mutant("data_order_swap_mca", "mca: samples B-1 and B of the shared order swapped (crosses steps 1 and 2)",
+           "backends/mca/trainer/data.py", "for i in range(first, first + self.micro_batch_size)])",
+           "for i in ({self.global_batch_size - 1: self.global_batch_size, self.global_batch_size: "
+           "self.global_batch_size - 1}.get(j, j) for j in range(first, first + self.micro_batch_size))])",
+           (f"{MCA_UNIT}::test_batch_plan_docstring_example",), fast=True),
+    Mutant("moe_aux_coeff_times_tp", "MoE aux-loss coefficient multiplied by the TP size",
+           "backends/mca/models/config.py", "        kwargs.update(overrides)\n        return cls(**kwargs)",
+           "        kwargs.update(overrides)\n        if kwargs.get('moe_aux_loss_coeff'):\n"
+           "            kwargs['moe_aux_loss_coeff'] *= kwargs.get('tensor_model_parallel_size', 1)\n"
+           "        return cls(**kwargs)",
+           ("tests/unit/test_mca_models.py::test_moe_aux_loss_coefficient_is_hf_router_aux_loss_coef_at_any_tp",),
+           fast=True),
+    Mutant("lora_scaling_sqrt_rank_mca", "mca LoRA scaled by alpha/sqrt(r) (rsLoRA) instead of alpha/r",
+           "backends/mca/lora/layers.py", "alpha / rank, rank, True", "alpha / rank ** 0.5, rank, True",
+           ("tests/unit/test_mca_lora_utils.py::test_lora_output_is_base_plus_alpha_over_rank_times_b_a",),
+           fast=True),
+    Mutant("data_order_swap_standard", "standard: samples 3 and 4 of the shared order swapped",
+           TRAINERS, "return SequentialSampler(dataset)", "return [0, 1, 2, 4, 3, *range(5, len(dataset))]",
+           (f"{STD_UNIT}::test_trainer_consumes_the_pipeline_order",), fast=True),
+    Mutant("labels_shifted_twice_standard", "standard: the collator shifts labels and HF's loss shifts again",
+           "backends/standard/backend.py", "PaddingPolicy(packing=self.config.data.packing)",
+           "PaddingPolicy(packing=self.config.data.packing, shift_labels=True)",
+           ("tests/recipes/test_recipe_goldens.py::test_standard_backend_matches_goldens",)),
+    Mutant("loss_per_micro_batch_standard", "standard: loss normalised per micro-batch, not per global batch",
+           TRAINERS, "return super().training_step(model, inputs, num_items_in_batch)",
+           "return super().training_step(model, inputs, None)",
+           (f"{STD_UNIT}::test_loss_is_per_token_mean_over_global_batch",)),
+    Mutant("eval_label_mask_dropped_standard", "standard: eval loss over every token (prompt and padding too)",
+           TRAINERS, 'rows = token_loss_rows(outputs.logits, inputs["labels"])',
+           'rows = token_loss_rows(outputs.logits, inputs["input_ids"])',
+           (f"{STD_UNIT}::test_evaluate_reports_the_loss_on_the_eval_set",)),
+    Mutant("resume_restarts_data_standard", "standard: a resumed run repeats the batches before the checkpoint",
+           HF_ARGS, 'kwargs["average_tokens_across_devices"] = True',
+           'kwargs["average_tokens_across_devices"] = True\n    kwargs["ignore_data_skip"] = True',
+           (f"{STD_UNIT}::test_resume_reproduces_the_uninterrupted_run",)),
+    # ---- one or two torchrun / roll-parity launches --------------------------------------------------
+    Mutant("padded_vocab_unmasked_mca", "mca: padded-vocab logits enter the softmax",
+           LOSS, "logits = mask_padded_vocab(logits.float(), vocab_size)", "logits = logits.float()",
+           (f"{MCA_DPO}::test_reference_stays_frozen_and_log_probs_match_hf",)),
+    Mutant("dpo_reference_is_policy_mca", "mca: DPO reference log-probs taken from the policy",
+           "backends/mca/backend.py", "return DPOObjective(vocab_size, settings, models.ref)",
+           "return DPOObjective(vocab_size, settings, models.policy if models.ref is not None else None)",
+           (f"{MCA_DPO}::test_reference_stays_frozen_and_log_probs_match_hf",)),
+    Mutant("labels_shifted_twice_mca", "mca: the loss shifts the collator's already shifted labels again",
+           LOSS, "log_probs, mask = token_log_probs(logits, labels, vocab_size)\n    return -log_probs.sum()",
+           "log_probs, mask = token_log_probs(logits[:, :-1], labels[:, 1:], vocab_size)\n"
+           "    return -log_probs.sum()",
+           (PARITY_TP1,)),
+    Mutant("loss_per_sequence_mca", "mca: loss normalised per sequence instead of per token",
+           LOSS, "return -log_probs.sum(), mask.sum()",
+           "return -(log_probs.sum(-1) / mask.sum(-1).clamp(min=1)).sum(), (mask.sum(-1) > 0).sum()",
+           (PARITY_TP1,)),
+    Mutant("weight_decay_megatron_default_mca", "mca: the recipe's weight_decay replaced by Megatron's 0.01",
+           "backends/mca/trainer/optim.py", "apply_weight_decay(optimizer, training.weight_decay)",
+           "apply_weight_decay(optimizer, 0.01)", (DECAY_PARITY,)),
+    Mutant("weight_decay_on_norms_mca", "mca: weight decay applied to norm weights and biases",
+           "backends/mca/trainer/param_groups.py", "ParamGroupOverride(wd_mult=0.0)", "ParamGroupOverride(wd_mult=1.0)",
+           (DECAY_PARITY,)),
+    Mutant("weight_decay_dropped_standard", "standard: the recipe's weight_decay dropped",
+           HF_ARGS, 'kwargs["average_tokens_across_devices"] = True',
+           'kwargs["average_tokens_across_devices"] = True\n    kwargs["weight_decay"] = 0.0', (DECAY_PARITY,)),
+    Mutant("grad_clip_skipped_mca", "mca: gradient clipping skipped", "backends/mca/trainer/optim.py",
+           "clip_grad=training.max_grad_norm or 0.0", "clip_grad=0.0", (PARITY_TP1, DECAY_PARITY)),
+    Mutant("grad_clip_skipped_standard", "standard: gradient clipping skipped",
+           HF_ARGS, 'kwargs["average_tokens_across_devices"] = True',
+           'kwargs["average_tokens_across_devices"] = True\n    kwargs["max_grad_norm"] = 0.0',
+           (PARITY_TP1, DECAY_PARITY)),
+    Mutant("export_stale_mca", "mca: the last optimizer step is not in the exported weights",
+           LOOP, "        if not skipped:\n            updated, grad_norm = step_if_finite(self.optimizer)",
+           "        if not skipped and self.state.global_step + 1 < self.plan.total_steps(\n"
+           "                self.training.max_steps, self.training.num_train_epochs, len(dataset)):\n"
+           "            updated, grad_norm = step_if_finite(self.optimizer)",
+           (ONE_PROCESS,)),
+    Mutant("resume_repeats_batch_mca", "mca: a resumed run repeats the checkpoint's last batch",
+           "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
+           "state = TrainerState(**json.load(fh))\n    state.global_step -= 1", (ONE_PROCESS,)),
+    Mutant("resume_skips_batch_mca", "mca: a resumed run skips the batch after the checkpoint",
+           "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
+           "state = TrainerState(**json.load(fh))\n    state.global_step += 1", (ONE_PROCESS,)),
+    Mutant("loss_per_micro_batch_mca", "mca: loss normalised per micro-batch, not per global batch",
+           "backends/mca/trainer/step.py", "return loss_sum, count, {REPORT:",
+           "return loss_sum / count.clamp(min=1), torch.ones_like(count), {REPORT:",
+           (ONE_PROCESS,)),
+    Mutant("export_stale_overlap_mca", "mca, overlap_param_gather: the export misses the last update's all-gather",
+           LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
+           "        pass  # the final eval and the HF export",
+           (f"{MCA_TRAIN}::test_overlap_options_export_the_last_update",)),
+]
