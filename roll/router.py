@@ -69,6 +69,19 @@ def check_batch_fits(config: RunConfig, rows: int, dp_size: int) -> None:
                           "per_device_train_batch_size or gradient_accumulation_steps, or add data.")
 
 
+def _check_resumed_data(config: RunConfig, job: TrainJob, dp_size: int) -> None:
+    """A resumed run must train on the training set its checkpoint was trained on (every rank alike)."""
+    from roll import resume_record
+    from roll.checkpoints import resolve_resume
+
+    t = config.training
+    checkpoint = resolve_resume(t.resume_from_checkpoint, t.output_dir)
+    if checkpoint is not None:
+        resume_record.check_same_data(checkpoint, job.train_dataset, dataset_spec=config.data.dataset,
+                                      global_batch_size=t.per_device_train_batch_size
+                                      * t.gradient_accumulation_steps * dp_size)
+
+
 def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         out: Callable[[str], None] | None = None) -> TrainResult | None:
     """Run the configured stage end to end (or only the data side with dry_run, written with ``out``:
@@ -96,6 +109,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
             clean_stale(config.training.output_dir)
         job, _ = build_job(config, policy)
         check_batch_fits(config, len(job.train_dataset), info.dp_size)
+        _check_resumed_data(config, job, info.dp_size)
         log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",
                   config.finetuning.stage, config.backend_name, info.world_size, info.dp_size)
         models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))

@@ -19,6 +19,7 @@ from backends.base import Backend, register_backend
 from backends.standard import _compat
 from backends.standard.ds_config import DeepSpeedSettings, check_combination, load_deepspeed_config
 from backends.standard.hf_args import build_hf_args
+from roll import resume_record
 from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
@@ -133,6 +134,7 @@ class StandardBackend(Backend):
         else:
             trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)
         trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
+        trainer.roll_dataset, trainer.roll_dataset_spec = job.train_dataset, self.config.data.dataset
         return trainer
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
@@ -148,6 +150,9 @@ class StandardBackend(Backend):
         guard = ReliabilityCallback(self._trainer, training.max_consecutive_skipped_steps,
                                     training.save_on_preemption)
         self._trainer.add_callback(guard)
+        record = resume_record.read(resume) if resume else None
+        if record:  # the resumed log continues the count
+            guard.skips.total = self._trainer.roll_skipped_total = int(record.get("skipped_steps", 0))
         try:
             try:
                 metrics = dict(self._trainer.train(resume_from_checkpoint=resume).metrics)

@@ -7,12 +7,8 @@ at parse time); this is where that set-up happens, once, inside the backend.
 from __future__ import annotations
 
 import copy
-import logging
 
 from backends.standard._compat import cpu_training_kwargs
-from roll.logging import warn_once
-
-logger = logging.getLogger(__name__)
 
 
 def build_hf_args(config, deepspeed):
@@ -27,10 +23,7 @@ def build_hf_args(config, deepspeed):
     kwargs["remove_unused_columns"] = False
     if kwargs.get("ddp_find_unused_parameters") is None:
         kwargs["ddp_find_unused_parameters"] = False  # every trainable parameter is used in each step
-    if not kwargs.get("average_tokens_across_devices", True):
-        warn_once(logger, "average_tokens_across_devices=false ignored: roll's loss is the per-token mean "
-                          "over the global batch, which needs the token count of all ranks.")
-    kwargs["average_tokens_across_devices"] = True
+    assert kwargs["average_tokens_across_devices"], "refused at config time (roll/config/coverage.py)"
     if finetuning.stage == "dpo":
         from trl import DPOConfig
 

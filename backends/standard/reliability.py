@@ -19,7 +19,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from roll import checkpoints, reliability
+from roll import checkpoints, reliability, resume_record
 
 
 class SafeStepMixin:
@@ -56,6 +56,10 @@ class SafeCheckpointMixin:
     """Write ``checkpoint-N`` under a temporary name and publish it once every rank finished."""
 
     _roll_staging: str | None = None
+    roll_dataset = None
+    roll_dataset_spec: str | None = None
+    """The router's training set and the recipe's ``dataset``, recorded in each checkpoint
+    (``roll.resume_record``; TRL may have prepared ``train_dataset`` further)."""
 
     def _get_output_dir(self, trial):
         return self._roll_staging or super()._get_output_dir(trial)
@@ -72,10 +76,15 @@ class SafeCheckpointMixin:
             finally:
                 self._roll_staging = None
             if args.should_save:
-                checkpoints.write_batch_record(os.path.join(staging, f"{checkpoints.PREFIX}{step}"),
-                                               per_device=args.per_device_train_batch_size,
+                staged = os.path.join(staging, f"{checkpoints.PREFIX}{step}")
+                checkpoints.write_batch_record(staged, per_device=args.per_device_train_batch_size,
                                                grad_accum=args.gradient_accumulation_steps,
                                                world_size=args.world_size)
+                if self.roll_dataset is not None:  # a trainer the backend built (not a bare one in a test)
+                    resume_record.write(staged, self.roll_dataset, dataset_spec=self.roll_dataset_spec,
+                                        global_step=step, skipped_steps=self.roll_skipped_total,
+                                        global_batch_size=args.per_device_train_batch_size
+                                        * args.gradient_accumulation_steps * args.world_size)
 
 
 class RunComplete(Exception):

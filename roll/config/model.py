@@ -29,7 +29,7 @@ class ModelArguments:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the standard backend loads the weights in. 'auto' loads float32 (fp32 master weights; bf16/fp16
     autocast the compute); bfloat16/float16 load 16-bit weights (half the memory, no fp32 copy). The mca backend
-    does not read it: its weights follow bf16/fp16, with fp32 copies in the optimizer."""
+    refuses bfloat16/float16: its weights follow bf16/fp16, with fp32 copies in the optimizer."""
 
     attn_implementation: str | None = None
     """HF attention kernel for the standard backend ('eager', 'sdpa', 'flash_attention_2'); default: HF's choice."""

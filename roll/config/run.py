@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from roll.config.data import DataArguments
+from roll.config.key_table import refuse_unhonoured
 from roll.config.finetuning import FinetuningArguments
 from roll.config.layout import ParallelLayout
 from roll.config.megatron import MegatronArguments
@@ -54,6 +55,7 @@ class RunConfig:
 
         backend_cls = get_backend_class(self.backend_name)
         backend_cls.check_support(self.finetuning.stage, self.finetuning.finetuning_type)
+        refuse_unhonoured(self)  # the keys roll/config/coverage.py marks refused on this backend
         if self.training.use_mca:
             self._validate_mca()
         else:

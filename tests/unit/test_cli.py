@@ -155,4 +155,4 @@ def test_help_states_what_dtype_auto_does():
     from roll.cli import format_help
 
     text = " ".join(format_help().split())
-    assert "'auto' loads float32 (fp32 master weights" in text and "The mca backend does not read it" in text
+    assert "'auto' loads float32 (fp32 master weights" in text and "The mca backend refuses bfloat16/float16" in text

@@ -5,6 +5,7 @@ A checkpoint holds, in one directory:
 - model and optimizer state in Megatron's distributed format (every rank writes its shards). The
   optimizer is always saved ``fully_reshardable``, so a run can resume at another TP/PP/DP layout;
 - ``trainer_state.json``: steps done, samples consumed, skipped steps, global batch size, layout;
+- ``roll_resume.json``: the same position and the training set's fingerprint (``roll.resume_record``);
 - ``rng/rank_R.pt``: each rank's Python / NumPy / torch / accelerator generators and Megatron's
   model-parallel RNG tracker, restored only when resuming at the same layout;
 - ``mca_config.json``: the model config, so the directory also loads as a Megatron model (a full run);
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from backends.mca.checkpoint import sharded_model_state_dict, user_errors_of
 from backends.mca.models.config import MCA_CONFIG_NAME
 from backends.mca.models.unwrap import unwrap_model
-from roll import checkpoints, redact, unpickle
+from roll import checkpoints, redact, resume_record, unpickle
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
 
@@ -61,9 +62,10 @@ class TrainerState:
 
 
 def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: TrainerState, model_config,
-         keep: int | None = None, arguments: dict | None = None) -> str:
+         keep: int | None = None, arguments: dict | None = None, dataset=None) -> str:
     """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``.
-    ``arguments``: the run's, written as training_args.json with secrets redacted (``roll.redact``)."""
+    ``arguments``: the run's, written as training_args.json with secrets redacted (``roll.redact``);
+    ``dataset``: the training set, recorded with the position for the resume check (``roll.resume_record``)."""
     from megatron.core import dist_checkpointing
 
     start = time.perf_counter()
@@ -78,6 +80,10 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
             model_config.save_pretrained(tmp)
             if arguments is not None:
                 redact.save_arguments(arguments, tmp)
+            if dataset is not None:
+                resume_record.write(tmp, dataset, dataset_spec=(arguments or {}).get("data", {}).get("dataset"),
+                                    global_step=state.global_step, global_batch_size=state.global_batch_size,
+                                    skipped_steps=state.skipped_steps, consumed=state.consumed_samples)
             if state.lora:
                 _write_adapter_config(chunks, tmp)
     final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
@@ -111,7 +117,10 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
         raise ConfigError(f"{ckpt_dir} was saved with use_distributed_optimizer={state.distributed_optimizer}; resume "
                           f"with the same setting (the optimizer state is stored differently).")
     start = time.perf_counter()
-    sharded = _sharded_state(chunks, optimizer, state.lora, is_loading=True)
+    # Every step so far skipped (non-finite): the optimizer never stepped, so the checkpoint holds no Adam
+    # state, and the uninterrupted run's optimizer would be as fresh as this one's.
+    updated = state.global_step > state.skipped_steps
+    sharded = _sharded_state(chunks, optimizer if updated else None, state.lora, is_loading=True)
     with user_errors_of(ckpt_dir):
         loaded = dist_checkpointing.load(sharded, ckpt_dir)
     for key, chunk in zip([key for key in sharded if key != "optimizer"], chunks):
@@ -121,8 +130,9 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing and not state.lora:
             raise ModelError(f"checkpoint {ckpt_dir} lacks {missing[:5]} for model chunk {key}.")
-    with torch.no_grad():  # fp32 main params are views of leaf parameters
-        optimizer.load_state_dict(loaded["optimizer"])
+    if updated:
+        with torch.no_grad():  # fp32 main params are views of leaf parameters
+            optimizer.load_state_dict(loaded["optimizer"])
     if state.layout == expected.layout:
         _set_rng_state(unpickle.torch_load(os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank()}.pt")))
     else:
@@ -134,7 +144,8 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
 
 
 def _sharded_state(chunks: list[torch.nn.Module], optimizer, lora: bool, *, is_loading: bool) -> dict:
-    if is_loading:
+    """The model chunks' (or adapters') sharded state, and the optimizer's unless ``optimizer`` is None."""
+    if is_loading and optimizer is not None:
         _materialize_optimizer_state(optimizer)
     if lora:
         from backends.mca.lora.checkpoint import adapter_sharded_state_dict
@@ -142,7 +153,9 @@ def _sharded_state(chunks: list[torch.nn.Module], optimizer, lora: bool, *, is_l
         state = adapter_sharded_state_dict(chunks)
     else:
         state = sharded_model_state_dict(chunks)
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                          metadata=_OPTIMIZER_METADATA)
     return state
 
 

@@ -85,6 +85,7 @@ class MegatronTrainer:
         self._owns_loss = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
         self._owns_tokens = self._owns_loss and self.cp_rank == 0
         self.skips = reliability.SkipCounter(training.max_consecutive_skipped_steps)
+        self._train_dataset = None
         self.last_eval: tuple[int, dict[str, float]] | None = None
         """(step, metrics) of the latest evaluation."""
         self.state = checkpointing.TrainerState(global_batch_size=self.plan.global_batch_size,
@@ -97,6 +98,7 @@ class MegatronTrainer:
     def train(self, dataset, collator, resume_from: str | None = None, eval_dataset=None) -> TrainResult:
         """Train to the run's last step; with ``eval_dataset``, evaluate at the recipe's eval steps."""
         t = self.training
+        self._train_dataset = dataset
         total = self.plan.total_steps(t.max_steps, t.num_train_epochs, len(dataset))
         schedule = schedule_for(t, total)
         if resume_from:
@@ -149,7 +151,7 @@ class MegatronTrainer:
         sync_params(self.chunks)
         return checkpointing.save(self.training.output_dir, self.chunks, self.optimizer, self.state,
                                   self.model_config, keep=self.training.save_total_limit,
-                                  arguments=getattr(self, "arguments", None))
+                                  arguments=getattr(self, "arguments", None), dataset=self._train_dataset)
 
     def _stop_on_signal(self, window: list[StepStats], writer: MetricsWriter, num_samples: int) -> None:
         """Log the steps since the last log, save (``save_on_preemption``), raise ``Preempted``."""
