@@ -29,7 +29,12 @@ WORKER = os.path.join(REPO, "tests", "parity", "_worker.py")
 TIMEOUT = 900
 """Per launch; the whole sweep takes about 5 minutes on an idle 2-core machine."""
 
-XFAIL: dict[str, str] = {}
+XFAIL = {
+    "moe_default_aux_loss": "mca adds the load-balancing loss (moe_aux_loss_coeff defaults to the model's "
+                            "router_aux_loss_coef, 0.001) where HF trains without it (output_router_logits false): "
+                            "exported weights 1.35e-1 apart, losses 1.2e-4 at step 7; ep2_moe_adam with "
+                            "moe_aux_loss_coeff 0 holds within 1.5e-7",
+}
 """Case name -> why it fails today (a known parity gap, with its measured size); held strictly."""
 
 
