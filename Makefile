@@ -13,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
 
-.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed lint clean
+.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed parity lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ test-unit: install
 
 test-distributed: install
 	$(PY) -m pytest -q -ra tests/distributed
+
+# The parity sweep alone (roll/parity_cases.py; `make test` runs it too): every case on both backends.
+parity: install
+	$(PY) -m pytest -q -ra tests/parity
 
 # ruff with the rules in pyproject.toml ([tool.ruff.lint]); CI (.ci/run) runs it next to `make test`.
 lint: install

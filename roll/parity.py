@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import shlex
 import shutil
@@ -27,8 +26,8 @@ from typing import TYPE_CHECKING
 
 from roll.errors import ConfigError, RollError
 from roll.launch import inside_launcher, run_child
-from roll.parity_report import (DEFAULT_FIRST_STEP_TOLERANCE, DEFAULT_TOLERANCE, Comparison, compare, format_table,
-                                format_verdict, read_log)
+from roll.parity_report import (DEFAULT_EVAL_TOLERANCE, DEFAULT_FIRST_STEP_TOLERANCE, DEFAULT_TOLERANCE,
+                                DEFAULT_WEIGHTS_TOLERANCE)
 
 if TYPE_CHECKING:  # roll.config imports transformers; --help and the pure pieces do not need it
     from roll.config import RunConfig
@@ -37,20 +36,32 @@ DEFAULT_STEPS = 10
 LOG_TAIL_LINES = 30
 
 USAGE = f"""usage: roll-parity RECIPE.yaml [--steps N] [--tolerance T] [--first-step-tolerance T1]
-                   [--output-dir DIR [--save-models]] [--json] [key=value | --key value ...]
+                   [--eval-tolerance TE] [--output-dir DIR [--save-models]] [--json] [key=value | --key value ...]
+       roll-parity --case NAME [options] [key=value ...]
+       roll-parity --list-cases
 
 Train RECIPE for N steps on the standard backend (one process, no DeepSpeed) and on the mca backend
 (--use-mca, with the recipe's parallel layout), both on the same global batch each step, and compare
-their losses step by step. Overrides (key=value) apply to both runs, as on roll-train.
+their losses step by step, eval_loss wherever both evaluated, and, with --save-models, the exported
+weights. Overrides (key=value) apply to both runs, as on roll-train.
+
+With --case NAME, run a case of the parity sweep (tests/parity, roll/parity_cases.py) instead of a
+recipe: its key set and layout on a tiny model built on the spot, its steps and its bounds (the
+options below override them), both models exported and compared.
 
 options:
   --steps N                 steps to train and compare (default {DEFAULT_STEPS})
   --tolerance T             largest relative loss difference allowed at any step (default {DEFAULT_TOLERANCE:g})
   --first-step-tolerance T1 largest relative difference allowed at step 1 (default {DEFAULT_FIRST_STEP_TOLERANCE:g})
+  --eval-tolerance TE       largest relative eval_loss difference (default {DEFAULT_EVAL_TOLERANCE:g})
+  --weights-tolerance TW    largest ||mca - standard|| / ||standard - start|| of the exported weights
+                            (default {DEFAULT_WEIGHTS_TOLERANCE:g})
   --output-dir DIR          keep both runs (DIR/standard, DIR/mca and their .log files);
                             default: a temporary directory, deleted at the end
   --save-models             with --output-dir: also export each run's final model (HF format) to
-                            DIR/standard and DIR/mca
+                            DIR/standard and DIR/mca, and compare them (--case always does)
+  --case NAME               run the parity-sweep case NAME (no recipe)
+  --list-cases              the parity-sweep cases, one a line: name, layout, key set
   --json                    print one JSON object instead of the table
   --help                    this text
 
@@ -58,7 +69,8 @@ exit status: 0 within tolerance, 1 beyond it or when a training run fails, 2 for
 recipe or command line.
 """
 
-_OPTIONS = {"steps": int, "tolerance": float, "first_step_tolerance": float, "output_dir": str}
+_OPTIONS = {"steps": int, "tolerance": float, "first_step_tolerance": float, "eval_tolerance": float,
+            "weights_tolerance": float, "output_dir": str, "case": str}
 """roll-parity's own options that take a value: --steps N, --steps=N or steps=N (dashes or underscores).
 output_dir is one of them, so --output-dir / output_dir=DIR mean the same as on roll-train: where to write."""
 
@@ -81,7 +93,14 @@ class ParityOptions:
     steps: int = DEFAULT_STEPS
     tolerance: float = DEFAULT_TOLERANCE
     first_step_tolerance: float = DEFAULT_FIRST_STEP_TOLERANCE
+    eval_tolerance: float = DEFAULT_EVAL_TOLERANCE
+    weights_tolerance: float = DEFAULT_WEIGHTS_TOLERANCE
     output_dir: str | None = None
+    case: str | None = None
+    """A parity-sweep case to run instead of a recipe."""
+    list_cases: bool = False
+    given: set[str] = field(default_factory=set)
+    """The options the command line gave (a case's own steps and bounds yield to them)."""
     json: bool = False
     save_models: bool = False
     """Export each run's final HF-format model into its output directory (needs output_dir)."""
@@ -104,15 +123,18 @@ def parse_command_line(argv: list[str]) -> ParityOptions:
             options.json = True
         elif dashed and name == "save_models":
             options.save_models = True
+        elif dashed and name == "list_cases":
+            options.list_cases = True
         elif name in _OPTIONS and (dashed or sep):
             if not sep:
                 if i >= len(argv):
                     raise ConfigError(f"roll-parity option '--{name.replace('_', '-')}' needs a value.")
                 value, i = argv[i], i + 1
             setattr(options, name, _option_value(name, value))
+            options.given.add(name)
         else:
             rest.append(token)
-    if options.help:
+    if options.help or options.list_cases:
         return options
     if options.save_models and options.output_dir is None:
         raise ConfigError("roll-parity option '--save-models' needs --output-dir DIR (where the models go).")
@@ -123,8 +145,13 @@ def parse_command_line(argv: list[str]) -> ParityOptions:
     if switch:
         raise ConfigError(f"'--{switch.replace('_', '-')}' is a roll-train switch; roll-parity takes --steps, "
                           "--tolerance, --first-step-tolerance, --output-dir and --json.")
-    if cli.recipe is None:
-        raise ConfigError("roll-parity needs a recipe: roll-parity RECIPE.yaml [key=value ...].")
+    if options.case is not None:
+        if cli.recipe is not None:
+            raise ConfigError(f"roll-parity takes a recipe or --case NAME, not both (got {cli.recipe!r} and "
+                              f"--case {options.case}).")
+    elif cli.recipe is None:
+        raise ConfigError("roll-parity needs a recipe: roll-parity RECIPE.yaml [key=value ...] (or --case NAME; "
+                          "roll-parity --list-cases lists them).")
     options.recipe = cli.recipe
     for key in options.overrides:
         if key in RESERVED:
@@ -141,6 +168,8 @@ def _option_value(name: str, text: str) -> int | float | str:
     except ValueError:
         raise ConfigError(f"roll-parity option '{flag}' takes {'an integer' if kind is int else 'a number'}, "
                           f"got {text!r}.") from None
+    if kind is str and not value:
+        raise ConfigError(f"roll-parity option '{flag}' needs a value.")
     if kind is not str and not value > 0:
         raise ConfigError(f"roll-parity option '{flag}' must be > 0, got {text!r}.")
     return value
@@ -160,6 +189,12 @@ class Run:
     recipe: str
     overrides: dict[str, str]
     """Command-line ``key -> value`` (output_dir included); the mca run adds --use-mca."""
+    name: str = ""
+    """Its log's name (ROOT/NAME.log); default: the backend's."""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.backend
 
     @property
     def output_dir(self) -> str:
@@ -265,27 +300,6 @@ def format_header(options: ParityOptions, std: Run, mca: Run, mca_config: RunCon
     ])
 
 
-def to_json(comparison: Comparison, runs: Iterable[Run]) -> dict:
-    """The comparison as one JSON-ready object (a missing value is null; nan / inf are strings)."""
-    rows = comparison.rows
-    return {
-        "passed": comparison.passed,
-        "max_rel_diff": _number(comparison.max_rel_diff),
-        "tolerance": comparison.tolerance,
-        "first_step_tolerance": comparison.first_step_tolerance,
-        "steps": [row.step for row in rows],
-        "losses": {"standard": [_number(row.standard) for row in rows], "mca": [_number(row.mca) for row in rows]},
-        "rel_diff": [_number(row.rel_diff) for row in rows],
-        "failures": [] if comparison.passed else comparison.failures(),
-        "runs": {run.backend: {"description": run.description, "command": run.display()} for run in runs},
-    }
-
-
-def _number(value: float | None) -> float | str | None:
-    """Strict JSON has no nan / inf."""
-    return value if value is None or math.isfinite(value) else str(value)
-
-
 # --- the command -------------------------------------------------------------------------------------
 
 
@@ -312,13 +326,13 @@ class RunFailed(Exception):
 def execute(runs: Iterable[Run], root: str, err: Callable[[str], object]) -> None:
     """Train each run in turn (its log in ROOT/BACKEND.log); raises RunFailed for the first that fails."""
     for run in runs:
-        log_path = os.path.join(root, f"{run.backend}.log")
-        err(f"roll-parity: training {run.backend} ... (log: {log_path})\n")
+        log_path = os.path.join(root, f"{run.label}.log")
+        err(f"roll-parity: training {run.label} ... (log: {log_path})\n")
         start = time.monotonic()
         code = run_training(run, log_path)
         if code != 0:
             raise RunFailed(run, code, log_tail(log_path))
-        err(f"roll-parity: {run.backend} done in {time.monotonic() - start:.1f} s\n")
+        err(f"roll-parity: {run.label} done in {time.monotonic() - start:.1f} s\n")
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], object] | None = None,
@@ -334,21 +348,30 @@ def main(argv: list[str] | None = None, out: Callable[[str], object] | None = No
             return 0
         if inside_launcher():
             raise ConfigError("roll-parity starts its own processes; run it directly, not under a launcher.")
+        if options.list_cases:
+            from roll.parity_cases import format_cases
+
+            out(format_cases() + "\n")
+            return 0
+        from roll.parity_report import to_json
+        from roll.parity_sweep import plan
+
         temporary = options.output_dir is None
         root = tempfile.mkdtemp(prefix="roll-parity-") if temporary else os.path.abspath(options.output_dir)
         with _quiet_logs():  # the config's warnings belong in the runs' own logs
-            std, mca, mca_config = resolve_runs(options, root)
+            title, pairs, check = plan(options, root)  # roll.parity_sweep
         if not options.json:
-            out(format_header(options, std, mca, mca_config) + "\n\n")
+            out(title + "\n\n")
         os.makedirs(root, exist_ok=True)
-        execute((std, mca), root, err)
-        comparison = compare(read_log(std.output_dir), read_log(mca.output_dir), steps=options.steps,
-                             tolerance=options.tolerance, first_step_tolerance=options.first_step_tolerance)
+        verdicts = []
+        for pair in pairs:
+            execute((pair.standard, pair.mca), root, err)
+            verdicts.append(check(pair))
         if options.json:
-            out(json.dumps(to_json(comparison, (std, mca))) + "\n")
+            out(json.dumps(to_json(verdicts, pairs)) + "\n")
         else:
-            out(format_table(comparison) + "\n\n" + format_verdict(comparison) + "\n")
-        return 0 if comparison.passed else 1
+            out("\n\n".join(verdict.report() for verdict in verdicts) + "\n")
+        return 0 if all(verdict.passed for verdict in verdicts) else 1
     except RollError as exc:
         err(f"roll-parity: error: {exc}\n")
         return 2

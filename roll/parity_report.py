@@ -5,6 +5,7 @@ the verdict. Pure functions on plain values (no subprocess, no config), so tests
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,6 +21,11 @@ DEFAULT_FIRST_STEP_TOLERANCE = 1e-6
 """Relative difference allowed at step 1 (same weights, same batch: only the forward's rounding differs, the
 loss arithmetic being one, roll.loss). Measured on the same real model: 2.5e-8 (alpaca), 4.7e-8 (the repo's
 arithmetic data); 6.7e-6 before both backends shared roll.loss, which this catches."""
+DEFAULT_EVAL_TOLERANCE = 1e-4
+"""Relative eval_loss difference allowed at every step both runs evaluated."""
+DEFAULT_WEIGHTS_TOLERANCE = 1e-3
+"""||mca - standard|| / ||standard - start|| allowed for the exported weights (measured in fp32: 1.2e-4 at most
+over the parity sweep's cases, roll/parity_cases.py)."""
 
 
 def parse_log(lines: Iterable[str]) -> dict[int, float]:
@@ -126,3 +132,140 @@ def format_verdict(comparison: Comparison) -> str:
     else:
         lines.append(f"FAIL ({limits}): " + "; ".join(comparison.failures()))
     return "\n".join(lines)
+
+
+# --- eval_loss and exported weights ------------------------------------------------------------------
+
+
+def read_evals(output_dir: str) -> dict[int, float]:
+    """``{step: eval_loss}`` of a run's train_log.jsonl."""
+    return dict(read_curve(output_dir).eval)
+
+
+@dataclass(frozen=True)
+class EvalComparison:
+    """eval_loss of the two runs at each step either evaluated; a step only one of them evaluated fails."""
+
+    rows: tuple[StepRow, ...]
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return all(row.ok for row in self.rows)
+
+    @property
+    def max_rel_diff(self) -> float | None:
+        gaps = [row.rel_diff for row in self.rows if row.rel_diff is not None]
+        return max(gaps) if gaps else None
+
+    def failures(self) -> list[str]:
+        out = []
+        for row in self.rows:
+            if row.rel_diff is None:
+                which = "standard" if row.standard is None else "mca"
+                out.append(f"eval_loss at step {row.step} missing from the {which} log")
+            elif not row.ok:
+                out.append(f"eval_loss at step {row.step} rel diff {row.rel_diff:.2e} > {row.tolerance:g}")
+        return out
+
+
+def compare_evals(standard: dict[int, float], mca: dict[int, float], tolerance: float) -> EvalComparison:
+    rows = []
+    for step in sorted(set(standard) | set(mca)):
+        a, b = standard.get(step), mca.get(step)
+        rows.append(StepRow(step, a, b, None if a is None or b is None else relative_difference(a, b), tolerance))
+    return EvalComparison(tuple(rows), tolerance)
+
+
+@dataclass(frozen=True)
+class WeightGap:
+    """How far apart the two runs' exported weights are, relative to how far training moved them:
+    ``||mca - standard|| / ||standard - start||`` over every exported tensor (a tensor the start model lacks,
+    e.g. a LoRA adapter's, counts from zero)."""
+
+    rel_diff: float
+    diff_norm: float
+    update_norm: float
+    tolerance: float
+    mismatched: tuple[str, ...] = ()
+    """Tensor names only one export has, or whose shapes differ."""
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatched and self.rel_diff <= self.tolerance
+
+    def failures(self) -> list[str]:
+        if self.mismatched:
+            return [f"the exports differ in tensors: {', '.join(self.mismatched[:5])}"]
+        if self.rel_diff > self.tolerance:
+            return [f"exported weights rel diff {self.rel_diff:.2e} > {self.tolerance:g}"]
+        return []
+
+
+def weight_gap(start: dict, standard: dict, mca: dict, tolerance: float) -> WeightGap:
+    """``start``/``standard``/``mca``: ``{name: tensor}`` (torch tensors; compared in float64)."""
+    mismatched = sorted(set(standard) ^ set(mca))
+    mismatched += [name for name in set(standard) & set(mca) if standard[name].shape != mca[name].shape]
+    diff = update = 0.0
+    for name in sorted(set(standard) & set(mca)):
+        if name in mismatched:
+            continue
+        ours, theirs = standard[name].double(), mca[name].double()
+        before = start.get(name)
+        diff += float((theirs - ours).pow(2).sum())
+        moved = ours if before is None or before.shape != ours.shape else ours - before.double()
+        update += float(moved.pow(2).sum())
+    diff, update = math.sqrt(diff), math.sqrt(update)
+    rel = diff / update if update > 0 else (0.0 if diff == 0 else math.inf)
+    return WeightGap(rel, diff, update, tolerance, tuple(sorted(mismatched)))
+
+
+def read_weights(model_dir: str) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``model_dir`` (an HF model or a PEFT adapter)."""
+    from safetensors.torch import load_file
+
+    tensors: dict = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    return tensors
+
+
+# --- roll-parity --json ---------------------------------------------------------------------------------
+
+
+def to_json(verdicts: list, pairs: list) -> dict:
+    """The comparison as one JSON-ready object (a missing value is null; nan / inf are strings): the first
+    pair's losses at the top, every pair (a resumed case has two) under "pairs"."""
+    each = [_pair_json(verdict, pair) for verdict, pair in zip(verdicts, pairs)]
+    failures = [failure for verdict in verdicts for failure in verdict.failures]
+    return {**each[0], "passed": not failures, "failures": failures, "pairs": each}
+
+
+def _pair_json(verdict, pair) -> dict:
+    rows, evals, weights = verdict.losses.rows, verdict.evals.rows, verdict.weights
+    return {
+        "label": verdict.label,
+        "passed": verdict.passed,
+        "max_rel_diff": _number(verdict.losses.max_rel_diff),
+        "tolerance": verdict.losses.tolerance,
+        "first_step_tolerance": verdict.losses.first_step_tolerance,
+        "steps": [row.step for row in rows],
+        "losses": {"standard": [_number(row.standard) for row in rows], "mca": [_number(row.mca) for row in rows]},
+        "rel_diff": [_number(row.rel_diff) for row in rows],
+        "eval": {"steps": [row.step for row in evals], "standard": [_number(row.standard) for row in evals],
+                 "mca": [_number(row.mca) for row in evals], "rel_diff": [_number(row.rel_diff) for row in evals],
+                 "tolerance": verdict.evals.tolerance},
+        "weights": None if weights is None else {"rel_diff": _number(weights.rel_diff),
+                                                 "tolerance": weights.tolerance,
+                                                 "mismatched": list(weights.mismatched)},
+        "learning_rate_max_rel_diff": _number(verdict.lr_gap),
+        "failures": verdict.failures,
+        "runs": {run.backend: {"description": run.description, "command": run.display()}
+                 for run in (pair.standard, pair.mca)},
+    }
+
+
+def _number(value: float | None) -> float | str | None:
+    """Strict JSON has no nan / inf."""
+    return value if value is None or math.isfinite(value) else str(value)

@@ -77,3 +77,14 @@ def test_tp2_with_a_padded_vocabulary_matches_the_standard_backend(recipe, tmp_p
     # --output-dir keeps both runs and their logs
     for name in ("standard/train_log.jsonl", "mca/train_log.jsonl", "standard.log", "mca.log"):
         assert (out / name).is_file(), name
+
+
+def test_a_sweep_case_by_name_compares_eval_loss_and_the_exported_weights():
+    """roll-parity --case: the case's tiny model built on the spot, its key set (mid-run eval every 3 steps, on
+    start too), both models exported; an override on top of the case applies to both runs."""
+    code, result, stderr = roll_parity("--case", "mid_run_eval", "--steps", "3", "learning_rate=2e-3", timeout=300)
+    assert code == 0 and result["passed"], (result, stderr[-4000:])
+    assert result["steps"] == [1, 2, 3] and result["eval"]["steps"] == [0, 3], result
+    assert max(result["eval"]["rel_diff"]) <= 1e-6 and result["learning_rate_max_rel_diff"] <= 1e-6, result
+    assert 0 < result["weights"]["rel_diff"] <= 1e-3 and result["weights"]["mismatched"] == [], result
+    assert "learning_rate=2e-3" in result["runs"]["mca"]["command"]

@@ -11,7 +11,8 @@ import pytest
 
 from roll import parity
 from roll.parity import parse_command_line
-from roll.parity_report import compare, format_table, format_verdict, parse_log
+from roll.parity_report import compare, compare_evals, format_table, format_verdict, parse_log, to_json
+from roll.parity_sweep import Pair, Verdict
 from tests.helpers import run
 
 STANDARD = {1: 6.28150845, 2: 5.99004555, 3: 5.89215565}
@@ -66,7 +67,10 @@ def test_a_missing_step_fails():
 def test_a_nan_loss_fails_and_json_stays_strict():
     result = compare(STANDARD, {**STANDARD, 2: float("nan")})
     assert result.failures() == ["step 2 rel diff inf > 0.0001"]
-    payload = parity.to_json(result, [])
+    runs = (parity.Run("standard", "1 process", "r.yaml", {}), parity.Run("mca", "1 process", "r.yaml", {}))
+    verdict = Verdict("", "", result, compare_evals({}, {}, 1e-4), None, 0.0, result.failures())
+    payload = to_json([verdict], [Pair(*runs, "model", (1, 2, 3))])
+    assert payload["passed"] is False and payload["failures"] == ["step 2 rel diff inf > 0.0001"]
     assert payload["losses"]["mca"][1] == "nan" and payload["rel_diff"][1] == "inf"
     json.loads(json.dumps(payload, allow_nan=False))
 

@@ -1,0 +1,251 @@
+"""The parity sweep: named cases, each one recipe trained on both backends and compared.
+
+A case is a key set (``overrides`` over a ``base`` recipe) at one parallel ``layout`` on a tiny model built
+locally (``roll.tiny``). ``tests/parity`` runs every case (grouped per process launch) and ``roll-parity
+--case NAME`` runs one from the command line; both plan the two runs the same way (``roll.parity.plan_runs``:
+the standard run is one process whose gradient accumulation covers the mca run's data-parallel ranks) and
+compare them with ``roll.parity_report``. Every bound is a measurement: ``measured`` holds the largest gaps
+seen on CPU, fp32 unless the case says otherwise, and a bound is about 10x to 100x its measured gap (bf16:
+about 3x), so that a real parity bug (a key one backend ignores moves the loss by 1e-3 or more within 8
+steps) fails it. Add a case here and both the test and the command line know it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""Dataset paths of the bases are relative to the repository (roll-parity --case runs from any directory)."""
+
+MODELS = {
+    "qwen2": {"kind": "qwen2"},
+    "qwen2_4l": {"kind": "qwen2", "num_layers": 4},
+    "moe": {"kind": "qwen3_moe"},
+}
+"""Tiny models (``roll.tiny.make_tiny_model`` keyword arguments): hidden 64, a 512-token BPE tokenizer.
+qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts."""
+
+_COMMON = {"cutoff_len": 64, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+           "learning_rate": 1.0e-3, "seed": 0}
+BASES = {
+    "sft": {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json", **_COMMON},
+    "pt": {"stage": "pt", "dataset": "recipes/demo/data/arithmetic_pt.jsonl", **_COMMON},
+    "dpo": {"stage": "dpo", "dataset": "recipes/demo/data/arithmetic_dpo.json", "pref_beta": 0.1, **_COMMON},
+}
+"""Recipe bases: 8 samples a step (4 x 2 micro-batches at data-parallel size 1)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    processes: int
+    dp: int
+    """Data-parallel size: the layout's gradient accumulation is the base's divided by it (same global batch)."""
+    keys: dict = field(default_factory=dict)
+
+
+LAYOUTS = {
+    "1p": Layout(1, 1),
+    "tp2": Layout(2, 1, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "pp2_vpp2": Layout(2, 1, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    "dp2_overlap": Layout(2, 2, {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                 "overlap_param_gather": True}),
+    "cp2": Layout(2, 1, {"context_parallel_size": 2}),
+    "ep2": Layout(2, 2, {"expert_model_parallel_size": 2}),
+}
+"""The mca run's parallel layouts (the standard run is one process whatever the layout)."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Largest relative gaps allowed between the two runs."""
+
+    step1: float | None = 1e-6
+    """Loss at the first step (same weights, same batch: only reduction order differs). fp32 measured: 1.2e-7
+    at most (PP2 x VPP2), 2e-8 typically."""
+    steps: float | None = 1e-5
+    """Loss at every step. fp32 measured: 6.6e-7 at most (weight decay at lr 1e-2)."""
+    eval: float | None = 1e-6
+    """eval_loss at every step both runs evaluated (the same steps, or the case fails). fp32 measured: 3.8e-8."""
+    weights: float | None = 1e-3
+    """Exported weights: ||mca - standard|| / ||standard - start|| over every exported tensor. fp32 measured:
+    1.2e-4 at most; Adam's first steps move a weight by about lr whatever the size of its gradient, so a
+    gradient that is noise on both backends (1e-8 apart) still moves the weight by lr in either direction."""
+
+
+def M(step1: float | None, steps: float | None, eval: float | None, weights: float | None) -> Bounds:
+    """A measured gap (``None``: not measured, e.g. eval in a case without eval)."""
+    return Bounds(step1, steps, eval, weights)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    base: str
+    """A key of BASES."""
+    overrides: dict
+    """The key set under test, on both runs (recipe keys, as YAML values)."""
+    layout: str = "1p"
+    model: str = "qwen2"
+    steps: int = 8
+    bounds: Bounds = Bounds()
+    measured: Bounds | None = None
+    """The largest gaps measured on CPU (fp32 unless the key set says otherwise), for the record."""
+    resume_at: int | None = None
+    """Resume mid-run: both runs save at this step, then each resumes from its own checkpoint; compared are
+    the full runs and the resumed ones (steps resume_at+1..steps)."""
+    clips: bool = False
+    """The key set clips gradients: every logged grad_norm (before clipping) must exceed max_grad_norm."""
+
+    def __post_init__(self) -> None:
+        assert self.base in BASES and self.layout in LAYOUTS and self.model in MODELS, self
+        if self.resume_at is not None:
+            assert 0 < self.resume_at < self.steps, self
+
+    @property
+    def standard_key(self) -> str:
+        """Cases with equal keys have the same standard run: it is one process whatever the mca layout, and
+        the layout keeps the global batch."""
+        return json.dumps([self.base, self.overrides, self.model, self.steps, self.resume_at], sort_keys=True)
+
+    def recipe(self, model_dir: str) -> dict:
+        """The recipe both runs share (the mca run's layout included; roll-parity plans the runs from it)."""
+        base = dict(BASES[self.base])
+        base["dataset"] = os.path.join(REPO, base["dataset"])
+        layout = LAYOUTS[self.layout]
+        recipe = {**base, "model_name_or_path": model_dir, **self.overrides, **layout.keys,
+                  "nproc_per_node": layout.processes}
+        gas = recipe["gradient_accumulation_steps"]
+        assert gas % layout.dp == 0, (self.name, gas, layout.dp)
+        recipe["gradient_accumulation_steps"] = gas // layout.dp
+        for key in ("dataset", "eval_dataset"):  # a case's own data file, relative to the repository too
+            if isinstance(recipe.get(key), str) and not os.path.isabs(recipe[key]):
+                recipe[key] = os.path.join(REPO, recipe[key])
+        return recipe
+
+
+def _lora(**keys) -> dict:
+    return {"finetuning_type": "lora", "lora_dropout": 0.0, "learning_rate": 1.0e-2, **keys}
+
+
+_WARMUP = {"warmup_steps": 3}
+_EVAL = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 3, "eval_on_start": True,
+         "per_device_eval_batch_size": 4}
+
+CASES = (
+    # --- key sets on one process --------------------------------------------------------------------------
+    Case("sft_plain", "sft", {},
+         measured=M(2.0e-8, 1.1e-7, None, 5.8e-5)),
+    Case("pt_plain", "pt", {},
+         measured=M(5.6e-8, 1.9e-7, None, 1.9e-6)),
+    Case("weight_decay", "sft", {"weight_decay": 0.1, "learning_rate": 1.0e-2},
+         measured=M(2.0e-8, 6.6e-7, None, 1.2e-4)),
+    Case("lr_linear_warmup", "sft", {"lr_scheduler_type": "linear", **_WARMUP},
+         measured=M(2.0e-8, 9.0e-8, None, 9.8e-7)),
+    Case("lr_cosine_warmup", "sft", {"lr_scheduler_type": "cosine", "warmup_ratio": 0.25},
+         measured=M(2.0e-8, 8.2e-8, None, 8.2e-7)),
+    Case("lr_constant_with_warmup", "sft", {"lr_scheduler_type": "constant_with_warmup", **_WARMUP},
+         measured=M(2.0e-8, 9.0e-8, None, 9.6e-7)),
+    Case("lr_cosine_with_restarts", "sft", {"lr_scheduler_type": "cosine_with_restarts", **_WARMUP,
+                                            "lr_scheduler_kwargs": {"num_cycles": 2}},
+         measured=M(2.0e-8, 9.0e-8, None, 9.6e-7)),
+    Case("lr_polynomial", "sft", {"lr_scheduler_type": "polynomial", **_WARMUP,
+                                  "lr_scheduler_kwargs": {"power": 2.0, "lr_end": 1.0e-5}},
+         measured=M(2.0e-8, 1.1e-7, None, 1.1e-6)),
+    Case("lr_inverse_sqrt", "sft", {"lr_scheduler_type": "inverse_sqrt", **_WARMUP},
+         measured=M(2.0e-8, 9.0e-8, None, 8.9e-7)),
+    Case("lr_cosine_with_min_lr", "sft", {"lr_scheduler_type": "cosine_with_min_lr", **_WARMUP,
+                                          "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+         measured=M(2.0e-8, 9.0e-8, None, 9.9e-7)),
+    Case("lr_cosine_warmup_with_min_lr", "sft", {"lr_scheduler_type": "cosine_warmup_with_min_lr", **_WARMUP,
+                                                 "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+         measured=M(2.0e-8, 1.1e-7, None, 2.5e-5)),
+    Case("lr_warmup_stable_decay", "sft", {"lr_scheduler_type": "warmup_stable_decay", **_WARMUP,
+                                           "lr_scheduler_kwargs": {"num_decay_steps": 3}},
+         measured=M(2.0e-8, 9.0e-8, None, 9.5e-7)),
+    Case("grad_clipping", "sft", {"max_grad_norm": 0.5, "learning_rate": 1.0e-2}, clips=True,
+         measured=M(2.0e-8, 4.7e-7, None, 9.7e-5)),
+    Case("ga_uneven_lengths", "sft", {"dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128,
+                                      "per_device_train_batch_size": 1, "gradient_accumulation_steps": 8},
+         measured=M(9.1e-8, 1.1e-7, None, 1.6e-6)),
+    Case("adam_hyperparameters", "sft", {"adam_beta1": 0.8, "adam_beta2": 0.9, "adam_epsilon": 1.0e-4,
+                                         "learning_rate": 3.0e-3},
+         measured=M(2.0e-8, 1.6e-7, None, 3.9e-7)),
+    Case("packing", "sft", {"packing": True, "cutoff_len": 128},
+         measured=M(3.0e-8, 1.0e-7, None, 5.0e-6)),
+    Case("mid_run_eval", "sft", _EVAL,
+         measured=M(3.7e-8, 1.1e-7, 3.6e-8, 1.0e-6)),
+    Case("resume_mid_run", "sft", {}, resume_at=4,
+         measured=M(2.0e-8, 1.1e-7, None, 5.8e-5)),
+    Case("bf16", "sft", {"bf16": True}, bounds=Bounds(step1=2e-4, steps=3e-3, eval=3e-3, weights=0.2),
+         measured=M(2.2e-5, 4.6e-4, None, 5.1e-2)),
+    Case("dpo_sigmoid", "dpo", {},
+         measured=M(0, 2.6e-7, None, 5.6e-5)),
+    Case("dpo_sigmoid_label_smoothing", "dpo", {"pref_label_smoothing": 0.2},
+         measured=M(0, 1.3e-7, None, 3.6e-5)),
+    Case("dpo_ipo", "dpo", {"pref_loss": "ipo"},
+         measured=M(0, 1.1e-7, None, 7.3e-5)),
+    Case("dpo_hinge", "dpo", {"pref_loss": "hinge"},
+         measured=M(0, 6.3e-7, None, 7.7e-5)),
+    Case("lora_all_r8", "sft", _lora(lora_rank=8, lora_target="all"),
+         measured=M(2.0e-8, 6.9e-8, None, 2.2e-7)),
+    Case("lora_qv_r4_alpha16", "sft", _lora(lora_rank=4, lora_alpha=16, lora_target="q_proj,v_proj"),
+         measured=M(2.0e-8, 1.1e-7, None, 4.5e-7)),
+    Case("lora_mlp_r16_alpha8", "sft", _lora(lora_rank=16, lora_alpha=8, lora_target="gate_proj,up_proj,down_proj"),
+         measured=M(2.0e-8, 8.7e-8, None, 4.3e-7)),
+    # --- each layout with a representative key set ------------------------------------------------------
+    Case("tp2_weight_decay_cosine", "sft", {"weight_decay": 0.1, "lr_scheduler_type": "cosine", **_WARMUP},
+         layout="tp2",
+         measured=M(2.0e-8, 8.9e-8, None, 1.0e-6)),
+    Case("pp2_vpp2_mid_run_eval", "sft", _EVAL, layout="pp2_vpp2", model="qwen2_4l",
+         measured=M(1.2e-7, 2.0e-7, 3.8e-8, 1.6e-5)),
+    Case("dp2_overlap_clipping_decay", "sft", {"max_grad_norm": 0.5, "weight_decay": 0.1,
+                                               "learning_rate": 1.0e-2}, layout="dp2_overlap", clips=True,
+         measured=M(2.0e-8, 4.8e-7, None, 9.8e-5)),
+    Case("cp2_packing", "sft", {"packing": True, "cutoff_len": 128}, layout="cp2",
+         measured=M(1.4e-8, 1.2e-7, None, 8.1e-6)),
+    Case("ep2_moe_adam", "sft", {"adam_beta1": 0.8, "adam_beta2": 0.9, "moe_aux_loss_coeff": 0.0}, layout="ep2",
+         model="moe",
+         measured=M(0, 1.5e-7, None, 3.8e-6)),
+    Case("moe_default_aux_loss", "sft", {}, model="moe",
+         measured=M(0, 1.2e-4, None, 1.4e-1)),
+    Case("tp2_dpo_ipo", "dpo", {"pref_loss": "ipo"}, layout="tp2",
+         measured=M(0, 2.3e-7, None, 1.1e-4)),
+    Case("pp2_vpp2_lora_qv", "sft", _lora(lora_rank=4, lora_alpha=16, lora_target="q_proj,v_proj"),
+         layout="pp2_vpp2", model="qwen2_4l",
+         measured=M(7.2e-8, 1.3e-7, None, 1.1e-6)),
+)
+
+
+def case_names() -> list[str]:
+    return [case.name for case in CASES]
+
+
+def get_case(name: str) -> Case:
+    """The case called ``name``; ConfigError naming the known cases otherwise."""
+    from roll.errors import ConfigError
+
+    for case in CASES:
+        if case.name == name:
+            return case
+    raise ConfigError(f"no parity case named {name!r}; the cases are (roll-parity --list-cases): "
+                      f"{', '.join(case_names())}.")
+
+
+def format_cases() -> str:
+    """``roll-parity --list-cases``: one case a line (name, layout, model, stage, key set)."""
+    width = max(len(name) for name in case_names())
+    return "\n".join(f"{case.name:<{width}}  {case.layout:<11}  {case.model:<8}  {case.base:<3}  "
+                     + (" ".join(f"{k}={json.dumps(v)}" for k, v in case.overrides.items()) or "-")
+                     + (f"  (resumed at step {case.resume_at})" if case.resume_at else "") for case in CASES)
+
+
+def build_model(name: str, root: str) -> str:
+    """The tiny model ``name`` (MODELS) in ROOT/NAME, built once (a finished build has config.json)."""
+    from roll.tiny import make_tiny_model
+
+    out = os.path.join(root, name)
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        make_tiny_model(out, **MODELS[name])
+    return out

@@ -1,0 +1,132 @@
+"""The parity sweep: every case of ``roll.parity_cases`` trained on both backends and compared within its bounds
+(loss at step 1 and at every step, the logged learning rate, eval_loss, the exported weights).
+
+CI cost is the design constraint. All the runs of the sweep take three process launches: the standard runs
+in one plain process (one per distinct key set: the standard run does not depend on the mca layout, so the
+layout cases reuse the 1-process cases' reference), the 1-process mca runs in one ``torchrun`` job, started
+beside it (one core each), then the 2-process mca runs in a second ``torchrun`` job. Interpreter start-up and
+imports are paid three times, not once per run. ``roll-parity --case NAME`` runs any one case from the
+command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from roll.launch import free_port
+from roll.parity_cases import CASES, LAYOUTS, MODELS, Case
+from tests.helpers import REPO, clean_env
+
+pytestmark = [pytest.mark.distributed, pytest.mark.mca]
+WORKER = os.path.join(REPO, "tests", "parity", "_worker.py")
+TIMEOUT = 900
+"""Per launch; the whole sweep takes about 5 minutes on an idle 2-core machine."""
+
+XFAIL = {
+    "moe_default_aux_loss": "mca adds the load-balancing loss (moe_aux_loss_coeff defaults to the model's "
+                            "router_aux_loss_coef, 0.001) where HF trains without it (output_router_logits false): "
+                            "exported weights 1.35e-1 apart, losses 1.2e-4 at step 7; ep2_moe_adam with "
+                            "moe_aux_loss_coeff 0 holds within 1.5e-7",
+}
+"""Case name -> why it fails today (a known parity gap, with its measured size); held strictly."""
+
+
+def _start(runs: list, out_dir, name: str, processes: int) -> tuple[subprocess.Popen, str, str]:
+    spec, result, log = (str(out_dir / f"{name}.{ext}") for ext in ("spec.json", "result.json", "log"))
+    with open(spec, "w", encoding="utf-8") as fh:
+        json.dump({"runs": [{"label": label, "args": run.args} for label, run in runs]}, fh)
+    cmd = [sys.executable, WORKER, spec, result]
+    if processes:
+        cmd[1:1] = ["-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--master_addr=127.0.0.1",
+                    f"--master_port={free_port()}"]
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=fh, stderr=subprocess.STDOUT)
+    return proc, result, log
+
+
+def _finish(started: tuple[subprocess.Popen, str, str], deadline: float) -> dict:
+    proc, result, log = started
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.returncode != 0 or not os.path.isfile(result):
+        with open(log, encoding="utf-8", errors="replace") as fh:
+            pytest.fail(f"parity worker exited {proc.returncode}:\n{fh.read()[-6000:]}")
+    with open(result, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _model_dir(factory, name: str) -> str:
+    keys = dict(MODELS[name])
+    return factory(keys.pop("kind"), **keys)
+
+
+class Sweep:
+    """Every case planned and trained; ``verdicts(case)`` compares its runs."""
+
+    def __init__(self, factory, root) -> None:
+        from roll.parity_sweep import plan_case
+
+        self.pairs, self.outcome = {}, {}
+        standard, mca = [], {1: [], 2: []}
+        references: dict[str, tuple[str, list]] = {}
+        for case in CASES:
+            pairs = plan_case(case, str(root / case.name), _model_dir(factory, case.model))
+            if case.standard_key in references:  # the same standard run: train it once
+                owner, reference = references[case.standard_key]
+                pairs = [replace(p, standard=ref.standard) for p, ref in zip(pairs, reference)]
+            else:
+                owner = case.name
+                references[case.standard_key] = owner, pairs
+                standard += [(f"{owner}/{p.standard.label}", p.standard) for p in pairs]
+            mca[LAYOUTS[case.layout].processes] += [(f"{case.name}/{p.mca.label}", p.mca) for p in pairs]
+            self.pairs[case.name] = [(p, f"{owner}/{p.standard.label}", f"{case.name}/{p.mca.label}")
+                                     for p in pairs]
+        start = time.monotonic()
+        deadline = start + TIMEOUT
+        first = [_start(standard, root, "standard", 0), _start(mca[1], root, "mca_1p", 1)]
+        for started in first:
+            self.outcome.update(_finish(started, deadline))
+        self.outcome.update(_finish(_start(mca[2], root, "mca_2p", 2), time.monotonic() + TIMEOUT))
+        self.seconds = time.monotonic() - start
+        self.runs = len(standard) + len(mca[1]) + len(mca[2])
+
+    def verdicts(self, case: Case) -> list:
+        from roll.parity_sweep import check_case
+
+        out = []
+        for pair, *labels in self.pairs[case.name]:
+            for label in labels:
+                if not self.outcome[label]["ok"]:
+                    pytest.fail(f"{case.name}: the {label} run failed:\n{self.outcome[label]['error']}")
+            out.append(check_case(case, pair))
+        return out
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_model_factory, tmp_path_factory) -> Sweep:
+    pytest.importorskip("megatron.core")
+    return Sweep(tiny_model_factory, tmp_path_factory.mktemp("parity"))
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, id=case.name, marks=pytest.mark.xfail(
+    strict=True, reason=XFAIL[case.name]) if case.name in XFAIL else ()) for case in CASES])
+def test_case(sweep, case):
+    verdicts = sweep.verdicts(case)
+    report = os.environ.get("ROLL_PARITY_REPORT")  # measuring the bounds: every case's gaps, one JSON line each
+    if report:
+        with open(report, "a", encoding="utf-8") as fh:
+            for verdict in verdicts:
+                fh.write(json.dumps({"case": case.name, "label": verdict.label, **verdict.gaps(),
+                                     "sweep_seconds": round(sweep.seconds), "runs": sweep.runs}) + "\n")
+    for verdict in verdicts:
+        assert verdict.passed, verdict.summary()
