@@ -7,7 +7,7 @@ test_parity_tool.py) on CPU in fp32 and builds the same comparisons; for every b
 relative gap over every step of every comparison held to it, where that gap is, and the bound's ratio to it.
 It exits 1 when a gap comes within 3x of its bound (a flaky test) or a bound is more than 100x a gap (a bound
 that a bug hides under); a bit-identical comparison counts as one fp32 rounding (1e-7) there. Cases:
-goldens, backend, layouts, eval, resume, packed, lora, dpo, parity_tool, export (all by default; ~10 min on 2 idle cores).
+goldens, backend, layouts, eval, resume, packed, lora, dpo, parity_tool, param_groups, export (all by default; ~10 min on 2 idle cores).
 Write a new measurement into tests/bounds.py with its date.
 """
 
@@ -117,6 +117,12 @@ def case_parity_tool(make, root: Path) -> list[Comparison]:
         _, result, _ = roll_parity(recipe, "--steps", "3", *extra, timeout=600)
         comparisons.append(Comparison(label, result["losses"]["mca"], result["losses"]["standard"], bound))
     return comparisons
+
+
+def case_param_groups(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_param_groups import decay_comparison, decay_parity_run
+
+    return [decay_comparison(decay_parity_run(make("qwen2"), root)[1])]
 
 
 def case_export(make, root: Path) -> list[Comparison]:

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from tests.bounds import BACKEND_DPO, DPO_LAYOUT, Bound, Comparison, assert_within
+from tests.bounds import (BACKEND_DPO, BACKEND_DPO_REWARDS, DPO_LAYOUT, DPO_LAYOUT_REWARDS, Bound, Comparison,
+                          assert_within)
 from tests.distributed.test_mca_train import WORKERS, standard_log, train_runs
 from tests.helpers import output_of, results, roll_train, torchrun
 
@@ -26,10 +27,15 @@ def _needs_megatron():
     pytest.importorskip("megatron.core")
 
 
-def metric_comparisons(label: str, log: list[dict], reference: list[dict], bound: Bound) -> list[Comparison]:
-    """The loss and every DPO metric, step by step; 1e-6 absolute on top (the rewards start at 0)."""
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def metric_comparisons(label: str, log: list[dict], reference: list[dict], bounds: tuple[Bound, Bound]
+                       ) -> list[Comparison]:
+    """The loss and every DPO metric, step by step: the loss and log-probs relative (``bounds[0]``), the
+    rewards, which start at 0, absolute (``bounds[1]``)."""
     return [Comparison(f"{label} {name}", [entry[name] for entry in log], [entry[name] for entry in reference],
-                       bound, atol=1e-6) for name in ("loss", *METRICS)]
+                       bounds[name in REWARDS], scale=1.0 if name in REWARDS else 0.0) for name in ("loss", *METRICS)]
 
 
 def dpo_runs(make_model, tmp_path) -> tuple[dict, dict]:
@@ -59,16 +65,18 @@ def dpo_runs(make_model, tmp_path) -> tuple[dict, dict]:
     return standard, result
 
 
+BACKEND, LAYOUT = (BACKEND_DPO, BACKEND_DPO_REWARDS), (DPO_LAYOUT, DPO_LAYOUT_REWARDS)
+
+
 def dpo_comparisons(standard: dict, result: dict) -> list[Comparison]:
     reference = result["tp1_dp2"]["log"]
     comparisons = [*metric_comparisons("tp2_padded vs standard", result["tp2_padded"]["log"], standard["tp1_dp2"],
-                                       BACKEND_DPO)]
+                                       BACKEND)]
     for name, log in standard.items():  # TRL's sigmoid, ipo, conservative DPO (sigmoid + label smoothing)
-        comparisons += metric_comparisons(f"{name} vs standard", result[name]["log"], log, BACKEND_DPO)
+        comparisons += metric_comparisons(f"{name} vs standard", result[name]["log"], log, BACKEND)
     for name in ("distributed_optimizer", "tp2_padded", "pp2", "pp2_vpp2", "cp2"):
-        comparisons += metric_comparisons(name, result[name]["log"], reference, DPO_LAYOUT)
-    return comparisons + metric_comparisons("moe_ep2", result["moe_ep2"]["log"], result["moe_ep1"]["log"],
-                                            DPO_LAYOUT)
+        comparisons += metric_comparisons(name, result[name]["log"], reference, LAYOUT)
+    return comparisons + metric_comparisons("moe_ep2", result["moe_ep2"]["log"], result["moe_ep1"]["log"], LAYOUT)
 
 
 def test_dpo_layouts_and_backend_parity(tiny_model_factory, tmp_path):

@@ -6,7 +6,7 @@
   is HF Trainer's own ``create_optimizer``, the mca side ``build_optimizer`` (one 2-rank torchrun launch
   for all cases).
 - roll-parity with a large weight decay and an HF-only schedule with warmup (cosine_with_min_lr) gives the
-  same loss at every step on both backends, within 1e-5 relative.
+  same loss at every step on both backends, within the measured backend gap (tests/bounds.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 
 import pytest
 
+from tests.bounds import BACKEND_DECAY, Comparison, assert_within
 from tests.distributed.test_parity_tool import roll_parity
 from tests.helpers import output_of, results, torchrun
 
@@ -94,20 +95,34 @@ def test_the_decayed_parameters_are_hf_trainers(mca_groups, name, tmp_path):
         assert "model.norm.weight" in mca["undecayed"] and "model.embed_tokens.weight" in mca["decayed"]
 
 
-def test_weight_decay_and_an_hf_schedule_match_the_standard_backend(tiny_model_factory, tmp_path):
-    """Step-by-step parity with weight_decay 1.0 (decaying a norm weight or a bias shows at step 2) and
-    cosine_with_min_lr after 2 warmup steps; when mca decayed every parameter: 2.3e-2 apart by step 8."""
+def decay_parity_run(model_dir: str, tmp_path) -> tuple[int, dict, str]:
+    """roll-parity, 8 steps, weight_decay 1.0, learning rate 1e-2, cosine_with_min_lr after 2 warmup steps:
+    (exit code, its JSON, stderr)."""
     recipe = tmp_path / "sft.yaml"
-    recipe.write_text(f"model_name_or_path: {tiny_model_factory('qwen2')}\nstage: sft\n"
+    recipe.write_text(f"model_name_or_path: {model_dir}\nstage: sft\n"
                       "dataset: recipes/demo/data/arithmetic_sft.json\ncutoff_len: 64\n"
                       "per_device_train_batch_size: 4\nlearning_rate: 1.0e-2\nseed: 0\n"
                       "lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs: {min_lr_rate: 0.1}\n")
-    out = tmp_path / "parity"
-    code, result, stderr = roll_parity(str(recipe), "--steps", "8", "--tolerance", "1e-5", "--output-dir",
-                                       str(out), "weight_decay=1.0", "warmup_steps=2", timeout=300)
+    return roll_parity(str(recipe), "--steps", "8", "--tolerance", f"{BACKEND_DECAY.rel:g}",
+                       "--first-step-tolerance", f"{BACKEND_DECAY.rel:g}", "--output-dir", str(tmp_path / "parity"),
+                       "weight_decay=1.0", "warmup_steps=2", timeout=300)
+
+
+def decay_comparison(result: dict) -> Comparison:
+    return Comparison("weight_decay 1.0 mca vs standard", result["losses"]["mca"], result["losses"]["standard"],
+                      BACKEND_DECAY)
+
+
+def test_weight_decay_and_an_hf_schedule_match_the_standard_backend(tiny_model_factory, tmp_path):
+    """Step-by-step parity within the measured backend gap (BACKEND_DECAY in tests/bounds.py) with weight_decay
+    1.0 (decaying a norm weight or a bias shows at step 2) and cosine_with_min_lr after 2 warmup steps; when
+    mca decayed every parameter: 2.3e-2 apart by step 8."""
+    code, result, stderr = decay_parity_run(tiny_model_factory("qwen2"), tmp_path)
+    assert result["steps"] == list(range(1, 9)), result
+    assert_within([decay_comparison(result)])
     assert code == 0 and result["passed"], (result, stderr[-4000:])
-    assert result["steps"] == list(range(1, 9)) and result["max_rel_diff"] < 1e-5, result
     # The same learning_rate column: HF Trainer logs the rate each update used (0 at warmup step 1).
+    out = tmp_path / "parity"
     rates = {backend: [record["learning_rate"] for record in read_records(out / backend / "train_log.jsonl")
                        if "loss" in record] for backend in ("standard", "mca")}
     assert rates["mca"] == pytest.approx(rates["standard"], rel=1e-6), rates

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.bounds import BACKEND, BACKEND_EVAL, BACKEND_LORA, BACKEND_TP2, LAYOUT, LORA_LAYOUT, Comparison, assert_within
+from tests.bounds import BACKEND, BACKEND_BF16, BACKEND_EVAL, BACKEND_LORA, BACKEND_TP2, LAYOUT, LORA_LAYOUT, Comparison, assert_within
 from tests.helpers import REPO, output_of, roll_train, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
@@ -110,12 +110,15 @@ def test_layouts_give_the_same_losses(tiny_model_factory, tmp_path):
 
 def backend_runs(model_dir: str, root) -> dict:
     """The SFT and PT recipes on the standard backend (1 process) and on Megatron at TP1 (1 process), TP2,
-    and TP2 with a padded vocabulary (2 processes), 10 steps each; {run: losses} with "std_sft", "std_pt"."""
+    and TP2 with a padded vocabulary (2 processes), and SFT in bf16 at TP1, 10 steps each; {run: losses} with
+    the standard backend's as "std_sft", "std_pt", "std_bf16"."""
     sft = {**SFT, "model_name_or_path": model_dir, "output_dir": str(root / "out")}
     pt = {**sft, "stage": "pt", "dataset": "recipes/demo/data/arithmetic_pt.jsonl"}
-    losses = {"std_sft": standard_losses(root, sft, "std_sft"), "std_pt": standard_losses(root, pt, "std_pt")}
+    losses = {"std_sft": standard_losses(root, sft, "std_sft"), "std_pt": standard_losses(root, pt, "std_pt"),
+              "std_bf16": standard_losses(root, sft, "std_bf16", bf16=True)}
     (root / "one").mkdir()
-    one = train_runs(root / "one", sft, [{"name": "sft_tp1"}], nproc=1)
+    one = train_runs(root / "one", sft, [{"name": "sft_tp1"}, {"name": "bf16_tp1", "overrides": {"bf16": True}}],
+                     nproc=1)
     padded = {"tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": 384}
     two = train_runs(root, sft, [
         {"name": "sft_tp2", "overrides": {"tensor_model_parallel_size": 2}},
@@ -126,15 +129,16 @@ def backend_runs(model_dir: str, root) -> dict:
 
 
 def backend_comparisons(losses: dict) -> list[Comparison]:
-    return [Comparison(name, losses[name], losses["std_" + name.split("_")[0]],
-                       BACKEND if name == "sft_tp1" else BACKEND_TP2)
-            for name in ("sft_tp1", "sft_tp2", "sft_tp2_padded", "pt_tp2_padded")]
+    bounds = {"sft_tp1": BACKEND, "sft_tp2": BACKEND_TP2, "sft_tp2_padded": BACKEND_TP2, "pt_tp2_padded": BACKEND_TP2,
+              "bf16_tp1": BACKEND_BF16}
+    return [Comparison(name, losses[name], losses["std_" + name.split("_")[0]], bound)
+            for name, bound in bounds.items()]
 
 
 def test_backend_parity_sft_and_pt(tiny_model_dir, tmp_path):
     """The same recipe on the standard backend and on Megatron, every one of 10 steps within the measured
-    backend gap (tests/bounds.py: BACKEND at TP1, BACKEND_TP2); at TP1, TP2, and TP2 with a padded vocabulary
-    (512 tokens padded to 768: the padded logits must not enter the softmax)."""
+    backend gap (tests/bounds.py: BACKEND at TP1, BACKEND_TP2, BACKEND_BF16); at TP1, TP2, and TP2 with a
+    padded vocabulary (512 tokens padded to 768: the padded logits must not enter the softmax); in bf16 at TP1."""
     assert_within(backend_comparisons(backend_runs(tiny_model_dir, tmp_path)))
 
 
