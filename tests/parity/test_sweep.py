@@ -22,6 +22,7 @@ import pytest
 
 from roll.launch import free_port
 from roll.parity_cases import CASES, LAYOUTS, MODELS, Case
+from roll.parity_report import read_log
 from tests.helpers import REPO, clean_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
@@ -130,3 +131,8 @@ def test_case(sweep, case):
                                      "sweep_seconds": round(sweep.seconds), "runs": sweep.runs}) + "\n")
     for verdict in verdicts:
         assert verdict.passed, verdict.summary()
+    if case.resume_at is not None:  # each backend's resumed run repeats its own uninterrupted run
+        full, resumed = (pair for pair, *_ in sweep.pairs[case.name])
+        for backend in ("standard", "mca"):
+            before, after = (read_log(getattr(pair, backend).output_dir) for pair in (full, resumed))
+            assert after == {step: before[step] for step in resumed.steps}, (backend, before, after)
