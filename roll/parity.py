@@ -36,7 +36,8 @@ DEFAULT_STEPS = 10
 LOG_TAIL_LINES = 30
 
 USAGE = f"""usage: roll-parity RECIPE.yaml [--steps N] [--tolerance T] [--first-step-tolerance T1]
-                   [--eval-tolerance TE] [--output-dir DIR [--save-models]] [--json] [key=value | --key value ...]
+                   [--eval-tolerance TE] [--weights-tolerance TW] [--output-dir DIR [--save-models]] [--json]
+                   [key=value | --key value ...]
        roll-parity --case NAME [options] [key=value ...]
        roll-parity --list-cases
 
@@ -150,8 +151,8 @@ def parse_command_line(argv: list[str]) -> ParityOptions:
             raise ConfigError(f"roll-parity takes a recipe or --case NAME, not both (got {cli.recipe!r} and "
                               f"--case {options.case}).")
     elif cli.recipe is None:
-        raise ConfigError("roll-parity needs a recipe: roll-parity RECIPE.yaml [key=value ...] (or --case NAME; "
-                          "roll-parity --list-cases lists them).")
+        raise ConfigError("roll-parity needs a recipe: roll-parity RECIPE.yaml [key=value ...] (or --case "
+                          "NAME; roll-parity --list-cases lists them).")
     options.recipe = cli.recipe
     for key in options.overrides:
         if key in RESERVED:

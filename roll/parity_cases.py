@@ -41,7 +41,8 @@ BASES = {
 class Layout:
     processes: int
     dp: int
-    """Data-parallel size: the layout's gradient accumulation is the base's divided by it (same global batch)."""
+    """Data-parallel size: the layout's gradient accumulation is the base's divided by it (the same global
+    batch)."""
     keys: dict = field(default_factory=dict)
 
 
@@ -67,7 +68,8 @@ class Bounds:
     steps: float | None = 1e-5
     """Loss at every step. fp32 measured: 6.6e-7 at most (weight decay at lr 1e-2)."""
     eval: float | None = 1e-6
-    """eval_loss at every step both runs evaluated (the same steps, or the case fails). fp32 measured: 3.8e-8."""
+    """eval_loss at every step both runs evaluated (the same steps, or the case fails). fp32 measured:
+    3.8e-8."""
     weights: float | None = 1e-3
     """Exported weights: ||mca - standard|| / ||standard - start|| over every exported tensor. fp32 measured:
     1.2e-4 at most; Adam's first steps move a weight by about lr whatever the size of its gradient, so a
@@ -192,7 +194,8 @@ CASES = (
          measured=M(2.0e-8, 6.9e-8, None, 2.2e-7)),
     Case("lora_qv_r4_alpha16", "sft", _lora(lora_rank=4, lora_alpha=16, lora_target="q_proj,v_proj"),
          measured=M(2.0e-8, 1.1e-7, None, 4.5e-7)),
-    Case("lora_mlp_r16_alpha8", "sft", _lora(lora_rank=16, lora_alpha=8, lora_target="gate_proj,up_proj,down_proj"),
+    Case("lora_mlp_r16_alpha8", "sft",
+         _lora(lora_rank=16, lora_alpha=8, lora_target="gate_proj,up_proj,down_proj"),
          measured=M(2.0e-8, 8.7e-8, None, 4.3e-7)),
     # --- each layout with a representative key set ------------------------------------------------------
     Case("tp2_weight_decay_cosine", "sft", {"weight_decay": 0.1, "lr_scheduler_type": "cosine", **_WARMUP},
@@ -205,8 +208,8 @@ CASES = (
          measured=M(2.0e-8, 4.8e-7, None, 9.8e-5)),
     Case("cp2_packing", "sft", {"packing": True, "cutoff_len": 128}, layout="cp2",
          measured=M(1.4e-8, 1.2e-7, None, 8.1e-6)),
-    Case("ep2_moe_adam", "sft", {"adam_beta1": 0.8, "adam_beta2": 0.9, "moe_aux_loss_coeff": 0.0}, layout="ep2",
-         model="moe",
+    Case("ep2_moe_adam", "sft", {"adam_beta1": 0.8, "adam_beta2": 0.9, "moe_aux_loss_coeff": 0.0},
+         layout="ep2", model="moe",
          measured=M(0, 1.5e-7, None, 3.8e-6)),
     Case("moe_default_aux_loss", "sft", {}, model="moe",
          measured=M(0, 1.2e-4, None, 1.4e-1)),

@@ -24,8 +24,8 @@ arithmetic data); 6.7e-6 before both backends shared roll.loss, which this catch
 DEFAULT_EVAL_TOLERANCE = 1e-4
 """Relative eval_loss difference allowed at every step both runs evaluated."""
 DEFAULT_WEIGHTS_TOLERANCE = 1e-3
-"""||mca - standard|| / ||standard - start|| allowed for the exported weights (measured in fp32: 1.2e-4 at most
-over the parity sweep's cases, roll/parity_cases.py)."""
+"""||mca - standard|| / ||standard - start|| allowed for the exported weights (measured in fp32: 1.2e-4 at
+most over the parity sweep's cases, roll/parity_cases.py)."""
 
 
 def parse_log(lines: Iterable[str]) -> dict[int, float]:
@@ -173,7 +173,8 @@ def compare_evals(standard: dict[int, float], mca: dict[int, float], tolerance: 
     rows = []
     for step in sorted(set(standard) | set(mca)):
         a, b = standard.get(step), mca.get(step)
-        rows.append(StepRow(step, a, b, None if a is None or b is None else relative_difference(a, b), tolerance))
+        rel = None if a is None or b is None else relative_difference(a, b)
+        rows.append(StepRow(step, a, b, rel, tolerance))
     return EvalComparison(tuple(rows), tolerance)
 
 
@@ -251,10 +252,12 @@ def _pair_json(verdict, pair) -> dict:
         "tolerance": verdict.losses.tolerance,
         "first_step_tolerance": verdict.losses.first_step_tolerance,
         "steps": [row.step for row in rows],
-        "losses": {"standard": [_number(row.standard) for row in rows], "mca": [_number(row.mca) for row in rows]},
+        "losses": {"standard": [_number(row.standard) for row in rows],
+                   "mca": [_number(row.mca) for row in rows]},
         "rel_diff": [_number(row.rel_diff) for row in rows],
         "eval": {"steps": [row.step for row in evals], "standard": [_number(row.standard) for row in evals],
-                 "mca": [_number(row.mca) for row in evals], "rel_diff": [_number(row.rel_diff) for row in evals],
+                 "mca": [_number(row.mca) for row in evals],
+                 "rel_diff": [_number(row.rel_diff) for row in evals],
                  "tolerance": verdict.evals.tolerance},
         "weights": None if weights is None else {"rel_diff": _number(weights.rel_diff),
                                                  "tolerance": weights.tolerance,

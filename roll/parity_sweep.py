@@ -1,4 +1,4 @@
-"""A parity case's runs (planned as roll-parity plans any recipe) and its verdict, read from the runs' outputs.
+"""A parity case's runs (planned as roll-parity plans any recipe) and its verdict, read from their outputs.
 
 ``plan_case`` writes the case's recipe and returns the pairs of runs to compare (one pair; two for a
 resumed case: the full runs that save mid-run, then the runs resumed from those checkpoints). Who trains
@@ -25,7 +25,7 @@ from roll.parity_report import (Comparison, EvalComparison, WeightGap, compare, 
                                 weight_gap)
 
 LR_TOLERANCE = 1e-6
-"""The logged learning_rate: both backends take it from HF's own schedule function (float32 rounding apart)."""
+"""The logged learning_rate: both backends take it from HF's own schedule function (rounding apart)."""
 
 
 @dataclass(frozen=True)
@@ -83,21 +83,23 @@ class Verdict:
         """The measured gaps, as Bounds names them (and the learning rate's)."""
         first = self.losses.rows[0].rel_diff if self.losses.rows else None
         return {"step1": first, "steps": self.losses.max_rel_diff, "eval": self.evals.max_rel_diff,
-                "weights": None if self.weights is None else self.weights.rel_diff, "learning_rate": self.lr_gap}
+                "weights": None if self.weights is None else self.weights.rel_diff,
+                "learning_rate": self.lr_gap}
 
     def report(self) -> str:
         """The loss table, eval_loss and weights lines, and PASS or FAIL with every failure."""
         lines = [f"-- {self.label} runs --"] if self.label else []
         lines.append(format_table(self.losses))
-        lines += [f"eval_loss at step {row.step}: standard {_text(row.standard)}, mca {_text(row.mca)}, rel diff "
-                  f"{_text(row.rel_diff, '.2e')}" for row in self.evals.rows]
+        lines += [f"eval_loss at step {row.step}: standard {_text(row.standard)}, mca {_text(row.mca)}, "
+                  f"rel diff {_text(row.rel_diff, '.2e')}" for row in self.evals.rows]
         if self.weights is not None:
-            lines.append(f"exported weights: ||mca - standard|| / ||standard - start|| = {self.weights.rel_diff:.2e}"
-                         f" (within {self.weights.tolerance:g})")
+            lines.append("exported weights: ||mca - standard|| / ||standard - start|| = "
+                         f"{self.weights.rel_diff:.2e} (within {self.weights.tolerance:g})")
         lines.append(format_verdict(self.losses).splitlines()[0])
         if self.passed:
             lines.append(f"PASS: step 1 within {self.losses.first_step_tolerance:g}, every step within "
-                         f"{self.losses.tolerance:g}, eval_loss within {self.evals.tolerance:g}, learning rates equal")
+                         f"{self.losses.tolerance:g}, eval_loss within {self.evals.tolerance:g}, "
+                         "learning rates equal")
         else:
             lines.append("FAIL: " + "; ".join(self.failures))
         return "\n".join(lines)
@@ -117,7 +119,8 @@ def check_pair(pair: Pair, bounds: Bounds, name: str = "", clip_limit: float | N
     """Compare the two runs of ``pair`` (both finished) within ``bounds``; with ``clip_limit`` also check that
     every logged gradient norm (before clipping) exceeded it, on both runs."""
     std_dir, mca_dir = pair.standard.output_dir, pair.mca.output_dir
-    losses = compare(read_log(std_dir), read_log(mca_dir), tolerance=bounds.steps, first_step_tolerance=bounds.step1)
+    losses = compare(read_log(std_dir), read_log(mca_dir), tolerance=bounds.steps,
+                     first_step_tolerance=bounds.step1)
     evals = compare_evals(read_evals(std_dir), read_evals(mca_dir), bounds.eval)
     exported = bounds.weights is not None and _has_weights(std_dir) and _has_weights(mca_dir)
     weights = weight_gap(read_weights(pair.start_model), read_weights(std_dir), read_weights(mca_dir),
@@ -174,8 +177,8 @@ def plan(options: ParityOptions, root: str) -> tuple[str, list, Callable[[Pair],
 
 
 def _bounds(options: ParityOptions, weights: bool, case_bounds=None):
-    given = {"step1": options.first_step_tolerance, "steps": options.tolerance, "eval": options.eval_tolerance,
-             "weights": options.weights_tolerance}
+    given = {"step1": options.first_step_tolerance, "steps": options.tolerance,
+             "eval": options.eval_tolerance, "weights": options.weights_tolerance}
     names = {"step1": "first_step_tolerance", "steps": "tolerance", "eval": "eval_tolerance",
              "weights": "weights_tolerance"}
     if case_bounds is not None:  # the case's own bounds, unless the command line gave one
@@ -195,8 +198,9 @@ def _plan_case(options: ParityOptions, root: str) -> tuple[str, list, Callable[[
     case = replace(case, bounds=_bounds(options, weights=True, case_bounds=case.bounds))
     pairs = plan_case(case, root, build_model(case.model, os.path.join(root, "models")), options.overrides)
     keys = " ".join(f"{k}={v}" for k, v in {**case.overrides, **options.overrides}.items()) or "(the base)"
-    lines = [f"roll-parity: case {case.name}: {case.base} on the tiny {case.model} model, layout {case.layout}, "
-             f"{case.steps} steps; keys: {keys}"]
+    lines = [f"roll-parity: case {case.name}: {case.base} on the tiny {case.model} model, layout "
+             f"{case.layout}, {case.steps} steps; keys: {keys}"]
     for pair in pairs:
-        lines += [f"  {run.label}: {run.description}\n    {run.display()}" for run in (pair.standard, pair.mca)]
+        lines += [f"  {run.label}: {run.description}\n    {run.display()}"
+                  for run in (pair.standard, pair.mca)]
     return "\n".join(lines), pairs, lambda p: check_case(case, p)

@@ -1,5 +1,5 @@
-"""The parity sweep: every case of ``roll.parity_cases`` trained on both backends and compared within its bounds
-(loss at step 1 and at every step, the logged learning rate, eval_loss, the exported weights).
+"""The parity sweep: every case of ``roll.parity_cases`` trained on both backends and compared within its
+bounds (loss at step 1 and at every step, the logged learning rate, eval_loss, the exported weights).
 
 CI cost is the design constraint. All the runs of the sweep take three process launches: the standard runs
 in one plain process (one per distinct key set: the standard run does not depend on the mca layout, so the
@@ -22,18 +22,19 @@ import pytest
 
 from roll.launch import free_port
 from roll.parity_cases import CASES, LAYOUTS, MODELS, Case
+from roll.parity_report import read_log
 from tests.helpers import REPO, clean_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 WORKER = os.path.join(REPO, "tests", "parity", "_worker.py")
 TIMEOUT = 900
-"""Per launch; the whole sweep takes about 5 minutes on an idle 2-core machine."""
+"""Per launch (the sweep took 149 s for 67 runs on a busy 2-core machine)."""
 
 XFAIL = {
     "moe_default_aux_loss": "mca adds the load-balancing loss (moe_aux_loss_coeff defaults to the model's "
-                            "router_aux_loss_coef, 0.001) where HF trains without it (output_router_logits false): "
-                            "exported weights 1.35e-1 apart, losses 1.2e-4 at step 7; ep2_moe_adam with "
-                            "moe_aux_loss_coeff 0 holds within 1.5e-7",
+                            "router_aux_loss_coef, 0.001) where HF trains without it "
+                            "(output_router_logits false): exported weights 1.35e-1 apart, losses 1.2e-4 at "
+                            "step 7; ep2_moe_adam with moe_aux_loss_coeff 0 holds within 1.5e-7",
 }
 """Case name -> why it fails today (a known parity gap, with its measured size); held strictly."""
 
@@ -122,7 +123,7 @@ def sweep(tiny_model_factory, tmp_path_factory) -> Sweep:
     strict=True, reason=XFAIL[case.name]) if case.name in XFAIL else ()) for case in CASES])
 def test_case(sweep, case):
     verdicts = sweep.verdicts(case)
-    report = os.environ.get("ROLL_PARITY_REPORT")  # measuring the bounds: every case's gaps, one JSON line each
+    report = os.environ.get("ROLL_PARITY_REPORT")  # for measuring the bounds: each case's gaps, a JSON line
     if report:
         with open(report, "a", encoding="utf-8") as fh:
             for verdict in verdicts:
@@ -130,3 +131,8 @@ def test_case(sweep, case):
                                      "sweep_seconds": round(sweep.seconds), "runs": sweep.runs}) + "\n")
     for verdict in verdicts:
         assert verdict.passed, verdict.summary()
+    if case.resume_at is not None:  # each backend's resumed run repeats its own uninterrupted run
+        full, resumed = (pair for pair, *_ in sweep.pairs[case.name])
+        for backend in ("standard", "mca"):
+            before, after = (read_log(getattr(pair, backend).output_dir) for pair in (full, resumed))
+            assert after == {step: before[step] for step in resumed.steps}, (backend, before, after)

@@ -24,7 +24,8 @@ REQUIRED = {
     "resume mid-run": lambda c: c.resume_at is not None,
     "bf16": lambda c: c.overrides.get("bf16") is True,
     "lora_dropout 0": lambda c: c.overrides.get("lora_dropout") == 0.0,
-    "lora rank/alpha/target variants": lambda c: "lora_alpha" in c.overrides and c.overrides["lora_target"] != "all",
+    "lora rank/alpha/target variants": lambda c: "lora_alpha" in c.overrides
+    and c.overrides["lora_target"] != "all",
 }
 """Issue 17's key sets: each needs a case on one process."""
 
@@ -91,7 +92,8 @@ def test_list_cases_and_unknown_case(capsys):
     assert get_case("bf16").bounds.steps > get_case("sft_plain").bounds.steps
 
 
-def test_a_case_plans_both_runs_with_its_layout_and_the_command_line_bounds(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_case_plans_both_runs_with_its_layout_and_the_command_line_bounds(tiny_model_dir, tmp_path,
+                                                                            monkeypatch):
     from roll import parity_sweep
 
     monkeypatch.setattr(parity_sweep, "build_model", lambda name, root: tiny_model_dir)
