@@ -14,8 +14,8 @@ from roll.plot import parse_curve, read_curve
 DEFAULT_TOLERANCE = 1e-4
 """Relative loss difference allowed at every step. Measured on real weights (SmolLM2-135M-Instruct, fp32, CPU,
 sft on alpaca_en_demo, cutoff 256, 2 x 2 samples per step, lr 2e-5 cosine; scripts/measure_real_parity.py):
-largest over 8 steps 8.0e-6 at TP1 (growing by about 1e-6 a step: Adam gives near-zero gradients a full step
-of either sign), PP2 see docs/mca-training.md "Real weights"; tiny random models about 1e-7. 1e-4 leaves ~10x
+largest over 8 steps 8.0e-6 at TP1 and at PP2 (growing by about 1e-6 a step: Adam gives near-zero gradients a
+full step of either sign; docs/mca-training.md "Real weights"); tiny random models about 1e-7. 1e-4 leaves ~10x
 for 10 steps and deeper models; a wrong loss, mask or shift moves losses by 1e-2 and more."""
 DEFAULT_FIRST_STEP_TOLERANCE = 1e-6
 """Relative difference allowed at step 1 (same weights, same batch: only the forward's rounding differs, the

@@ -255,12 +255,14 @@ def make_dpo_trainer_class():
         """
 
         def __init__(self, *args, **kwargs) -> None:
+            from accelerate.utils import is_peft_model
+
             from backends.standard.dpo_logps import use_roll_log_probs
 
-            super().__init__(*args, **kwargs)
-            use_roll_log_probs(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
-            if self.ref_model is not None:
-                use_roll_log_probs(self.ref_model)
+            super().__init__(*args, **kwargs)  # TRL patches the model it names here (the base model under PEFT)
+            use_roll_log_probs(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+            if self.ref_model is not None:  # TRL patched the model before DeepSpeed / accelerate wrapped it
+                use_roll_log_probs(self.accelerator.unwrap_model(self.ref_model))
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # roll.data tokenized it already; TRL's prompt/chosen/rejected path does not apply
