@@ -89,7 +89,7 @@ MUTANTS: list[Mutant] = [
     Mutant("dpo_reference_is_policy_mca", "mca: DPO reference log-probs taken from the policy",
            "backends/mca/backend.py", "return DPOObjective(vocab_size, settings, models.ref)",
            "return DPOObjective(vocab_size, settings, models.policy if models.ref is not None else None)",
-           (f"{MCA_DPO}::test_reference_stays_frozen_and_log_probs_match_hf",)),
+           (f"{MCA_DPO}::test_dpo_on_one_process_matches_trl_every_step",)),
     Mutant("labels_shifted_twice_mca", "mca: the loss shifts the collator's already shifted labels again",
            LOSS, "log_probs, mask = token_log_probs(logits, labels, vocab_size)\n    return -log_probs.sum()",
            "log_probs, mask = token_log_probs(logits[:, :-1], labels[:, 1:], vocab_size)\n"
