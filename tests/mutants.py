@@ -133,5 +133,5 @@ MUTANTS: list[Mutant] = [
     Mutant("export_stale_overlap_mca", "mca, overlap_param_gather: the export misses the last update's all-gather",
            LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
            "        pass  # the final eval and the HF export",
-           (f"{MCA_TRAIN}::test_overlap_options_export_the_last_update",)),
+           ("tests/distributed/test_mca_export.py::test_the_export_equals_the_trained_model_at_tp2_pp2_dp2",)),
 ]

@@ -134,14 +134,14 @@ ROWS: tuple[Row, ...] = (
     _row("finetuning_type", standard=Honoured(
         "tests/unit/test_standard_train.py::test_freeze_trains_only_the_last_layers"),
          mca=Refused("finetuning_type: full or lora", "freeze", by="McaBackend.check_support")),
-    _row("lora_rank lora_alpha lora_target lora_dropout", both=Honoured(LORA)),
+    _row("lora_rank lora_alpha lora_target lora_dropout", both=Honoured(LORA, parity="lora_qv_r4_alpha16")),
     _row("freeze_trainable_layers", standard=Honoured(
         "tests/unit/test_standard_train.py::test_freeze_trains_only_the_last_layers"),
          mca=NoEffect("read with finetuning_type: freeze only, which the mca backend refuses")),
     _row("export_merged", standard=Honoured(
         "tests/distributed/test_standard_deepspeed.py::test_lora_zero3_exports_adapter_and_merged_model"),
          mca=Honoured("tests/distributed/test_mca_lora.py::test_merged_export_equals_base_plus_adapter")),
-    _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(DPO)),
+    _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(DPO, parity="dpo_ipo")),
     _row("ref_model", standard=Honoured(
         "tests/unit/test_standard_train.py::test_dpo_with_a_separate_reference_model"),
          mca=Honoured(DPO)),
@@ -160,7 +160,7 @@ ROWS: tuple[Row, ...] = (
         "tests/unit/test_mca_platform.py::test_local_spec_rejects_grouped_gemm_without_a_kernel",
         "the grouped-GEMM kernel needs a GPU; CPU runs refuse it")),
     _row("use_distributed_optimizer overlap_grad_reduce overlap_param_gather", standard=MEGATRON_ONLY,
-         mca=Honoured("tests/distributed/test_mca_train.py::test_overlap_options_export_the_last_update")),
+         mca=Honoured("tests/distributed/test_mca_export.py::test_the_export_equals_the_trained_model_at_tp2_pp2_dp2")),
     _row("optimizer_cpu_offload", standard=MEGATRON_ONLY, mca=Honoured(
         None, gap="Megatron's hybrid CPU optimizer needs a GPU; no CPU test")),
     _row("recompute_*", standard=MEGATRON_ONLY, mca=Honoured(
@@ -191,13 +191,14 @@ TRAINING_ROWS: tuple[Row, ...] = (
     _row("num_train_epochs max_steps", both=Honoured(
         "tests/unit/test_mca_trainer.py::test_batch_plan_covers_every_sample_once_per_epoch",
         "both backends take HF's step count (the mca batch plan is checked against it)")),
-    _row("learning_rate lr_scheduler_kwargs warmup_steps weight_decay", both=Honoured(SCHEDULE)),
+    _row("learning_rate lr_scheduler_kwargs warmup_steps weight_decay",
+         both=Honoured(SCHEDULE, parity="weight_decay")),
     _row("lr_scheduler_type", standard=Honoured(SCHEDULE), mca=Refused(
         "a step-based schedule (linear, cosine, cosine_with_min_lr, ...)", "reduce_lr_on_plateau",
         by="backends/mca/trainer/optim.py check_schedule_name")),
     _row("warmup_ratio", both=Honoured(
-        "tests/unit/test_mca_trainer.py::test_warmup_ratio_is_warmup_steps_below_one")),
-    _row("adam_beta1 adam_beta2 adam_epsilon", both=Honoured(None, parity="adam")),
+        "tests/unit/test_mca_trainer.py::test_warmup_ratio_is_warmup_steps_below_one", parity="lr_cosine_warmup")),
+    _row("adam_beta1 adam_beta2 adam_epsilon", both=Honoured(None, parity="adam_hyperparameters")),
     _row("max_grad_norm", both=Honoured(None, parity="grad_clipping")),
     _row("bf16", both=Honoured(None, parity="bf16")),
     _row("fp16", standard=HF, mca=Honoured(None, gap="fp16 needs a GPU (loss scaling); no CPU parity case")),
@@ -279,7 +280,8 @@ TRAINING_ROWS: tuple[Row, ...] = (
     _row("deepspeed", standard=Honoured(
         "tests/distributed/test_standard_deepspeed.py::test_sft_zero_two_processes_matches_one"),
          mca=NoEffect("the mca backend shards with Megatron-Core (warned once), so one recipe runs on both")),
-    _row("eval_strategy eval_steps eval_delay eval_on_start per_device_eval_batch_size", both=Honoured(MID_EVAL)),
+    _row("eval_strategy eval_steps eval_delay eval_on_start per_device_eval_batch_size",
+         both=Honoured(MID_EVAL, parity="mid_run_eval")),
     _row("save_strategy", standard=Honoured(RESUME_STD), mca=Refused(
         "save_strategy: steps, epoch or no", "best", by="McaBackend.check_config")),
     _row("save_steps save_total_limit resume_from_checkpoint", standard=Honoured(RESUME_STD),
