@@ -122,7 +122,7 @@ def run_demo_real(output_dir: str, steps: int | None = None, name: str = DEFAULT
         out("FAIL: a training run did not finish (see above)\n")
         return code or 1
     plot = plot_losses(curves, os.path.join(output_dir, LOSS_PLOT_FILE),
-                       f"LoRA on SmolLM2-135M-Instruct: {name!r} by {author!r}, both backends")
+                       f"SmolLM2-135M-Instruct learns the name {name!r} (LoRA)")
     out(f"\nloss curves (both backends, one plot): {plot}\n")
     out(f"\nafter {steps} steps, {QUESTION!r} (greedy, chat template, the merged models in "
         f"{output_dir}/{{standard,mca}}/merged):\n")
