@@ -7,7 +7,8 @@ test_parity_tool.py) on CPU in fp32 and builds the same comparisons; for every b
 relative gap over every step of every comparison held to it, where that gap is, and the bound's ratio to it.
 It exits 1 when a gap comes within 3x of its bound (a flaky test) or a bound is more than 100x a gap (a bound
 that a bug hides under); a bit-identical comparison counts as one fp32 rounding (1e-7) there. Cases:
-goldens, backend, layouts, eval, resume, packed, lora, dpo, parity_tool, param_groups, export (all by default; ~10 min on 2 idle cores).
+goldens, backend, layouts, resume, eval, packed, lora, dpo, parity_tool, param_groups, conversion, export
+(all by default; ~15 min on 2 idle cores).
 Write a new measurement into tests/bounds.py with its date.
 """
 
@@ -91,7 +92,8 @@ def case_packed(make, root: Path) -> list[Comparison]:
     comparisons = []
     for layout in ([], ["context_parallel_size=2"]):
         (root / str(len(layout))).mkdir()
-        comparisons.append(packed_comparison(packed_runs(make("qwen2"), root / str(len(layout)), layout), layout))
+        losses = packed_runs(make("qwen2"), root / str(len(layout)), layout)
+        comparisons.append(packed_comparison(losses, layout))
     return comparisons
 
 
@@ -125,6 +127,15 @@ def case_param_groups(make, root: Path) -> list[Comparison]:
     return [decay_comparison(decay_parity_run(make("qwen2"), root)[1])]
 
 
+def case_conversion(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_conversion import dense_parity_runs, logit_comparisons, moe_parity_runs
+
+    (root / "dense").mkdir()
+    (root / "moe").mkdir()
+    return [*logit_comparisons(dense_parity_runs(make, root / "dense")),
+            *logit_comparisons(moe_parity_runs(make, root / "moe")[0])]
+
+
 def case_export(make, root: Path) -> list[Comparison]:
     """The export's logits against the trained model's, as a gap relative to the largest logit."""
     from tests.distributed.test_mca_export import export_runs, overlap_comparison
@@ -149,9 +160,10 @@ def summarise(comparisons: list[Comparison]) -> list[dict]:
     names, rows = bound_names(), {}
     for comparison in comparisons:
         for step, gap in enumerate(comparison.gaps(), start=1):
-            row = rows.setdefault(id(comparison.bound), {"bound": names[id(comparison.bound)],
-                                                         "rel": comparison.bound.rel, "recorded": comparison.bound.measured,
-                                                         "gap": -1.0, "where": "", "compared": 0})
+            bound = comparison.bound
+            fresh = {"bound": names[id(bound)], "rel": bound.rel, "recorded": bound.measured, "gap": -1.0,
+                     "where": "", "compared": 0}
+            row = rows.setdefault(id(bound), fresh)
             row["compared"] += 1
             if gap > row["gap"]:
                 row["gap"], row["where"] = gap, f"{comparison.label}, step {step}"
@@ -190,8 +202,8 @@ def main() -> int:
             print(f"case {name}: {time.monotonic() - start:.0f} s", file=sys.stderr)
             for row in case_rows:
                 ratio = row["rel"] / max(row["gap"], ONE_ROUNDING)
-                print(f"{row['case']:<12} {row['bound']:<32} {row['rel']:>8.1e} {row['gap']:>9.1e} {ratio:>7.0f} "
-                      f"{row['compared']:>4}  {row['verdict']:<10} {row['where']}", flush=True)
+                print(f"{row['case']:<12} {row['bound']:<32} {row['rel']:>8.1e} {row['gap']:>9.1e} "
+                      f"{ratio:>7.0f} {row['compared']:>4}  {row['verdict']:<10} {row['where']}", flush=True)
             rows += case_rows
     if options.json:
         with open(options.json, "w", encoding="utf-8") as fh:

@@ -38,7 +38,8 @@ def export_runs(model_dir: str, root) -> dict:
 
 def overlap_comparison(result: dict) -> Comparison:
     """The overlap options change when gradients are reduced and weights gathered, not the losses."""
-    return Comparison("dp2 with overlap", result["dp2"]["losses"], result["dp2_plain"]["losses"], LAYOUT["overlap"])
+    return Comparison("dp2 with overlap", result["dp2"]["losses"], result["dp2_plain"]["losses"],
+                      LAYOUT["overlap"])
 
 
 def test_the_export_equals_the_trained_model_at_tp2_pp2_dp2(tiny_model_dir, tmp_path):
@@ -53,6 +54,7 @@ def test_the_export_equals_the_trained_model_at_tp2_pp2_dp2(tiny_model_dir, tmp_
         assert len(run["losses"]) == 3 and run["losses"][-1] < run["losses"][0], (name, run["losses"])
         assert run["last_step_moved"] > 100 * bound, (name, run)  # a stale export would show
         assert run["export_vs_trained"] <= bound, (
-            f"{name}: the exported model's logits differ from the trained model's by {run['export_vs_trained']:.3e}"
-            f" (bound {bound:.3e}; the last step moved them by {run['last_step_moved']:.3e}): the export is not "
+            f"{name}: the exported model's logits differ from the trained model's by "
+            f"{run['export_vs_trained']:.3e} (bound {bound:.3e}; the last step moved them by "
+            f"{run['last_step_moved']:.3e}): the export is not "
             "the final state")

@@ -1,5 +1,6 @@
-"""tests/bounds.py and scripts/measure_bounds.py on literal numbers: a comparison's per-step gaps and failures,
-the too-tight / too-loose verdict, and every recorded bound 3x-100x above its recorded measurement."""
+"""tests/bounds.py and scripts/measure_bounds.py on literal numbers: a comparison's per-step gaps and
+failures, the too-tight / too-loose verdict, and every recorded bound 3x-100x above its recorded
+measurement."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ BOUND = Bound(1e-6, 1e-7, "2026-11-25", "test")
 
 
 def measure_script():
-    spec = importlib.util.spec_from_file_location("measure_bounds", os.path.join(REPO, "scripts", "measure_bounds.py"))
+    path = os.path.join(REPO, "scripts", "measure_bounds.py")
+    spec = importlib.util.spec_from_file_location("measure_bounds", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

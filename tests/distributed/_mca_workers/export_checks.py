@@ -1,4 +1,4 @@
-"""Worker: train at a layout, export to HF, reload the export, and compare its logits with the trained model's.
+"""Worker: train at a layout, export to HF, reload the export, compare its logits with the trained model's.
 
 usage: torchrun --nproc_per_node=2 export_checks.py SPEC.json RESULT.json
 
@@ -34,7 +34,8 @@ import torch.distributed as dist  # noqa: E402
 
 
 def trained_logits(ddp_chunks: list[torch.nn.Module]) -> torch.Tensor | None:
-    """The model's logits on a fixed batch after forcing the distributed optimizer's all-gather (last stage)."""
+    """The model's logits on a fixed batch, after forcing the distributed optimizer's all-gather (on the
+    last pipeline stage; None on the others)."""
     from backends.mca.convert import megatron_logits, sample_input_ids
     from backends.mca.models.unwrap import unwrap_model
 
@@ -50,7 +51,8 @@ def trained_logits(ddp_chunks: list[torch.nn.Module]) -> torch.Tensor | None:
 
 
 def to_rank0(logits: torch.Tensor | None) -> torch.Tensor | None:
-    """Global rank 0's copy of the logits: its own, or under PP the last stage's (sent by its first TP/DP rank)."""
+    """Global rank 0's copy of the logits: its own, or under PP the last stage's (sent by its first TP/DP
+    rank)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -108,7 +110,8 @@ def main() -> None:
     results = {}
     for item in spec["runs"]:
         OBSERVED.clear()
-        recipe = {**spec["base"], "use_mca": True, "nproc_per_node": dist.get_world_size(), "save_hf_model": True}
+        recipe = {**spec["base"], "use_mca": True, "nproc_per_node": dist.get_world_size(),
+                  "save_hf_model": True}
         config = resolve(recipe, {key: str(value) for key, value in item.get("overrides", {}).items()}, None)
         result = run(config)
         if dist.get_rank() == 0:
