@@ -13,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
 
-.PHONY: install tiny-model demo test test-unit test-distributed lint clean
+.PHONY: install tiny-model demo test test-unit test-distributed mutation lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ test-unit: install
 
 test-distributed: install
 	$(PY) -m pytest -q -ra tests/distributed
+
+# The mutation gate (docs/testing.md): each realistic bug of tests/mutants.py, applied to a temporary copy of
+# the tree, must make one of its tests fail. `make test` runs its fast subset (tests/unit/test_mutation_gate.py).
+mutation: install
+	$(PY) scripts/mutation.py
 
 # ruff with the rules in pyproject.toml ([tool.ruff.lint]); CI (.ci/run) runs it next to `make test`.
 lint: install
