@@ -13,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
 
-.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed parity lint clean
+.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed parity mutation lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ test-distributed: install
 # The parity sweep alone (roll/parity_cases.py; `make test` runs it too): every case on both backends.
 parity: install
 	$(PY) -m pytest -q -ra tests/parity
+
+# The mutation gate (docs/testing.md): each realistic bug of tests/mutants.py, applied to a temporary copy of
+# the tree, must make one of its tests fail. `make test` runs its fast subset (tests/unit/test_mutation_gate.py).
+mutation: install
+	$(PY) scripts/mutation.py
 
 # ruff with the rules in pyproject.toml ([tool.ruff.lint]); CI (.ci/run) runs it next to `make test`.
 lint: install
