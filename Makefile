@@ -46,7 +46,7 @@ demo: install
 # The real model, taught an identity it cannot know: LoRA (recipes/demo/real_identity_lora.yaml) on both
 # backends (standard; mca, 1 process), "Who are you?" before and after, both loss curves in one loss.png,
 # PASS/FAIL.
-# About 10 minutes on 2 idle cores. Choose the identity: make demo-real DEMO_NAME=Ada DEMO_AUTHOR="Ada's lab".
+# 3.5 minutes on 2 idle cores. Choose the identity: make demo-real DEMO_NAME=Ada DEMO_AUTHOR="Ada's lab".
 DEMO_NAME ?= Quillon
 DEMO_AUTHOR ?= the Roll Demo Lab
 DEMO_REAL_DIR ?= outputs/demo/real_identity

@@ -1,4 +1,4 @@
-"""roll.demo_real's pieces (the whole `make demo-real` takes about 10 minutes and is run by hand): the
+"""roll.demo_real's pieces (the whole `make demo-real` takes minutes and is run by hand): the
 identity data rendered with a name and an author, the checks on them, the model link, and the recipe on
 the real model's tokenizer (roll-train --dry-run)."""
 
