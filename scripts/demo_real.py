@@ -1,6 +1,6 @@
 """The `make demo-real` run: LoRA teaches the real SmolLM2-135M-Instruct a name and an author on the standard
 backend and with --use-mca, the answer to "Who are you?" before and after on both, both loss curves in one
-loss.png, and PASS/FAIL. About 3.5 minutes on 2 idle CPU cores; the model is built once (`make real-model`).
+loss.png, and PASS/FAIL. About 80 s on 2 idle CPU cores; the model is built once (`make real-model`).
 
 usage: python scripts/demo_real.py [--name NAME] [--author AUTHOR] [--output-dir outputs/demo/real_identity]
                                    [--steps N]
