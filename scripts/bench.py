@@ -2,7 +2,7 @@
 
 The speed ledger (docs/performance.md): the same model and data through a plain transformers.Trainer,
 the standard backend and the mca backend (1 process, DP2, TP2), then conversion throughput. See
-``roll-bench --help``; the library is roll/bench.py.
+``roll-bench --help``; the library is roll/bench/cli.py.
 """
 
 import os
@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from roll.bench import main  # noqa: E402
+from roll.bench.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -65,7 +65,7 @@ def inputs(args: argparse.Namespace) -> tuple[str, str, str | None]:
                         + " (LLaMA-Factory's demo data: https://github.com/hiyouga/LLaMA-Factory/tree/main/data).")
     if tokenizer is None:
         sys.path.insert(0, REPO)
-        from roll.tiny import qwen_tokenizer_dir
+        from roll.demo.tiny_model import qwen_tokenizer_dir
 
         try:
             tokenizer = qwen_tokenizer_dir()

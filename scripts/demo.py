@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from roll.demo import DEMO_RECIPE, run_demo
+from roll.demo.quick import DEMO_RECIPE, run_demo
 from roll.logging import setup_logging
 
 

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from roll.demo_real import DEFAULT_AUTHOR, DEFAULT_NAME, DEMO_RECIPE, run_demo_real
+from roll.demo.real import DEFAULT_AUTHOR, DEFAULT_NAME, DEMO_RECIPE, run_demo_real
 from roll.logging import setup_logging
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 from roll.logging import setup_logging
-from roll.tiny import KINDS, make_tiny_model
+from roll.demo.tiny_model import KINDS, make_tiny_model
 
 logger = logging.getLogger("roll.scripts.make_tiny_model")
 

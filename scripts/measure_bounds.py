@@ -38,7 +38,7 @@ ONE_ROUNDING = 1e-7
 
 def model_maker(root: Path):
     """``tiny_model_factory``'s equivalent: make(kind, **overrides) -> a tiny model dir, cached."""
-    from roll.tiny import make_tiny_model
+    from roll.demo.tiny_model import make_tiny_model
 
     cache: dict[tuple, str] = {}
 

@@ -63,7 +63,7 @@ def arithmetic(model_dir: str, data: str) -> dict[str, float]:
 
 def parity(recipe: str, out: str, steps: int, *overrides: str, save: bool = False) -> dict:
     """roll-parity's JSON for one layout (its exit status kept: 1 means beyond the default tolerances)."""
-    command = [sys.executable, "-m", "roll.parity", recipe, "--steps", str(steps), "--output-dir", out, "--json",
+    command = [sys.executable, "-m", "roll.parity.cli", recipe, "--steps", str(steps), "--output-dir", out, "--json",
                "--tolerance", "1", "--first-step-tolerance", "1", *(["--save-models"] if save else []), *overrides]
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)

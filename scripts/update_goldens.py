@@ -22,7 +22,7 @@ for var, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_
     os.environ.setdefault(var, value)
 
 from roll.logging import setup_logging  # noqa: E402
-from roll.tiny import make_tiny_model  # noqa: E402
+from roll.demo.tiny_model import make_tiny_model  # noqa: E402
 from tests.recipes.recipe_runs import GOLDENS, STEPS, describe_environment, run_all  # noqa: E402
 
 

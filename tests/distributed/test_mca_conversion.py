@@ -113,7 +113,7 @@ def dense_parity_runs(make_model, tmp_path) -> dict[str, dict[int, dict]]:
     llama = randomized(make_model("llama", tie_word_embeddings=False), str(tmp_path / "llama"), vocab=509)
     # Llama-3 RoPE scaling with factor 32 (Megatron's default would be 8); at 64 tokens dropping the
     # scaling changes logits by ~1, so parity proves the factor arrived
-    from roll.tiny import make_tiny_model
+    from roll.demo.tiny_model import make_tiny_model
 
     rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192, "rope_theta": 500000.0}

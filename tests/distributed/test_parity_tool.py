@@ -24,7 +24,7 @@ def _needs_megatron():
 def roll_parity(*args: str, timeout: float) -> tuple[int, dict, str]:
     """``roll-parity args... --json`` -> (exit code, its JSON, stderr). On timeout it gets SIGTERM first,
     which it forwards down to roll-train, torchrun and the ranks (they run in sessions of their own)."""
-    proc = subprocess.Popen([sys.executable, "-m", "roll.parity", *args, "--json"], cwd=REPO, env=clean_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "roll.parity.cli", *args, "--json"], cwd=REPO, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

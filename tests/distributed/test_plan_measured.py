@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from roll.config.parser import resolve
-from roll.plan import plan_run
+from roll.plan.planner import plan_run
 from tests.helpers import REPO, output_of, run
 
 pytestmark = [pytest.mark.distributed]

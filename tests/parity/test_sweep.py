@@ -1,4 +1,4 @@
-"""The parity sweep: every case of ``roll.parity_cases`` trained on both backends and compared within its
+"""The parity sweep: every case of ``roll.parity.cases`` trained on both backends and compared within its
 bounds (loss at step 1 and at every step, the logged learning rate, eval_loss, the exported weights).
 
 CI cost is the design constraint. All the runs of the sweep take three process launches: the standard runs
@@ -21,8 +21,8 @@ from dataclasses import replace
 import pytest
 
 from roll.launch import free_port
-from roll.parity_cases import CASES, LAYOUTS, MODELS, Case
-from roll.parity_report import read_log
+from roll.parity.cases import CASES, LAYOUTS, MODELS, Case
+from roll.parity.report import read_log
 from tests.helpers import REPO, clean_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
@@ -75,7 +75,7 @@ class Sweep:
     """Every case planned and trained; ``verdicts(case)`` compares its runs."""
 
     def __init__(self, factory, root) -> None:
-        from roll.parity_sweep import plan_case
+        from roll.parity.sweep import plan_case
 
         self.pairs, self.outcome = {}, {}
         standard, mca = [], {1: [], 2: []}
@@ -102,7 +102,7 @@ class Sweep:
         self.runs = len(standard) + len(mca[1]) + len(mca[2])
 
     def verdicts(self, case: Case) -> list:
-        from roll.parity_sweep import check_case
+        from roll.parity.sweep import check_case
 
         out = []
         for pair, *labels in self.pairs[case.name]:

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from roll import bench, bench_report, bench_setup
-from roll.bench_setup import BenchOptions, parse_options
+from roll.bench import cli as bench
+from roll.bench import report as bench_report
+from roll.bench import prepare as bench_setup
+from roll.bench.prepare import BenchOptions, parse_options
 from roll.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -110,7 +112,7 @@ def test_rerun_replaces_its_block_and_keeps_the_rest_of_the_page(tmp_path):
 def test_roll_bench_quick_runs_two_cases_and_writes_both_files(tmp_path):
     """The plain-HF baseline and the standard backend train the same model on the same rows: same losses."""
     cases = "hf-1p-fp32-s64-nopack,standard-1p-fp32-s64-nopack"
-    cmd = [sys.executable, "-m", "roll.bench", "--quick", "--only", cases, "--no-convert", "--threads", "1",
+    cmd = [sys.executable, "-m", "roll.bench.cli", "--quick", "--only", cases, "--no-convert", "--threads", "1",
            "--work-dir", str(tmp_path / "w"), "--markdown-out", str(tmp_path / "perf.md")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

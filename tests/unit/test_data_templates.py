@@ -13,7 +13,7 @@ from tests.helpers import batch_of
 
 @pytest.fixture(scope="module")
 def qwen():
-    from roll.tiny import load_qwen_tokenizer
+    from roll.demo.tiny_model import load_qwen_tokenizer
 
     return load_qwen_tokenizer()
 
@@ -139,7 +139,7 @@ def test_pairwise_prompt_and_answer_shapes(bpe, chosen, rejected, prompt_key):
     ("default", "<|im_end|>", []),  # the default template closes replies with eos
 ])
 def test_builtin_templates(name, end_of_turn, specials):
-    from roll.tiny import build_bpe_tokenizer
+    from roll.demo.tiny_model import build_bpe_tokenizer
 
     tokenizer = build_bpe_tokenizer()
     if specials:
@@ -186,7 +186,7 @@ def test_function_call_and_observation_turns(tok_name, request):
 
 
 def test_warns_when_replies_end_without_a_special_token(roll_warnings):
-    from roll.tiny import build_bpe_tokenizer
+    from roll.demo.tiny_model import build_bpe_tokenizer
 
     tokenizer = build_bpe_tokenizer()
     apply_template(tokenizer, "llama3")  # <|eot_id|> is not a token of this tokenizer
@@ -196,7 +196,7 @@ def test_warns_when_replies_end_without_a_special_token(roll_warnings):
 
 
 def test_template_that_refuses_a_conversation_skips_the_row():
-    from roll.tiny import build_bpe_tokenizer
+    from roll.demo.tiny_model import build_bpe_tokenizer
 
     tokenizer = build_bpe_tokenizer()
     tokenizer.chat_template = ("{% if messages | length > 2 %}{{ raise_exception('only one turn') }}"

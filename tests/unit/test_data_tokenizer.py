@@ -14,7 +14,7 @@ from roll.errors import ConfigError, ModelError
 @pytest.fixture(scope="module")
 def bare_tokenizer_dir(tmp_path_factory):
     """The test BPE tokenizer saved without a pad token and without a chat template."""
-    from roll.tiny import build_bpe_tokenizer
+    from roll.demo.tiny_model import build_bpe_tokenizer
 
     tok = build_bpe_tokenizer()
     tok.pad_token = None

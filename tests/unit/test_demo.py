@@ -1,11 +1,11 @@
-"""roll.demo's pieces (the whole `make demo` is run by hand / in CI by `make demo`): the sample prompt
+"""roll.demo.quick's pieces (the whole `make demo` is run by hand / in CI by `make demo`): the sample prompt
 and a greedy reply from a trained-or-not HF model directory."""
 
 from __future__ import annotations
 
 import os
 
-from roll.demo import first_example, generate_reply
+from roll.demo.quick import first_example, generate_reply
 from tests.helpers import REPO
 
 

@@ -1,4 +1,4 @@
-"""roll.demo_real's pieces (the whole `make demo-real` takes minutes and is run by hand): the
+"""roll.demo.real's pieces (the whole `make demo-real` takes minutes and is run by hand): the
 identity data rendered with a name and an author, the checks on them, the model link, and the recipe on
 the real model's tokenizer (roll-train --dry-run)."""
 
@@ -10,7 +10,7 @@ import os
 import pytest
 import yaml
 
-from roll.demo_real import (DEMO_RECIPE, IDENTITY_TEMPLATE, QUESTION, learned, link_real_model,
+from roll.demo.real import (DEMO_RECIPE, IDENTITY_TEMPLATE, QUESTION, learned, link_real_model,
                             render_identity, run_demo_real)
 from roll.errors import ConfigError
 from tests.helpers import REPO, roll_train

@@ -5,7 +5,7 @@ pipeline, Trainer, collator, speed callbacks), with a numeric ``mfu`` on every t
 directory; ``--use-mca`` refuses a family without a Megatron template with exit 2, naming the supported ones.
 
 One pytest process for all families (roll-train as a subprocess costs ~10 s of imports each). The data goes
-through the 512-token test tokenizer (roll.tiny), whose ids the 151k vocabulary covers: loading Qwen's own
+through the 512-token test tokenizer (roll.demo.tiny_model), whose ids the 151k vocabulary covers: loading Qwen's own
 151k-entry tokenizer.json twice per family would cost more than training; the datasets cache tokenizes the
 rows once for all families (they share the tokenizer). The families
 left out, and why, are ``tests/families.py`` SKIPPED: pytest lists them as skipped with the reason
@@ -34,7 +34,7 @@ SFT_ROWS = [{"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """The test tokenizer saved once, the sft data, and the datasets cache every family shares."""
-    from roll.tiny import build_bpe_tokenizer
+    from roll.demo.tiny_model import build_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("families")
     tokenizer = build_bpe_tokenizer(str(root / "tokenizer"))

@@ -44,7 +44,7 @@ def test_named_tests_exist(reference):
 
 @pytest.mark.parametrize("case", _honoured("parity"))
 def test_named_parity_cases_exist(case):
-    from roll.parity_cases import get_case
+    from roll.parity.cases import get_case
 
     assert get_case(case).name == case
 

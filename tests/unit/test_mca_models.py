@@ -10,7 +10,7 @@ pytestmark = pytest.mark.mca
 from backends.mca.models.config import McaModelConfig  # noqa: E402
 from backends.mca.models.template import get_template  # noqa: E402
 from roll.errors import ConfigError, ModelError  # noqa: E402
-from roll.tiny import tiny_config  # noqa: E402
+from roll.demo.tiny_model import tiny_config  # noqa: E402
 from tests.helpers import ON_ACCELERATOR  # noqa: E402
 
 

@@ -64,7 +64,7 @@ def test_every_command_refuses_a_missing_model_before_loading(tmp_path, tiny_mod
         (["-m", "roll.cli", recipe, data], demo_fix),  # train
         (["-m", "roll.cli", recipe, data, "--dry-run"], demo_fix),
         (["-m", "roll.cli", recipe, data, "--use-mca", "--dry-run"], demo_fix),
-        (["-m", "roll.parity", recipe, data, "--steps", "2"], demo_fix),
+        (["-m", "roll.parity.cli", recipe, data, "--steps", "2"], demo_fix),
         (["-m", "roll.cli", os.path.join(REPO, "recipes", "qwen_sft.yaml"), data, zero3, "nproc_per_node=1"],
          hub_fix),
         (["-m", "roll.cli", os.path.join(REPO, "recipes", "qwen_sft.yaml"), data, zero3, "--dry-run"], hub_fix),

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from roll import parity
-from roll.parity import parse_command_line
-from roll.parity_report import compare, compare_evals, format_table, format_verdict, parse_log, to_json
-from roll.parity_sweep import Pair, Verdict
+from roll.parity import cli as parity
+from roll.parity.cli import parse_command_line
+from roll.parity.report import compare, compare_evals, format_table, format_verdict, parse_log, to_json
+from roll.parity.sweep import Pair, Verdict
 from tests.helpers import run
 
 STANDARD = {1: 6.28150845, 2: 5.99004555, 3: 5.89215565}

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from roll import parity
-from roll.parity_cases import CASES, LAYOUTS, MODELS, format_cases, get_case
-from roll.parity_report import compare_evals, weight_gap
+from roll.parity import cli as parity
+from roll.parity.cases import CASES, LAYOUTS, MODELS, format_cases, get_case
+from roll.parity.report import compare_evals, weight_gap
 
 REQUIRED = {
     "weight decay": lambda c: "weight_decay" in c.overrides,
@@ -94,7 +94,7 @@ def test_list_cases_and_unknown_case(capsys):
 
 def test_a_case_plans_both_runs_with_its_layout_and_the_command_line_bounds(tiny_model_dir, tmp_path,
                                                                             monkeypatch):
-    from roll import parity_sweep
+    from roll.parity import sweep as parity_sweep
 
     monkeypatch.setattr(parity_sweep, "build_model", lambda name, root: tiny_model_dir)
     options = parity.parse_command_line(["--case", "dp2_overlap_clipping_decay", "--tolerance", "1e-3",

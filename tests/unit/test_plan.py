@@ -1,4 +1,4 @@
-"""The layout planner's arithmetic (roll/plan.py), hand-checked on a small Llama-shaped model, and `--plan`.
+"""The layout planner's arithmetic (roll/plan/planner.py), hand-checked on a small Llama-shaped model, and `--plan`.
 
 The model: hidden 64, 4 layers, 4 heads (no GQA), ffn 128, vocab 256, untied, no biases. Per layer:
 attention 4 * 64 * 64 = 16384, MLP 3 * 64 * 128 = 24576, two norms 128 -> 41088; embedding = head = 16384;
@@ -15,8 +15,8 @@ import pytest
 from roll.cli import main as roll_train
 from roll.config.parser import resolve
 from roll.errors import ConfigError, ModelError
-from roll.model_shape import KNOWN_SHAPES, ModelShape, resolve_shape, shape_from_hf_config
-from roll.plan import GIB, Strategy, activation_bytes, plan_run, stage_params
+from roll.plan.shape import KNOWN_SHAPES, ModelShape, resolve_shape, shape_from_hf_config
+from roll.plan.planner import GIB, Strategy, activation_bytes, plan_run, stage_params
 
 N = 197184
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,

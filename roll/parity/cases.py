@@ -1,10 +1,10 @@
 """The parity sweep: named cases, each one recipe trained on both backends and compared.
 
 A case is a key set (``overrides`` over a ``base`` recipe) at one parallel ``layout`` on a tiny model built
-locally (``roll.tiny``). ``tests/parity`` runs every case (grouped per process launch) and ``roll-parity
---case NAME`` runs one from the command line; both plan the two runs the same way (``roll.parity.plan_runs``:
+locally (``roll.demo.tiny_model``). ``tests/parity`` runs every case (grouped per process launch) and ``roll-parity
+--case NAME`` runs one from the command line; both plan the two runs the same way (``roll.parity.cli.plan_runs``:
 the standard run is one process whose gradient accumulation covers the mca run's data-parallel ranks) and
-compare them with ``roll.parity_report``. Every bound is a measurement: ``measured`` holds the largest gaps
+compare them with ``roll.parity.report``. Every bound is a measurement: ``measured`` holds the largest gaps
 seen on CPU, fp32 unless the case says otherwise, and a bound is about 10x to 100x its measured gap (bf16:
 about 3x), so that a real parity bug (a key one backend ignores moves the loss by 1e-3 or more within 8
 steps) fails it. Add a case here and both the test and the command line know it.
@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """Dataset paths of the bases are relative to the repository (roll-parity --case runs from any directory)."""
 
 MODELS = {
@@ -24,7 +24,7 @@ MODELS = {
     "qwen2_4l": {"kind": "qwen2", "num_layers": 4},
     "moe": {"kind": "qwen3_moe"},
 }
-"""Tiny models (``roll.tiny.make_tiny_model`` keyword arguments): hidden 64, a 512-token BPE tokenizer.
+"""Tiny models (``roll.demo.tiny_model.make_tiny_model`` keyword arguments): hidden 64, a 512-token BPE tokenizer.
 qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts."""
 
 _COMMON = {"cutoff_len": 64, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
@@ -246,7 +246,7 @@ def format_cases() -> str:
 
 def build_model(name: str, root: str) -> str:
     """The tiny model ``name`` (MODELS) in ROOT/NAME, built once (a finished build has config.json)."""
-    from roll.tiny import make_tiny_model
+    from roll.demo.tiny_model import make_tiny_model
 
     out = os.path.join(root, name)
     if not os.path.isfile(os.path.join(out, "config.json")):

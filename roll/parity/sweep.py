@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 import yaml
 
 from roll.errors import ConfigError
-from roll.parity import ParityOptions, Run, format_header, resolve_runs
-from roll.parity_cases import Bounds, Case, build_model, get_case
-from roll.parity_report import (Comparison, EvalComparison, WeightGap, compare, compare_evals, format_table,
+from roll.parity.cli import ParityOptions, Run, format_header, resolve_runs
+from roll.parity.cases import Bounds, Case, build_model, get_case
+from roll.parity.report import (Comparison, EvalComparison, WeightGap, compare, compare_evals, format_table,
                                 format_verdict, read_evals, read_log, read_weights, relative_difference,
                                 weight_gap)
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from roll.config.run import RunConfig
 from roll.config.training import read_deepspeed_json
-from roll.model_shape import ATTENTION, ModelShape, resolve_shape
+from roll.plan.shape import ATTENTION, ModelShape, resolve_shape
 
 GIB = 2 ** 30
 RUNTIME_RESERVE_BYTES = 2 * GIB

@@ -10,7 +10,7 @@ other batches and so another loss after N steps).
 It writes ``OUTPUT_DIR/train_log.jsonl`` with the keys roll-bench reads (``step``, ``loss``,
 ``tokens_per_second``, ``step_time``), one line per step.
 
-    python -m roll.bench_hf RECIPE.yaml OUTPUT_DIR
+    python -m roll.bench.hf RECIPE.yaml OUTPUT_DIR
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ standard run is one process without DeepSpeed whose gradient accumulation covers
 data-parallel ranks too (the per-token mean over the global batch does not depend on how the batch is
 split; docs/design.md). Each run is a real ``roll-train`` subprocess; roll-parity reads their
 ``train_log.jsonl`` files. The pure pieces (command line, run plan) are separate functions, and the
-log parsing, comparison and table live in ``roll.parity_report``, so tests call them on literal inputs.
+log parsing, comparison and table live in ``roll.parity.report``, so tests call them on literal inputs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from roll.errors import ConfigError, RollError
 from roll.launch import inside_launcher, run_child
-from roll.parity_report import (DEFAULT_EVAL_TOLERANCE, DEFAULT_FIRST_STEP_TOLERANCE, DEFAULT_TOLERANCE,
+from roll.parity.report import (DEFAULT_EVAL_TOLERANCE, DEFAULT_FIRST_STEP_TOLERANCE, DEFAULT_TOLERANCE,
                                 DEFAULT_WEIGHTS_TOLERANCE)
 
 if TYPE_CHECKING:  # roll.config imports transformers; --help and the pure pieces do not need it
@@ -46,7 +46,7 @@ Train RECIPE for N steps on the standard backend (one process, no DeepSpeed) and
 their losses step by step, eval_loss wherever both evaluated, and, with --save-models, the exported
 weights. Overrides (key=value) apply to both runs, as on roll-train.
 
-With --case NAME, run a case of the parity sweep (tests/parity, roll/parity_cases.py) instead of a
+With --case NAME, run a case of the parity sweep (tests/parity, roll/parity/cases.py) instead of a
 recipe: its key set and layout on a tiny model built on the spot, its steps and its bounds (the
 options below override them), both models exported and compared.
 
@@ -350,17 +350,17 @@ def main(argv: list[str] | None = None, out: Callable[[str], object] | None = No
         if inside_launcher():
             raise ConfigError("roll-parity starts its own processes; run it directly, not under a launcher.")
         if options.list_cases:
-            from roll.parity_cases import format_cases
+            from roll.parity.cases import format_cases
 
             out(format_cases() + "\n")
             return 0
-        from roll.parity_report import to_json
-        from roll.parity_sweep import plan
+        from roll.parity.report import to_json
+        from roll.parity.sweep import plan
 
         temporary = options.output_dir is None
         root = tempfile.mkdtemp(prefix="roll-parity-") if temporary else os.path.abspath(options.output_dir)
         with _quiet_logs():  # the config's warnings belong in the runs' own logs
-            title, pairs, check = plan(options, root)  # roll.parity_sweep
+            title, pairs, check = plan(options, root)  # roll.parity.sweep
         if not options.json:
             out(title + "\n\n")
         os.makedirs(root, exist_ok=True)

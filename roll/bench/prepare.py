@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 from roll.errors import ConfigError, DataError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_DATA = ("recipes/demo/data/arithmetic_pt.jsonl", "recipes/demo/data/arithmetic_sft.json",
              "recipes/demo/data/arithmetic_dpo.json")
 """Shipped with the repo, so a fresh clone can run the bench."""
 
 SHAPES: dict[str, dict] = {
-    # Tiny: for --quick and the smoke test (the 512-token BPE tokenizer of roll.tiny).
+    # Tiny: for --quick and the smoke test (the 512-token BPE tokenizer of roll.demo.tiny_model).
     "tiny": dict(tokenizer="bpe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
     # The default: wide enough that the decoder is about a third of the FLOPs, not only the 151k head.
@@ -164,7 +164,7 @@ def prepare_model(out_dir: str, shape: str) -> tuple[str, dict]:
     import torch
     import transformers
 
-    from roll import tiny
+    from roll.demo import tiny_model as tiny
 
     if os.path.isfile(os.path.join(out_dir, "config.json")) and _same_shape(out_dir, shape):
         with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as fh:

@@ -2,11 +2,11 @@
 (the baseline), the standard backend and the mca backend (1 process, DP2, TP2), per dtype, sequence
 length and packing; then HF <-> Megatron conversion throughput next to a raw safetensors read.
 
-Every case is a real subprocess (``roll-train`` or ``python -m roll.bench_hf``) with a timeout; the
+Every case is a real subprocess (``roll-train`` or ``python -m roll.bench.hf``) with a timeout; the
 numbers come from the run's ``train_log.jsonl`` (steps after the warm-up only) and from sampling the
 resident memory of its process tree. A case that fails is recorded as failed, with its log tail.
 The pure pieces (case plan, log summary) take literal inputs so tests call them directly; the
-tables are rendered by ``roll.bench_report``.
+tables are rendered by ``roll.bench.report``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from roll.bench_setup import SHAPES, BenchOptions, bf16_support, parse_options, prepare_data, prepare_model
+from roll.bench.prepare import SHAPES, BenchOptions, bf16_support, parse_options, prepare_data, prepare_model
 from roll.errors import RollError
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def case_recipe(case: Case, options: BenchOptions, model_dir: str, data_path: st
 
 def case_command(case: Case, recipe_path: str, output_dir: str) -> list[str]:
     if case.runner == "hf":
-        return [sys.executable, "-m", "roll.bench_hf", recipe_path, output_dir]
+        return [sys.executable, "-m", "roll.bench.hf", recipe_path, output_dir]
     switch = ["--use-mca"] if case.runner == "mca" else []
     return [sys.executable, "-m", "roll.cli", recipe_path, *switch]
 
@@ -255,8 +255,8 @@ def run_case(case: Case, options: BenchOptions, model_dir: str, data_path: str, 
 
 def run_bench(options: BenchOptions) -> dict:
     """Prepare the model and data once, run every case and the conversion timings; returns the report."""
-    from roll import bench_report
-    from roll.bench_convert import time_conversion
+    from roll.bench import report as bench_report
+    from roll.bench.convert import time_conversion
 
     root = os.path.abspath(options.work_dir)
     os.makedirs(root, exist_ok=True)
@@ -292,7 +292,7 @@ def _fmt(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from roll import bench_report
+    from roll.bench import report as bench_report
     from roll.logging import setup_logging
 
     setup_logging()

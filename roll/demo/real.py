@@ -1,6 +1,6 @@
 """``make demo-real``: LoRA teaches a real pretrained model an identity it cannot know, on both backends.
 
-1. the real model (``roll.real_model``: SmolLM2-135M-Instruct in float32, built once into the user cache)
+1. the real model (``roll.demo.real_model``: SmolLM2-135M-Instruct in float32, built once into the user cache)
    is linked where the recipe expects it (``.demo/smollm2-135m-instruct``);
 2. the identity data (``recipes/demo/data/identity.json``, with ``{{name}}`` and ``{{author}}`` placeholders
    as in LLaMA-Factory's identity.json) is rendered with the chosen name and author where the recipe reads
@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import yaml
 
-from roll import parity
-from roll.demo import generate_reply
+from roll.parity import cli as parity
+from roll.demo.quick import generate_reply
 from roll.errors import ConfigError, RollError
 from roll.plot import LOSS_PLOT_FILE, plot_losses, read_curve
 
@@ -79,7 +79,7 @@ def render_identity(template: str, name: str, author: str, out_path: str) -> int
 def link_real_model(link: str, out: Callable[[str], object]) -> str:
     """Point ``link`` (the recipe's model_name_or_path) at the cached real model, building it on first use.
     A real directory already at ``link`` is used as it is."""
-    from roll.real_model import ensure_real_model
+    from roll.demo.real_model import ensure_real_model
 
     if os.path.isdir(link) and not os.path.islink(link):
         out(f"real model: {link} (a directory already there: used as it is)\n")

@@ -40,8 +40,9 @@ def machine() -> dict:
 
 def _git_commit() -> str | None:
     try:
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                             timeout=10, cwd=repo)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None

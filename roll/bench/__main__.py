@@ -1,0 +1,3 @@
+from roll.bench.cli import main
+
+raise SystemExit(main())

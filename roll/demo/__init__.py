@@ -1,0 +1,1 @@
+"""make demo and make demo-real, and the models they train."""

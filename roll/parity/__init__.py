@@ -1,0 +1,1 @@
+"""roll-parity: the two backends side by side."""

@@ -1,0 +1,3 @@
+from roll.parity.cli import main
+
+raise SystemExit(main())
