@@ -54,7 +54,7 @@ demo-real: install
 	$(PY) scripts/demo_real.py --name "$(DEMO_NAME)" --author "$(DEMO_AUTHOR)" --output-dir $(DEMO_REAL_DIR)
 
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=20 tests
 
 test-unit: install
 	$(PY) -m pytest -q -ra tests/unit

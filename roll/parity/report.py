@@ -23,9 +23,12 @@ loss arithmetic being one, roll.loss). Measured on the same real model: 2.5e-8 (
 arithmetic data); 6.7e-6 before both backends shared roll.loss, which this catches."""
 DEFAULT_EVAL_TOLERANCE = 1e-4
 """Relative eval_loss difference allowed at every step both runs evaluated."""
-DEFAULT_WEIGHTS_TOLERANCE = 1e-3
-"""||mca - standard|| / ||standard - start|| allowed for the exported weights (measured in fp32: 1.2e-4 at
-most over the parity sweep's cases, roll/parity/cases.py)."""
+DEFAULT_WEIGHTS_TOLERANCE = 1e-2
+"""||mca - standard|| / ||standard - start|| allowed for the exported weights. Measured in fp32 (2026-11-25): on
+real weights (SmolLM2-135M-Instruct, full sft, lr 2e-5; scripts/measure_real_parity.py) 1.5e-3 after 2 steps and
+1.3e-3 after 8 (Adam gives near-zero, noisy gradients of the tied embedding a full step of either sign); on the
+tiny models of the parity sweep 1.2e-4 at most (its cases keep their own, tighter bounds: roll/parity/cases.py).
+An export that misses the last of N updates is about 1/N off."""
 
 
 def parse_log(lines: Iterable[str]) -> dict[int, float]:

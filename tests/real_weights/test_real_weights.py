@@ -69,7 +69,8 @@ def _communicate(command: list[str], timeout: float) -> subprocess.CompletedProc
 def roll_parity(recipe: Path, out: Path, *args: str, timeout: float = 900) -> dict:
     """roll-parity RECIPE --steps 2 --output-dir OUT --json ARGS: its JSON (tolerances left to the test)."""
     proc = _communicate([sys.executable, "-m", "roll.parity.cli", str(recipe), "--steps", "2", "--output-dir", str(out),
-                         "--tolerance", "1", "--first-step-tolerance", "1", "--json", *args], timeout)
+                         "--tolerance", "1", "--first-step-tolerance", "1", "--weights-tolerance", "1", "--json",
+                         *args], timeout)
     assert proc.stdout.strip() and proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
 
