@@ -4,6 +4,7 @@ in the column layout ``datasets.map(batched=True)`` hands to a processor."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -34,6 +35,25 @@ def run(cmd: list[str], timeout: float = 300, **extra_env: str) -> subprocess.Co
     """Run ``cmd`` from the repo root, capture output; fail the test (not hang) after ``timeout``."""
     return subprocess.run(cmd, cwd=REPO, env=clean_env(**extra_env), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_stopping(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repo root in a session of its own, capture output; past ``timeout`` it gets
+    SIGTERM first (roll-parity and roll-train forward it to their runs), its session SIGKILL 30 s later,
+    and the test fails."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def roll_train(*args: str, timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from tests.bounds import PARITY_TOOL_TP1, PARITY_TOOL_TP2
-from tests.helpers import REPO, clean_env
+from tests.helpers import run_stopping
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 
@@ -24,20 +21,9 @@ def _needs_megatron():
 def roll_parity(*args: str, timeout: float) -> tuple[int, dict, str]:
     """``roll-parity args... --json`` -> (exit code, its JSON, stderr). On timeout it gets SIGTERM first,
     which it forwards down to roll-train, torchrun and the ranks (they run in sessions of their own)."""
-    proc = subprocess.Popen([sys.executable, "-m", "roll.parity.cli", *args, "--json"], cwd=REPO, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        pytest.fail(f"roll-parity {' '.join(args)} ran past {timeout} s")
-    assert stdout.strip(), stderr[-4000:]
-    return proc.returncode, json.loads(stdout), stderr
+    proc = run_stopping([sys.executable, "-m", "roll.parity.cli", *args, "--json"], timeout)
+    assert proc.stdout.strip(), proc.stderr[-4000:]
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
 
 
 def sft_recipe(model_dir: str, directory) -> str:

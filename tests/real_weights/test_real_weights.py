@@ -10,16 +10,13 @@ Cost: 4 roll-train runs of 2 short steps and 2 ``roll-convert check`` runs: a fe
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, run_stopping
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 
@@ -49,26 +46,9 @@ def _needs_megatron():
     pytest.importorskip("megatron.core")
 
 
-def _communicate(command: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run from the repo root; on timeout SIGTERM the session (roll-parity forwards it to its runs)."""
-    proc = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        pytest.fail(f"{' '.join(command)} ran past {timeout} s")
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
 def roll_parity(recipe: Path, out: Path, *args: str, timeout: float = 900) -> dict:
     """roll-parity RECIPE --steps 2 --output-dir OUT --json ARGS: its JSON (tolerances left to the test)."""
-    proc = _communicate([sys.executable, "-m", "roll.parity.cli", str(recipe), "--steps", "2", "--output-dir", str(out),
+    proc = run_stopping([sys.executable, "-m", "roll.parity.cli", str(recipe), "--steps", "2", "--output-dir", str(out),
                          "--tolerance", "1", "--first-step-tolerance", "1", "--weights-tolerance", "1", "--json",
                          *args], timeout)
     assert proc.stdout.strip() and proc.returncode == 0, proc.stderr[-4000:]
@@ -87,7 +67,7 @@ def rel(a: float, b: float) -> float:
 def test_conversion_tp1_and_pp2(real_model_dir):
     diffs = {}
     for layout in ([], ["--pp", "2"]):
-        proc = _communicate([sys.executable, "-m", "backends.mca.convert_cli", "check", "--input", real_model_dir,
+        proc = run_stopping([sys.executable, "-m", "backends.mca.convert_cli", "check", "--input", real_model_dir,
                              "--seq-len", "32", *layout], timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         diffs[" ".join(layout) or "tp1"] = float(re.search(r"logit difference: (\S+)", proc.stdout).group(1))
