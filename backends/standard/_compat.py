@@ -1,7 +1,7 @@
 """Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
-research notes (W1-W7), so users and tests need no tricks of their own. Each says what it fixes
+research notes (W1-W8), so users and tests need no tricks of their own. Each says what it fixes
 and when it can go, and checks (``_verified``) that the installed packages are the versions it was
 verified with: outside that range it still runs, with one warning per package.
 """
@@ -26,7 +26,7 @@ VERIFIED_VERSIONS = {
     "torch": ("2.13", "2.14"),          # W2
     "transformers": ("5.23", "5.24"),   # W3, W4
     "accelerate": ("1.15", "1.16"),     # W1, W6
-    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7
+    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8
 }
 """Per package, the [low, high) release range the workarounds below were verified on (constraints.txt pins)."""
 
@@ -109,6 +109,38 @@ def init_deepspeed_comm(timeout_seconds: float = 1800) -> None:
     from roll.platform import current_platform
 
     deepspeed.init_distributed(dist_backend=current_platform().dist_backend, timeout=timedelta(seconds=timeout_seconds))
+    unlink_shm_allreduce_buffer()
+
+
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+"""DeepSpeed's name for a rank's shared-memory all-reduce workspace on CPU (ops/csrc/cpu/comm/shm.cpp)."""
+
+
+def unlink_shm_allreduce_buffer(shm_dir: str = "/dev/shm") -> None:
+    """W8: remove this rank's DeepSpeed shared-memory all-reduce file once every rank has mapped it.
+
+    On CPU, when all ranks share one machine, DeepSpeed's comm creates
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (69 MB) per rank and
+    maps every rank's file during ``init_distributed``, but never unlinks them: each 2-process run left
+    138 MB in /dev/shm, which is RAM (a day of runs filled 14 GB on a 24 GB machine). Once every rank has
+    returned from the initialisation (the barrier), the names are no longer needed: the mappings live on
+    until the process exits, and a killed run leaves nothing behind. Seen with DeepSpeed 0.19.8; can go
+    when DeepSpeed unlinks its buffers itself.
+    """
+    _verified("W8", "deepspeed")
+    import torch.distributed as dist
+
+    from roll.platform import current_platform
+
+    if current_platform().is_accelerator or not (dist.is_available() and dist.is_initialized()):
+        return
+    name = "_".join([SHM_BUFFER_PREFIX, str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
+                     os.environ.get("MASTER_PORT", ""), str(dist.get_rank())])
+    dist.barrier()  # every rank has mapped every rank's buffer (shm_initialize maps them all before returning)
+    try:
+        os.unlink(os.path.join(shm_dir, name))
+    except FileNotFoundError:  # ranks on several machines: DeepSpeed made no shared-memory buffer
+        pass
 
 
 def drop_hf_deepspeed_config() -> None:

@@ -8,6 +8,7 @@ plain HF Trainer path; the 2-process runs are real `roll-train ... nproc_per_nod
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -45,6 +46,26 @@ def _one_process(model_dir, out_dir, stage, **extra) -> list[dict]:
     return _logged(out_dir)
 
 
+def _shm_buffers() -> set[str]:
+    from backends.standard._compat import SHM_BUFFER_PREFIX
+
+    return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_BUFFER_PREFIX)} \
+        if os.path.isdir("/dev/shm") else set()
+
+
+def _leaked_shm_buffers(before: set[str]) -> set[str]:
+    """DeepSpeed shared-memory files that appeared since ``before`` and no live process maps (another job's
+    run on the same machine still maps its own)."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps, encoding="utf-8", errors="replace") as fh:
+                mapped.update(os.path.basename(line.split()[-1]) for line in fh if "/dev/shm/" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+    return _shm_buffers() - before - mapped
+
+
 def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum, **extra) -> list[dict]:
     """`roll-train ... nproc_per_node=2`: deepspeed launcher with a DeepSpeed file, else torchrun."""
     recipe = _recipe(model_dir, out_dir, stage, per_device_train_batch_size=micro_batch,
@@ -52,8 +73,10 @@ def _two_processes(model_dir, out_dir, stage, ds_file, micro_batch, grad_accum, 
     if ds_file:
         recipe["deepspeed"] = os.path.join(REPO, "recipes", "deepspeed", ds_file)
     args = [f"{key}={value}" for key, value in recipe.items()]
+    shm_before = _shm_buffers()
     proc = roll_train(*args, timeout=420)
     assert proc.returncode == 0, output_of(proc)  # every rank exited cleanly (W2)
+    assert not _leaked_shm_buffers(shm_before)  # W8: DeepSpeed's /dev/shm all-reduce files are gone
     launcher = "deepspeed.launcher.runner" if ds_file else "roll.torchrun"
     assert "launching 2 processes" in proc.stderr and launcher in proc.stderr
     return _logged(out_dir)
