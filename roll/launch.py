@@ -173,7 +173,8 @@ def relaunch_tool(module: str, argv: list[str], nproc: int) -> Outcome:
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
     from roll.platform import current_platform
 
-    env.setdefault("OMP_NUM_THREADS", str(rank_threads(nproc, current_platform().is_accelerator)))
+    threads = rank_threads(nproc, current_platform().is_accelerator)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
     env.update(collective_env("127.0.0.1", env))
     logger.info("launching %d processes: %s", nproc, " ".join(cmd))
     with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir:

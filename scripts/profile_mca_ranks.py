@@ -32,10 +32,13 @@ PHASES = ("forward+backward", "finalize_model_grads", "metrics all-reduce", "opt
 
 
 class StepTimer:
-    """Seconds per phase, summed over the profiled steps."""
+    """Wall and CPU seconds per phase, summed over the profiled steps. CPU time (``time.process_time``: all
+    of this process's threads, gloo's included) barely moves when other jobs load the machine, wall time
+    does: compare layouts or settings by CPU time on a busy machine."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup, self.step, self.totals = warmup, 0, collections.defaultdict(float)
+        self.warmup, self.step = warmup, 0
+        self.totals, self.cpu = collections.defaultdict(float), collections.defaultdict(float)
         self.profiler = None
 
     @property
@@ -46,11 +49,12 @@ class StepTimer:
         def timed(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.totals[name] += time.perf_counter() - start
+                self.cpu[name] += time.process_time() - cpu
 
         return timed
 
@@ -72,32 +76,40 @@ def install(timer: StepTimer) -> None:
         if timer.step == timer.warmup:
             timer.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             timer.profiler.__enter__()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             return train_step(self, *args, **kwargs)
         finally:
             if timer.active:
                 timer.totals["step"] += time.perf_counter() - start
+                timer.cpu["step"] += time.process_time() - cpu
             timer.step += 1
 
     loop.MegatronTrainer._train_step = profiled_step
 
 
-def report(timer: StepTimer) -> str:
-    steps = max(timer.step - timer.warmup, 1)
-    per = {name: value / steps for name, value in timer.totals.items()}
+def _per_step(totals: dict, steps: int) -> dict[str, float]:
+    per = {name: value / steps for name, value in totals.items()}
     schedule = per.pop("schedule (forward+backward+finalize)", 0.0)
     per["forward+backward"] = schedule - per.get("finalize_model_grads", 0.0)
-    step = per.pop("step", 0.0)
-    lines = [f"rank {os.environ.get('RANK', '0')}: {steps} profiled steps, {step:.3f} s per step"]
-    for name in PHASES:
-        lines.append(f"  {name:24s} {per.get(name, 0.0):7.3f} s  {100 * per.get(name, 0.0) / max(step, 1e-9):5.1f} %")
-    other = step - sum(per.get(name, 0.0) for name in PHASES)
-    lines.append(f"  {'other (data, bookkeeping)':24s} {other:7.3f} s")
+    per["other (data, bookkeeping)"] = per.get("step", 0.0) - sum(per.get(name, 0.0) for name in PHASES)
+    return per
+
+
+def report(timer: StepTimer) -> str:
+    steps = max(timer.step - timer.warmup, 1)
+    wall, cpu = _per_step(timer.totals, steps), _per_step(timer.cpu, steps)
+    step = wall.get("step", 0.0)
+    lines = [f"rank {os.environ.get('RANK', '0')}: {steps} profiled steps, {step:.3f} s per step "
+             f"({cpu.get('step', 0.0):.3f} s CPU); per step:"]
+    for name in (*PHASES, "other (data, bookkeeping)"):
+        seconds, share = wall.get(name, 0.0), 100 * wall.get(name, 0.0) / max(step, 1e-9)
+        lines.append(f"  {name:26s} {seconds:7.3f} s  {share:5.1f} %  {cpu.get(name, 0.0):7.3f} s CPU")
     if timer.profiler is not None:
         timer.profiler.__exit__(None, None, None)
         table = timer.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        lines += ["", f"torch.profiler over the same {steps} steps (self CPU time, all steps together):", table]
+        lines += ["", f"torch.profiler over the same {steps} steps (self CPU time, all steps together):",
+                  table]
     return "\n".join(lines)
 
 

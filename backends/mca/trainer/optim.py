@@ -163,8 +163,8 @@ def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: 
     config = chunks[0].config
     if fp16 or bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    wrapped = [DistributedDataParallel(config, ddp_config(megatron_args), chunk, disable_bucketing=index > 0)
-               for index, chunk in enumerate(chunks)]
+    wrapped = [DistributedDataParallel(config, ddp_config(megatron_args), chunk,
+                                       disable_bucketing=index > 0) for index, chunk in enumerate(chunks)]
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped
