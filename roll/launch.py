@@ -42,6 +42,17 @@ def needs_launch(config: RunConfig) -> bool:
     return not inside_launcher() and t.nproc_per_node * t.nnodes > 1
 
 
+def rank_threads(nproc_per_node: int, accelerator: bool) -> int:
+    """torch threads per rank when the user set no ``OMP_NUM_THREADS``: on GPUs 1 (torchrun's own default:
+    the work is on the device); on CPU this machine's usable cores split over the node's ranks, so a
+    2-process run on 16 cores computes on 16, not 2, and never on more threads than cores (2 threads per
+    rank made a step ~2x slower on 2 cores: the threads of one GEMM wait for each other)."""
+    if accelerator:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(nproc_per_node, 1))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for a launcher's or a single-process group's rendezvous)."""
     with socket.socket() as sock:
@@ -135,10 +146,12 @@ def relaunch(config: RunConfig, argv: list[str], inherit: int | None = None) -> 
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
     if secrets:
         env[redact.SECRETS_ENV] = json.dumps(secrets)
-    env.setdefault("OMP_NUM_THREADS", "1")  # the deepspeed launcher does not set it; 2-4x slower without
     from roll.platform import current_platform
 
-    if not current_platform().is_accelerator:
+    accelerator = current_platform().is_accelerator
+    # The deepspeed launcher sets no OMP_NUM_THREADS, torchrun sets 1: the ranks' share of the cores instead.
+    env.setdefault("OMP_NUM_THREADS", str(rank_threads(t.nproc_per_node, accelerator)))
+    if not accelerator:
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would detect it too, with a warning per rank
     where = f" (node {t.node_rank} of {t.nnodes})" if t.nnodes > 1 else ""
     logger.info("launching %d processes%s: %s", t.nproc_per_node, where, " ".join(redact.redact_argv(cmd)))
@@ -158,7 +171,10 @@ def relaunch_tool(module: str, argv: list[str], nproc: int) -> Outcome:
     cmd = [sys.executable, "-m", "roll.torchrun", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", module, *argv]
     env = dict(os.environ, **{LAUNCHED_ENV: "1"})
-    env.setdefault("OMP_NUM_THREADS", "1")
+    from roll.platform import current_platform
+
+    threads = rank_threads(nproc, current_platform().is_accelerator)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
     env.update(collective_env("127.0.0.1", env))
     logger.info("launching %d processes: %s", nproc, " ".join(cmd))
     with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir:

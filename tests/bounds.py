@@ -104,6 +104,9 @@ LAYOUT = {
     "moe_ep2": Bound(1e-6, 4.7e-8, DATE,
                      "experts on 2 ranks: token all-to-all, expert gradients reduced apart"),
     "overlap": Bound(1e-6, 0.0, DATE, "DP2 with overlap_grad_reduce and overlap_param_gather vs without"),
+    "grad_reduce_bf16": Bound(7e-4, 6.8e-5, DATE,
+                              "bf16 weights at DP2, gradients summed over the ranks and divided by the token "
+                              "count in bf16 (8 mantissa bits) instead of fp32 (grad_reduce_in_fp32: false)"),
     "packed": Bound(1e-6, 7.0e-8, DATE, "THD-packed samples vs the same samples padded, " + SUMS),
     "packed_cp2": Bound(1e-6, 0.0, DATE, "THD packing with CP2 vs unpacked"),
     "eval_micro_batches": Bound(1e-6, 1.4e-8, DATE,

@@ -134,4 +134,8 @@ MUTANTS: list[Mutant] = [
            LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
            "        pass  # the final eval and the HF export",
            ("tests/distributed/test_mca_export.py::test_the_export_equals_the_trained_model_at_tp2_pp2_dp2",)),
+    Mutant("grad_reduce_in_fp32_ignored_mca", "mca: grad_reduce_in_fp32: false ignored (bf16 gradients still "
+           "reduced in fp32)", "backends/mca/trainer/optim.py",
+           "grad_reduce_in_fp32=megatron_args.grad_reduce_in_fp32,", "grad_reduce_in_fp32=True,",
+           (f"{MCA_TRAIN}::test_layouts_give_the_same_losses",)),
 ]

@@ -161,6 +161,11 @@ ROWS: tuple[Row, ...] = (
         "the grouped-GEMM kernel needs a GPU; CPU runs refuse it")),
     _row("use_distributed_optimizer overlap_grad_reduce overlap_param_gather", standard=MEGATRON_ONLY,
          mca=Honoured("tests/distributed/test_mca_export.py::test_the_export_equals_the_trained_model_at_tp2_pp2_dp2")),
+    _row("grad_reduce_in_fp32", standard=Refused(
+        "the standard backend reduces gradients in the dtype they are computed in (torch DDP; DeepSpeed: its "
+        "JSON's communication_data_type); drop the key, or use_mca: true", False),
+         mca=Honoured("tests/distributed/test_mca_train.py::test_layouts_give_the_same_losses",
+                      "bf16 DP2 reduced in bf16 vs fp32; no effect in fp32 training")),
     _row("optimizer_cpu_offload", standard=MEGATRON_ONLY, mca=Honoured(
         None, gap="Megatron's hybrid CPU optimizer needs a GPU; no CPU test")),
     _row("recompute_*", standard=MEGATRON_ONLY, mca=Honoured(

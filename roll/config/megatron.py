@@ -44,8 +44,11 @@ class MegatronArguments:
     use_distributed_optimizer: bool = False
     """[mca] Shard optimizer state across data-parallel ranks (ZeRO-1 style)."""
 
-    overlap_grad_reduce: bool = False
-    """[mca] Overlap the gradient reduce-scatter/all-reduce with the backward pass."""
+    overlap_grad_reduce: bool | None = None
+    """[mca] Overlap the gradient reduce-scatter/all-reduce with the backward pass, in buckets. Default (null): on with GPUs (NCCL), off on CPU (gloo: no gain measured, the reduction competes with the backward for the same cores; docs/performance.md)."""
+
+    grad_reduce_in_fp32: bool = True
+    """[mca] Accumulate and all-reduce gradients in fp32 (Megatron's ``main_grad`` buffer) when the weights are bf16/fp16; false: in the weights' dtype (half the bytes per all-reduce on NCCL, one more bf16 rounding per sum). No effect in fp32 training."""
 
     overlap_param_gather: bool = False
     """[mca] Overlap the parameter all-gather with the forward pass (needs the distributed optimizer)."""

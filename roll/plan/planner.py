@@ -73,8 +73,10 @@ def strategy_for(config: RunConfig, shape: ModelShape) -> Strategy:
         return Strategy(
             backend="mca", world_size=world, tp=lay.tp, pp=lay.pp, vpp=lay.vpp_size, cp=lay.cp, dp=lay.dp,
             ep=lay.ep, etp=lay.expert_tp, sp=lay.sequence_parallel, precision=precision,
-            # Megatron keeps 16-bit weights, an fp32 main_grad buffer (grad_reduce_in_fp32) and fp32 masters.
-            weight_bytes=2 if mixed else 4, grad_bytes=4, optim_bytes=12 if mixed else 8,
+            # Megatron keeps 16-bit weights, a main_grad buffer (fp32 with grad_reduce_in_fp32, else the
+            # weights' dtype) and fp32 masters.
+            weight_bytes=2 if mixed else 4, grad_bytes=4 if m.grad_reduce_in_fp32 or not mixed else 2,
+            optim_bytes=12 if mixed else 8,
             optim_shard=dp_cp if m.use_distributed_optimizer else 1,
             expert_optim_shard=expert_dp if m.use_distributed_optimizer else 1,
             optimizer_on_cpu=m.optimizer_cpu_offload, recompute=m.recompute_granularity,

@@ -80,8 +80,14 @@ def layout_runs(make_model, root) -> dict:
         {"name": "cp2", "overrides": {"context_parallel_size": 2, "gradient_accumulation_steps": 2}},
         {"name": "moe_ep1", "overrides": {"model_name_or_path": moe}},
         {"name": "moe_ep2", "overrides": {"model_name_or_path": moe, "expert_model_parallel_size": 2}},
+        *GRAD_REDUCE_RUNS,
     ]
     return train_runs(root, base, runs)
+
+
+GRAD_REDUCE_RUNS = ({"name": "bf16_dp2", "overrides": {"bf16": True}},
+                    {"name": "bf16_dp2_reduce_bf16", "overrides": {"bf16": True, "grad_reduce_in_fp32": False}})
+"""bf16 weights at DP2, gradients summed over the ranks in fp32 (the default) and in bf16."""
 
 
 def layout_comparisons(result: dict) -> list[Comparison]:
@@ -90,13 +96,16 @@ def layout_comparisons(result: dict) -> list[Comparison]:
     aux = [[entry["moe_aux_loss"] for entry in result[name]["log"]] for name in ("moe_ep2", "moe_ep1")]
     return [*(Comparison(name, result[name]["losses"], reference, LAYOUT[name]) for name in LAYOUTS),
             Comparison("moe_ep2", result["moe_ep2"]["losses"], result["moe_ep1"]["losses"], LAYOUT["moe_ep2"]),
-            Comparison("moe_ep2 aux loss", *aux, LAYOUT["moe_ep2"])]
+            Comparison("moe_ep2 aux loss", *aux, LAYOUT["moe_ep2"]),
+            Comparison("bf16 DP2, grad_reduce_in_fp32 false vs true", result["bf16_dp2_reduce_bf16"]["losses"],
+                       result["bf16_dp2"]["losses"], LAYOUT["grad_reduce_bf16"])]
 
 
 def test_layouts_give_the_same_losses(tiny_model_factory, tmp_path):
     """10 steps, each within its measured bound (tests/bounds.py) of TP1 x DP2: TP2 (+SP), PP2 (1F1B),
     PP2 x VPP2, CP2, the distributed optimizer, GAS=4 x MBS=1, and EP2 for a MoE model (against EP1 at the
-    same DP); PP2 x VPP2's eval micro-batch count obeys the interleaved schedule's rule."""
+    same DP); PP2 x VPP2's eval micro-batch count obeys the interleaved schedule's rule; bf16 at DP2 with
+    gradients reduced in bf16 (grad_reduce_in_fp32: false) against fp32 reduction."""
     result = layout_runs(tiny_model_factory, tmp_path)
     reference = result["tp1_dp2"]["losses"]
     assert len(reference) == 10 and reference[-1] < reference[0] - 0.3, reference  # it learns
@@ -106,6 +115,8 @@ def test_layouts_give_the_same_losses(tiny_model_factory, tmp_path):
     vpp_eval, pp_eval = result["pp2_vpp2"]["metrics"]["eval_loss"], result["pp2"]["metrics"]["eval_loss"]
     assert abs(vpp_eval - pp_eval) <= LAYOUT["pp2_vpp2"].rel * pp_eval, (vpp_eval, pp_eval)
     assert result["moe_ep2"]["log"][0]["moe_aux_loss"] > 0
+    # grad_reduce_in_fp32: false reaches Megatron's DDP: the bf16 sums round, so the losses move (within bound).
+    assert result["bf16_dp2_reduce_bf16"]["losses"] != result["bf16_dp2"]["losses"]
 
 
 def backend_runs(model_dir: str, root) -> dict:

@@ -127,3 +127,18 @@ def test_roll_bench_quick_runs_two_cases_and_writes_both_files(tmp_path):
     assert rows["standard"]["metrics"]["loss"] == pytest.approx(rows["hf"]["metrics"]["loss"], rel=1e-4)
     text = (tmp_path / "perf.md").read_text()
     assert "| (b) standard | 1 | 1p | fp32 | 64 | off |" in text and "load average" in text
+
+
+def test_gloo_bandwidth_script_times_every_collective(tmp_path):
+    """scripts/gloo_bandwidth.py (the DP2 floor in docs/performance.md) on 2 processes and 4 MB: one line per
+    collective, dtype and bucketing, each with seconds and GB/s."""
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "gloo_bandwidth.py"), "--mb", "4", "--repeat", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "GB/s" in line]
+    names = [line.split("  ")[0] for line in lines]
+    for dtype in ("fp32", "bf16"):
+        for what in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
+            assert any(name.startswith(f"{what} {dtype}") for name in names), (what, dtype, proc.stdout)
+    assert len(lines) == 11 and all(float(line.split()[-4]) > 0 for line in lines), proc.stdout

@@ -74,6 +74,16 @@ def test_launch_command_uses_torchrun_or_deepspeed(tmp_path):
     assert cmd[cmd.index("--num_gpus") + 1] == "2"
 
 
+def test_ranks_share_the_cpu_cores_and_use_one_thread_on_gpus(monkeypatch):
+    """Without OMP_NUM_THREADS, each rank of a CPU launch gets its share of the usable cores (never more
+    threads than cores: oversubscribed GEMM threads wait for each other); GPU ranks get torchrun's 1."""
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [launch.rank_threads(n, accelerator=False) for n in (1, 2, 3, 4, 32)] == [16, 8, 5, 4, 1]
+    assert launch.rank_threads(2, accelerator=True) == 1
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert launch.rank_threads(2, accelerator=False) == 1
+
+
 def test_no_relaunch_inside_a_launcher(tmp_path, monkeypatch):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("nproc_per_node: 2\n")

@@ -184,3 +184,20 @@ def test_mid_run_eval_steps_follow_hf_trainer(keys, expected):
     trainer.training = SimpleNamespace(**{"logging_steps": 1, "eval_steps": None, "eval_delay": 0, **keys})
     trainer.plan = BatchPlan(micro_batch_size=4, grad_accum=2, dp_size=1, dp_rank=0)
     assert [step for step in range(1, 6) if trainer._should_evaluate(step, 5, 16)] == expected
+
+
+@pytest.mark.parametrize("device, dist_backend, overlap", [("cpu", "gloo", False), ("cuda", "nccl", True)])
+def test_ddp_config_from_the_recipe_keys(monkeypatch, device, dist_backend, overlap):
+    """Megatron's DDP gets the recipe's grad_reduce_in_fp32 and overlap_grad_reduce; an unset overlap is on
+    with GPUs (NCCL) and off on CPU (gloo), measured in docs/performance.md."""
+    from backends.mca.trainer import optim
+    from roll import platform
+    from roll.config import MegatronArguments
+
+    monkeypatch.setattr(platform, "current_platform", lambda: platform.Platform(device, dist_backend))
+    default = optim.ddp_config(MegatronArguments())
+    assert (default.overlap_grad_reduce, default.grad_reduce_in_fp32, default.average_in_collective) == (
+        overlap, True, False)
+    for value in (True, False):
+        chosen = optim.ddp_config(MegatronArguments(overlap_grad_reduce=value, grad_reduce_in_fp32=False))
+        assert (chosen.overlap_grad_reduce, chosen.grad_reduce_in_fp32) == (value, False)

@@ -143,6 +143,13 @@ def test_mca_tensor_parallel_and_distributed_optimizer(model_dir):
                     use_distributed_optimizer=True)
     assert (by["parameters"], by["gradients"], by["optimizer states"]) == (2 * per_rank, 4 * per_rank,
                                                                             12 * per_rank / 2)
+    # grad_reduce_in_fp32: false keeps main_grad in bf16 (2 bytes); in fp32 training it changes nothing.
+    _, by = plan_of(model_dir, use_mca=True, nproc_per_node=2, tensor_model_parallel_size=2, bf16=True,
+                    grad_reduce_in_fp32=False)
+    assert by["gradients"] == 2 * per_rank
+    _, by = plan_of(model_dir, use_mca=True, nproc_per_node=2, tensor_model_parallel_size=2,
+                    grad_reduce_in_fp32=False)
+    assert by["gradients"] == 4 * per_rank
 
 
 def test_pipeline_stages_split_layers_embedding_and_head():

@@ -122,23 +122,49 @@ def schedule_for(training, total_steps: int) -> LRSchedule:
                       training.warmup_steps, kwargs)
 
 
+def ddp_config(megatron_args):
+    """Megatron's ``DistributedDataParallelConfig`` from the recipe's keys.
+
+    ``grad_reduce_in_fp32``: the ``main_grad`` buffer (where each backward adds its gradients and what
+    the all-reduce sums) in fp32, or in the weights' dtype; fp32 weights always reduce in fp32.
+    ``overlap_grad_reduce``: start each bucket's all-reduce as soon as its gradients are complete,
+    during the backward, in buckets of Megatron's default size (40M elements at DP <= 40), instead of one
+    all-reduce of the whole buffer after it (``overlap_grad_reduce_default`` when unset).
+    ``average_in_collective`` stays off: with the per-token loss, ``finalize_model_grads`` divides the
+    summed gradients by the global batch's token count.
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    overlap = megatron_args.overlap_grad_reduce
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=megatron_args.grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap_grad_reduce_default() if overlap is None else overlap,
+        overlap_param_gather=megatron_args.overlap_param_gather,
+        use_distributed_optimizer=megatron_args.use_distributed_optimizer,
+        average_in_collective=False)
+
+
+def overlap_grad_reduce_default() -> bool:
+    """On with an accelerator, off on CPU. NCCL reduces on the GPU while the backward computes (Megatron-LM
+    recommends the overlap); gloo sums on the same CPU cores the backward runs on, and on 2 cores a DP2 step
+    measured no faster with it (docs/performance.md, scripts/profile_mca_ranks.py)."""
+    from roll.platform import current_platform
+
+    return current_platform().is_accelerator
+
+
 def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: bool) -> list[torch.nn.Module]:
-    """Megatron's DDP around each chunk (fp32 gradient reduction, optional overlap; buckets only for
-    the first chunk, as Megatron-LM does under the virtual pipeline), after ``Float16Module`` when
-    training in bf16/fp16. Parameters are broadcast from data-parallel rank 0 so replicas start equal."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """Megatron's DDP around each chunk (``ddp_config``; buckets only for the first chunk, as Megatron-LM
+    does under the virtual pipeline), after ``Float16Module`` when training in bf16/fp16. Parameters are
+    broadcast from data-parallel rank 0 so replicas start equal."""
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
     config = chunks[0].config
     if fp16 or bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=megatron_args.overlap_grad_reduce,
-        overlap_param_gather=megatron_args.overlap_param_gather,
-        use_distributed_optimizer=megatron_args.use_distributed_optimizer,
-        average_in_collective=False)  # per-token loss: finalize_model_grads divides by the token count
-    wrapped = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
-               for index, chunk in enumerate(chunks)]
+    wrapped = [DistributedDataParallel(config, ddp_config(megatron_args), chunk,
+                                       disable_bucketing=index > 0) for index, chunk in enumerate(chunks)]
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped
@@ -172,7 +198,7 @@ def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> No
     config.no_sync_func = [chunk.no_sync for chunk in chunks]
     if len(chunks) == 1:
         config.no_sync_func = config.no_sync_func[0]
-    if megatron_args.overlap_grad_reduce:
+    if chunks[0].ddp_config.overlap_grad_reduce:  # the resolved value (``ddp_config``)
         config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
         if len(chunks) == 1:
             config.grad_sync_func = config.grad_sync_func[0]
