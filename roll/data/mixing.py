@@ -1,4 +1,4 @@
-"""Mixing several datasets (``dataset: a,b``): ``mix_strategy`` and ``interleave_probs``, LLaMA-Factory's keys.
+"""Mixing several datasets (``dataset: a,b``): ``mix_strategy``, ``interleave_probs`` (LLaMA-Factory's keys).
 
 Each comma-separated entry of ``dataset:`` is one dataset (a directory's files are concatenated into its
 entry). ``concat`` puts the entries one after the other; ``interleave_under`` and ``interleave_over``

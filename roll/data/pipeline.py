@@ -67,8 +67,8 @@ def _build_streaming(data_args, tokenizer, *, stage: str, processor: str, format
     from roll.data.streaming import build_streaming
 
     def build_eval():
-        args = dataclasses.replace(data_args, dataset=data_args.eval_dataset, eval_dataset=None, streaming=False,
-                                   shuffle=False, mix_strategy="concat", interleave_probs=None)
+        args = dataclasses.replace(data_args, dataset=data_args.eval_dataset, eval_dataset=None,
+                                   streaming=False, shuffle=False, mix_strategy="concat", interleave_probs=None)
         return _build(args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed).train
 
     return build_streaming(data_args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed,
@@ -162,7 +162,8 @@ def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], st
     return fmt
 
 
-def make_processor(source: Source, *, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
+def make_processor(source: Source, *, data_args, tokenizer, stage: str, processor: str,
+                   allowed: tuple[str, ...]):
     """The stage processor (a batched map function) for one source, whose format it resolves."""
     fmt = resolve_format(source, data_args.formatting, allowed, stage)
     options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all"},

@@ -51,8 +51,8 @@ class PreprocessStats:
 
     def summary_lines(self) -> list[str]:
         if self.streaming:
-            return ["streaming: rows are tokenized (and packed) as training reads them, so there are no counts "
-                    f"ahead; training rows: {self.num_rows} (max_steps x global batch), eval samples: "
+            return ["streaming: rows are tokenized (and packed) as training reads them, so there are no "
+                    f"counts ahead; training rows: {self.num_rows} (max_steps x global batch), eval samples: "
                     f"{self.num_eval_samples}"]
         eff = "n/a (packing off)" if self.packing_efficiency is None else f"{self.packing_efficiency:.4f}"
         dropped = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"

@@ -5,8 +5,9 @@ each file of each ``dataset:`` entry is read in ``preprocessing_batch_size``-row
 stage processor (errors name the file and row as usual); the entries are mixed (``roll.data.mixing``);
 with ``shuffle`` a buffer of ``buffer_size`` rows is filled and each next row is drawn from it at random
 (LLaMA-Factory's meaning of the key); skipped rows are dropped (counted and warned about); with
-``packing`` every ``buffer_size`` kept samples are packed best-fit decreasing into ``cutoff_len`` rows. At the end of the corpus the stream starts again (the next epoch, shuffled with
-``seed + epoch``), so ``max_steps`` decides the length.
+``packing`` every ``buffer_size`` kept samples are packed best-fit decreasing into ``cutoff_len`` rows.
+At the end of the corpus the stream starts again (the next epoch, shuffled with ``seed + epoch``), so
+``max_steps`` decides the length.
 
 Both backends index their training set (global step k reads rows ``[k*B, (k+1)*B)``, DESIGN.md section
 3), so the stream is handed to them as ``StreamedRows``: a dataset of ``max_steps * B`` rows whose row i is
@@ -64,7 +65,8 @@ def raw_batches(path: str, batch_size: int) -> Iterator[dict[str, list]]:
         raise DataError(f"cannot read {path} while streaming it: {exc}") from exc
 
 
-def tokenized_rows(path: str, make_processor: Callable[[Source], Callable], batch_size: int) -> Iterator[dict]:
+def tokenized_rows(path: str, make_processor: Callable[[Source], Callable],
+                   batch_size: int) -> Iterator[dict]:
     """One file's tokenized rows (meta columns included), batch by batch; ``make_processor(source)`` builds
     the stage processor once the first batch shows the file's columns."""
     fn, start = None, 0
@@ -76,7 +78,8 @@ def tokenized_rows(path: str, make_processor: Callable[[Source], Callable], batc
         start += count
         columns = list(out)
         for values in zip(*(out[c] for c in columns)):
-            yield {c: np.asarray(v, dtype=np.int32) if c in _INT_COLUMNS else v for c, v in zip(columns, values)}
+            yield {c: np.asarray(v, dtype=np.int32) if c in _INT_COLUMNS else v
+                   for c, v in zip(columns, values)}
     if start == 0:
         raise DataError(f"{path} has no rows.")
 
@@ -97,7 +100,8 @@ def shuffled(rows: Iterator[dict], buffer_size: int, seed: int) -> Iterator[dict
         yield buffer[slot]
 
 
-def packed(samples: Iterator[dict], capacity: int, chunk: int, rng: np.random.Generator | None) -> Iterator[dict]:
+def packed(samples: Iterator[dict], capacity: int, chunk: int,
+           rng: np.random.Generator | None) -> Iterator[dict]:
     """Packed rows (``input_ids``, ``labels``, ``position_ids``, ``seq_lens``, as roll.data.packing makes) of
     every ``chunk`` samples, best-fit decreasing; the rows of a chunk in random order with ``rng``."""
     while block := list(itertools.islice(samples, chunk)):
@@ -156,9 +160,9 @@ class TrainingStream:
             for count, row in enumerate(self.epoch(epoch), start=1):
                 yield row
             if count == 0:
-                raise DataError(f"no samples in the stream of {self.data_args.dataset!r}: every row was skipped "
-                                f"({', '.join(f'{k}={v}' for k, v in sorted(self.dropped.items()))}); fix the "
-                                "rows (docs/data.md, 'Skipped rows').")
+                reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items()))
+                raise DataError(f"no samples in the stream of {self.data_args.dataset!r}: every row was "
+                                f"skipped ({reasons}); fix the rows (docs/data.md, 'Skipped rows').")
             log_rank0(logger, "streaming: epoch %d of the stream ended after %d rows; starting it again",
                       epoch, count)
 
@@ -191,8 +195,8 @@ class StreamedRows:
             self._iter, self._next, self._kept, self._pid = None, 0, {}, os.getpid()
         if self._iter is None or index < self._next:
             if self._iter is not None:
-                warn_once(logger, f"streaming: row {index} asked for after row {self._next - 1}: replaying the "
-                                  "stream from its start")
+                warn_once(logger, f"streaming: row {index} asked for after row {self._next - 1}: "
+                                  "replaying the stream from its start")
             self._iter, self._next = iter(self.stream), 0
         while self._next <= index:
             row = next(self._iter)
@@ -220,8 +224,8 @@ def fingerprint(data_args, tokenizer, seed: int) -> str:
     """What decides the stream's rows: the data keys, the seed, the tokenizer and each file's size and first
     and last MiB (hashing a whole corpus would read it all; a changed row almost always moves one of them)."""
     digest = hashlib.sha256()
-    settings = {k: v for k, v in vars(data_args).items() if k not in ("preprocessing_num_workers", "overwrite_cache",
-                                                                        "eval_dataset")}
+    speed_only = ("preprocessing_num_workers", "overwrite_cache", "eval_dataset")
+    settings = {k: v for k, v in vars(data_args).items() if k not in speed_only}
     digest.update(json.dumps([settings, seed], sort_keys=True, default=str).encode())
     for attr in ("name_or_path", "chat_template", "eos_token_id", "pad_token_id"):
         digest.update(str(getattr(tokenizer, attr, None)).encode())
@@ -257,7 +261,8 @@ def build_streaming(data_args, tokenizer, *, stage: str, processor: str, formats
         eval_ds = build_eval()
         stats.num_eval_samples = len(eval_ds)
     stats.preprocess_seconds = round(time.perf_counter() - start, 3)
-    log_rank0(logger, "data: streaming %s (stage %s): rows are tokenized%s as they are read, shuffle buffer %s",
+    log_rank0(logger, "data: streaming %s (stage %s): rows are tokenized%s as they are read, shuffle "
+              "buffer %s",
               data_args.dataset, stage, " and packed" if data_args.packing else "",
               data_args.buffer_size if data_args.shuffle else "off (shuffle: false)")
     return DatasetBundle(train=train, eval=eval_ds, stats=stats)

@@ -25,13 +25,15 @@ def _rows(first: int, count: int) -> list[dict]:
 
 def streaming_recipe(model_dir: str, tmp_path) -> dict:
     files = []
-    for name, first, count in (("a.jsonl", 0, 12), ("b.jsonl", 40, 7)):
+    for name, first, count in (("a.jsonl", 0, 8), ("b.jsonl", 40, 4)):
         path = tmp_path / name
         path.write_text("".join(json.dumps(row) + "\n" for row in _rows(first, count)))
         files.append(str(path))
-    # 19 rows packed 2-3 to a 64-token row: ~8 packed rows an epoch; 6 steps of 2 read ~1.5 epochs.
-    return dict(stage="sft", model_name_or_path=model_dir, dataset=",".join(files), streaming=True, buffer_size=5,
-                mix_strategy="interleave_over", interleave_probs="0.6,0.4", packing=True, cutoff_len=64,
+    # 12 rows, mixed interleave_over (~17 draws), packed in blocks of 5: ~10 packed rows a pass, so the 6 steps
+    # of 2 rows run into the stream's second pass (reshuffled); the resume at step 3 replays 6 rows.
+    return dict(stage="sft", model_name_or_path=model_dir, dataset=",".join(files), streaming=True,
+                buffer_size=5, mix_strategy="interleave_over", interleave_probs="0.6,0.4", packing=True,
+                cutoff_len=64,
                 learning_rate=1e-3, per_device_train_batch_size=2, max_steps=6, logging_steps=1,
                 save_strategy="steps", save_steps=3, save_hf_model=False, report_to="none", seed=3,
                 disable_tqdm=True)
@@ -43,7 +45,8 @@ def _standard(recipe: dict, output_dir, **overrides) -> list[float]:
 
     config = resolve({**recipe, "output_dir": str(output_dir), **overrides}, {}, None)
     router.run(config)
-    with open(output_dir / "train_log.jsonl", encoding="utf-8") as fh:  # a resumed run logs its own steps only
+    # a resumed run logs only the steps it trained
+    with open(output_dir / "train_log.jsonl", encoding="utf-8") as fh:
         return [record["loss"] for record in map(json.loads, fh) if "loss" in record]
 
 

@@ -74,6 +74,20 @@ def test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows(bpe, tmp
     assert [plain[i] for i in range(30)] == list(build(bpe, dataset=data, shuffle=False))
 
 
+def test_pt_streams_the_in_memory_rows_and_eval_dataset_is_read_in_full(bpe, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (i % 30)}) + "\n"
+                              for i in range(60)))
+    pt = dict(dataset=str(corpus), cutoff_len=32, shuffle=False, preprocessing_batch_size=16)
+    memory = build_datasets(DataArguments(**pt), bpe, stage="pt", processor="pretrain", formats=("text",),
+                            seed=0).train
+    bundle = build_datasets(DataArguments(**pt, streaming=True, eval_dataset=str(corpus)), bpe, stage="pt",
+                            processor="pretrain", formats=("text",), seed=0)
+    set_stream_length(bundle.train, len(memory), 1)
+    assert [bundle.train[i] for i in range(len(memory))] == list(memory)  # documents cut into 32-token rows
+    assert bundle.eval is not None and list(bundle.eval) == list(memory)
+
+
 def test_the_shuffle_buffer_reads_lazily_and_draws_every_row_once():
     consumed = []
 
@@ -145,7 +159,8 @@ def test_interleave_probs_are_seeded_and_respected():
 
 def test_mixing_is_the_same_in_memory_and_streamed(bpe, tmp_path):
     a, b = write_rows(tmp_path / "a.jsonl", 0, 12), write_rows(tmp_path / "b.jsonl", 100, 30)
-    mix = dict(dataset=f"{a},{b}", mix_strategy="interleave_under", interleave_probs=[0.6, 0.4], shuffle=False)
+    mix = dict(dataset=f"{a},{b}", mix_strategy="interleave_under", interleave_probs=[0.6, 0.4],
+               shuffle=False)
     memory = list(build(bpe, seed=5, **mix))
     streamed = build(bpe, seed=5, length=len(memory), streaming=True, **mix)
     assert [streamed[i] for i in range(len(memory))] == memory
@@ -170,7 +185,7 @@ BASE = {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json", "mod
     ({"streaming": True, "max_steps": 5, "buffer_size": 0}, "buffer_size must be positive"),
     ({"mix_strategy": "interleave_unde"}, "did you mean 'interleave_under'"),
     ({"interleave_probs": "0.5,0.5"}, "with concat every row"),
-    ({"mix_strategy": "interleave_over", "interleave_probs": "0.5,0.5"}, "dataset has 1 comma-separated entry"),
+    ({"mix_strategy": "interleave_over", "interleave_probs": "0.5,0.5"}, "dataset has 1 comma-separated"),
     ({"mix_strategy": "interleave_over", "dataset": "a,b", "interleave_probs": "0.5,0.6"}, "sum to 1"),
 ])
 def test_what_streaming_and_mixing_refuse(recipe, message):
