@@ -47,8 +47,9 @@ def raw_batches(path: str, batch_size: int) -> Iterator[dict[str, list]]:
     """The rows of one source file (or saved dataset) as dict-of-list batches, read lazily in file order."""
     import datasets
 
-    from roll.data.loading import BUILDERS
+    from roll.data.loading import BUILDERS, diagnose
 
+    builder = None
     if os.path.isdir(path):
         loaded = datasets.load_from_disk(path)
         if isinstance(loaded, datasets.DatasetDict):
@@ -61,8 +62,9 @@ def raw_batches(path: str, batch_size: int) -> Iterator[dict[str, list]]:
         stream = datasets.load_dataset(path, split="train", streaming=True)
     try:
         yield from stream.iter(batch_size=batch_size)
-    except Exception as exc:  # an arrow error half-way through a file: name the file
-        raise DataError(f"cannot read {path} while streaming it: {exc}") from exc
+    except Exception as exc:  # an arrow error half-way through a file: find the row (reads the file once)
+        found = diagnose(path, builder) if builder else None
+        raise DataError(f"cannot read {path} while streaming it: {found or exc}") from exc
 
 
 def tokenized_rows(path: str, make_processor: Callable[[Source], Callable],

@@ -88,6 +88,16 @@ def test_pt_streams_the_in_memory_rows_and_eval_dataset_is_read_in_full(bpe, tmp
     assert bundle.eval is not None and list(bundle.eval) == list(memory)
 
 
+def test_a_broken_row_met_in_the_stream_is_named(bpe, tmp_path):
+    from roll.errors import DataError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')
+    rows = build(bpe, length=4, dataset=str(bad), streaming=True)
+    with pytest.raises(DataError, match=r"bad.jsonl while streaming it: invalid JSON on line 2 \(row 1\)"):
+        rows[0]
+
+
 def test_the_shuffle_buffer_reads_lazily_and_draws_every_row_once():
     consumed = []
 
