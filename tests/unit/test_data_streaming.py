@@ -74,6 +74,23 @@ def test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows(bpe, tmp
     assert [plain[i] for i in range(30)] == list(build(bpe, dataset=data, shuffle=False))
 
 
+def test_a_resumed_stream_may_run_longer_but_not_on_other_data(bpe, tmp_path):
+    from roll import resume_record
+
+    data = write_rows(tmp_path / "a.jsonl", 0, 30)
+    stream = dict(dataset=data, streaming=True)
+    resume_record.write(str(tmp_path), build(bpe, length=24, **stream), dataset_spec=data, global_step=3,
+                        global_batch_size=4, skipped_steps=0)
+    assert resume_record.read(str(tmp_path))["streamed"] is True
+    # max_steps raised from 6 to 10 (24 -> 40 rows): the same stream, 12 rows consumed
+    resume_record.check_same_data(str(tmp_path), build(bpe, length=40, **stream), dataset_spec=data,
+                                  global_batch_size=4)
+    for changed in (dict(seed=1), dict(cutoff_len=32)):
+        other = build(bpe, length=40, **{**stream, **changed})
+        with pytest.raises(ConfigError, match="other contents or order"):
+            resume_record.check_same_data(str(tmp_path), other, dataset_spec=data, global_batch_size=4)
+
+
 def test_pt_streams_the_in_memory_rows_and_eval_dataset_is_read_in_full(bpe, tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (i % 30)}) + "\n"
