@@ -71,7 +71,7 @@ def _build_streaming(data_args, tokenizer, *, stage: str, processor: str, format
                                    streaming=False, shuffle=False, mix_strategy="concat", interleave_probs=None)
         return _build(args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed).train
 
-    return build_streaming(data_args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed,
+    return build_streaming(data_args, tokenizer, stage=stage, seed=seed,
                            make_processor=functools.partial(make_processor, data_args=data_args,
                                                             tokenizer=tokenizer, stage=stage,
                                                             processor=processor, allowed=formats),

@@ -248,8 +248,8 @@ def _file_sample(path: str) -> bytes:
         return str(size).encode() + hashlib.sha256(head + handle.read()).digest()
 
 
-def build_streaming(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...], seed: int,
-                    make_processor: Callable[[Source], Callable], build_eval: Callable | None):
+def build_streaming(data_args, tokenizer, *, stage: str, seed: int, make_processor: Callable[[Source], Callable],
+                    build_eval: Callable):
     """The DatasetBundle of a streaming run: ``StreamedRows`` for training (``max_steps`` global batches:
     the length is set by ``set_stream_length``), ``eval_dataset`` read in full by ``build_eval``."""
     from roll.data.pipeline import DatasetBundle
