@@ -5,7 +5,8 @@ consumed, the skipped-step count, and the training set (the recipe's ``dataset``
 content fingerprint, ``roll.data.fingerprint``). On resume, ``check_same_data`` refuses a training set that
 changed since (exit 2): the sample order the checkpoint stopped in would not continue, and the resumed run
 would silently train other samples than the uninterrupted one. ``skipped_steps`` lets the resumed run's
-log continue the count.
+log continue the count. A streamed training set (``streaming: true``) is marked ``streamed``: its length is
+``max_steps`` global batches, so a resumed run may change it; its fingerprint is the stream's.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def write(checkpoint_dir: str, dataset, *, dataset_spec: str | None, global_step
     record = {"global_step": global_step, "global_batch_size": global_batch_size, "consumed_samples": consumed,
               "skipped_steps": skipped_steps, "dataset": dataset_spec, "num_samples": len(dataset),
               "dataset_fingerprint": dataset_fingerprint(dataset)}
+    if _streamed(dataset):
+        record["streamed"] = True
     with open(os.path.join(checkpoint_dir, RECORD), "w", encoding="utf-8") as fh:
         json.dump(record, fh, indent=2)
+
+
+def _streamed(dataset) -> bool:
+    return bool(getattr(dataset, "streamed", False))
 
 
 def read(checkpoint_dir: str) -> dict | None:
@@ -67,7 +74,8 @@ def check_same_data(checkpoint_dir: str, dataset, *, dataset_spec: str | None, g
     changes = []
     if record.get("dataset") != dataset_spec:
         changes.append(f"dataset was {record.get('dataset')!r}, now {dataset_spec!r}")
-    if record.get("num_samples") != len(dataset):
+    # A stream's length is max_steps global batches: a resumed run may extend max_steps.
+    if record.get("num_samples") != len(dataset) and not (record.get("streamed") and _streamed(dataset)):
         changes.append(f"{record.get('num_samples')} training samples then, {len(dataset)} now")
     elif record.get("dataset_fingerprint") != dataset_fingerprint(dataset):
         changes.append(f"the same number of samples ({len(dataset)}) with other contents or order "

@@ -69,6 +69,15 @@ def check_batch_fits(config: RunConfig, rows: int, dp_size: int) -> None:
                           "per_device_train_batch_size or gradient_accumulation_steps, or add data.")
 
 
+def _set_stream_length(config: RunConfig, job: TrainJob, dp_size: int) -> None:
+    """A streamed training set is as long as the run reads: max_steps global batches (roll.data.streaming)."""
+    from roll.data.streaming import set_stream_length
+
+    t = config.training
+    set_stream_length(job.train_dataset, t.max_steps,
+                      t.per_device_train_batch_size * t.gradient_accumulation_steps * dp_size)
+
+
 def _check_resumed_data(config: RunConfig, job: TrainJob, dp_size: int) -> None:
     """A resumed run must train on the training set its checkpoint was trained on (every rank alike)."""
     from roll import resume_record
@@ -95,6 +104,8 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         from roll.data.report import dry_run_report
 
         job, stats = build_job(config, policy)
+        _set_stream_length(config, job, dp_size=1)
+        stats.num_rows = len(job.train_dataset)
         summary, text = dry_run_report(job, stats)
         (out or sys.stdout.write)(json.dumps(summary) + "\n" if as_json else text)
         return None
@@ -108,6 +119,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         if is_rank0():
             clean_stale(config.training.output_dir)
         job, _ = build_job(config, policy)
+        _set_stream_length(config, job, info.dp_size)
         check_batch_fits(config, len(job.train_dataset), info.dp_size)
         _check_resumed_data(config, job, info.dp_size)
         log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",

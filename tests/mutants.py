@@ -42,6 +42,9 @@ class Mutant:
     """Cheap enough (unit tests only, seconds) to run inside ``make test``."""
 
 
+STREAM_UNIT = "tests/unit/test_data_streaming.py"
+STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows"
+
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
     Mutant("padded_vocab_rank_check", "padded-vocab columns masked only when a TP slice starts past the vocab",
@@ -82,7 +85,31 @@ MUTANTS: list[Mutant] = [
            HF_ARGS, 'kwargs["remove_unused_columns"] = False',
            'kwargs["remove_unused_columns"] = False\n    kwargs["ignore_data_skip"] = True',
            (f"{STD_UNIT}::test_resume_reproduces_the_uninterrupted_run",)),
+    Mutant("stream_shuffle_unseeded", "streaming: the shuffle buffer draws without the seed (another order on "
+           "every read: a resumed run or another rank trains other rows)", "roll/data/streaming.py",
+           "rng = np.random.default_rng(seed)\n    buffer", "rng = np.random.default_rng()\n    buffer",
+           (STREAM_ORDER,)),
+    Mutant("stream_epochs_same_order", "streaming: every pass over the corpus in the same order",
+           "roll/data/streaming.py", "seed = self.data_args, self.seed + epoch", "seed = self.data_args, self.seed",
+           (STREAM_ORDER,)),
+    Mutant("stream_replay_one_late", "streaming: a resumed reader's replay starts one row into the stream",
+           "roll/data/streaming.py", "self._iter, self._next = iter(self.stream), 0",
+           "self._iter, self._next = iter(self.stream), 0\n            next(self._iter)", (STREAM_ORDER,),
+           fast=True),
+    Mutant("interleave_over_stops_early", "mix_strategy interleave_over stops at the first exhausted dataset",
+           "roll/data/mixing.py", 'if strategy == "interleave_under":', 'if strategy.startswith("interleave"):',
+           (f"{STREAM_UNIT}::test_interleave_strategies_round_robin",), fast=True),
+    Mutant("interleave_probs_unseeded", "interleave_probs drawn without the seed", "roll/data/mixing.py",
+           "rng = np.random.default_rng(seed)", "rng = np.random.default_rng()",
+           (f"{STREAM_UNIT}::test_interleave_probs_are_seeded_and_respected",)),
+    Mutant("mix_ignored_in_memory", "mix_strategy ignored without streaming (datasets concatenated)",
+           "roll/data/mixing.py", 'if data_args.mix_strategy == "concat":', "if True:",
+           (f"{STREAM_UNIT}::test_mixing_is_the_same_in_memory_and_streamed",)),
     # ---- one or two torchrun / roll-parity launches --------------------------------------------------
+    Mutant("stream_resume_restarts_standard", "standard, streaming: a resumed run reads the stream from its start",
+           HF_ARGS, 'kwargs["remove_unused_columns"] = False',
+           'kwargs["remove_unused_columns"] = False\n    kwargs["ignore_data_skip"] = True',
+           ("tests/distributed/test_streaming.py::test_streaming_same_losses_on_both_backends_and_across_a_resume",)),
     Mutant("padded_vocab_unmasked_mca", "mca: padded-vocab logits enter the softmax",
            LOSS, "logits = mask_padded_vocab(logits.float(), vocab_size)", "logits = logits.float()",
            (f"{MCA_DPO}::test_reference_stays_frozen_and_log_probs_match_hf",)),

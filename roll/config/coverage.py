@@ -129,6 +129,10 @@ ROWS: tuple[Row, ...] = (
     _row("preprocessing_num_workers preprocessing_batch_size", both=NoEffect(
         "tokenization speed only; the rows are the same")),
     _row("overwrite_cache", both=NoEffect("re-tokenizes instead of reusing the cache: the same rows")),
+    _row("streaming buffer_size mix_strategy interleave_probs", both=Honoured(
+        "tests/distributed/test_streaming.py::test_streaming_same_losses_on_both_backends_and_across_a_resume",
+        "the shared pipeline streams and mixes (roll.data.streaming, roll.data.mixing); both backends read its "
+        "order; tests/unit/test_data_streaming.py checks the order itself")),
     # -- finetuning ---------------------------------------------------------------------------------------
     _row("stage", both=Honoured(PARITY, "pt and sft; dpo: " + DPO)),
     _row("finetuning_type", standard=Honoured(

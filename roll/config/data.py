@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from roll.config.coerce import closest
 from roll.errors import ConfigError
+
+MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 
 
 @dataclass
@@ -49,6 +52,18 @@ class DataArguments:
     overwrite_cache: bool = False
     """Ignore the preprocessing cache and tokenize again."""
 
+    mix_strategy: Literal["concat", "interleave_under", "interleave_over"] = "concat"
+    """How the comma-separated datasets of `dataset:` are mixed: one after the other (concat), or one row at a time until the first is exhausted (interleave_under) or until all are (interleave_over, smaller ones repeat)."""
+
+    interleave_probs: list[float] | None = None
+    """With interleave_*: the probability of drawing from each dataset (one per entry of `dataset:`, summing to 1, e.g. 0.7,0.3); unset: round robin."""
+
+    streaming: bool = False
+    """Read `dataset:` as a stream (tokenized, shuffled and packed as it is read; never all in memory): for corpora larger than memory or disk cache. Needs max_steps; see docs/data.md, 'Streaming'."""
+
+    buffer_size: int = 16384
+    """With streaming: rows in the shuffle buffer (a row is drawn at random from it as the next one is read); with packing also the samples packed together in one block."""
+
     def __post_init__(self) -> None:
         if self.cutoff_len < 2:
             raise ConfigError(f"cutoff_len must be at least 2, got {self.cutoff_len}.")
@@ -60,3 +75,49 @@ class DataArguments:
             raise ConfigError(f"preprocessing_num_workers must be positive, got {self.preprocessing_num_workers}.")
         if self.preprocessing_batch_size < 1:
             raise ConfigError(f"preprocessing_batch_size must be positive, got {self.preprocessing_batch_size}.")
+        if self.buffer_size < 1:
+            raise ConfigError(f"buffer_size must be positive, got {self.buffer_size}.")
+        self._check_mixing()
+
+    def _check_mixing(self) -> None:
+        if self.mix_strategy not in MIX_STRATEGIES:
+            hint = closest(str(self.mix_strategy), MIX_STRATEGIES)
+            raise ConfigError(f"mix_strategy={self.mix_strategy!r} is not one of {', '.join(MIX_STRATEGIES)}"
+                              + (f" (did you mean {hint!r}?)." if hint else "."))
+        probs = self.interleave_probs
+        if probs is None:
+            return
+        if self.mix_strategy == "concat":
+            raise ConfigError("interleave_probs is used with mix_strategy interleave_under or interleave_over; "
+                              "with concat every row of every dataset is used once: set mix_strategy or drop "
+                              "interleave_probs.")
+        entries = [p for p in (self.dataset or "").split(",") if p.strip()]
+        if len(probs) != len(entries):
+            raise ConfigError(f"interleave_probs has {len(probs)} value(s) but dataset has {len(entries)} "
+                              f"comma-separated entr{'y' if len(entries) == 1 else 'ies'} ({self.dataset!r}): "
+                              "give one probability per dataset.")
+        if any(p < 0 for p in probs) or abs(sum(probs) - 1.0) > 1e-6:
+            raise ConfigError(f"interleave_probs {probs} must be non-negative and sum to 1 (they sum to "
+                              f"{sum(probs):.6g}).")
+
+
+def check_streaming(data: DataArguments, training, stage: str) -> None:
+    """What streaming cannot do, refused before any model loads (docs/data.md, 'Streaming')."""
+    if not data.streaming:
+        return
+    refusals = [
+        (stage not in ("pt", "sft"), f"stage {stage} cannot stream (pt and sft can): set streaming: false."),
+        (training.max_steps <= 0, "a stream has no length, so the run needs max_steps (e.g. max_steps: 1000); "
+                                  "num_train_epochs cannot say when to stop."),
+        (bool(data.val_size), f"val_size={data.val_size} would hold rows out of a stream that is never all in "
+                              "hand: set eval_dataset (read in full, not streamed) and val_size: 0."),
+        (data.max_samples is not None, "max_samples caps an in-memory dataset; a stream's length is set by "
+                                       "max_steps: drop max_samples."),
+    ]
+    for strategy in ("eval_strategy", "save_strategy", "logging_strategy"):
+        value = str(getattr(getattr(training, strategy, None), "value", getattr(training, strategy, None)))
+        refusals.append((value == "epoch", f"{strategy}=epoch: a stream has no epochs; use steps with "
+                                           f"{strategy.replace('strategy', 'steps')}."))
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(f"streaming: true: {message}")

@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from roll.config.data import DataArguments
+from roll.config.data import DataArguments, check_streaming
 from roll.config.key_table import refuse_unhonoured
 from roll.config.finetuning import FinetuningArguments
 from roll.config.layout import ParallelLayout
@@ -66,6 +66,7 @@ class RunConfig:
         if evaluates != "no" and not (self.data.val_size or self.data.eval_dataset):
             raise ConfigError(f"eval_strategy={evaluates} needs an evaluation set: set val_size (e.g. 0.1) "
                               "or eval_dataset, or eval_strategy: no.")
+        check_streaming(self.data, self.training, self.finetuning.stage)
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")

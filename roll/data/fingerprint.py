@@ -19,6 +19,8 @@ _CACHE: dict[tuple[int, str], str] = {}
 
 def dataset_fingerprint(dataset) -> str:
     """sha256 (hex, 16 digits) of ``dataset``'s columns, in sorted column order, row by row."""
+    if getattr(dataset, "streamed", False):  # a stream cannot be read whole: roll.data.streaming.fingerprint
+        return dataset.stream_fingerprint()
     key = (id(dataset), getattr(dataset, "_fingerprint", ""))
     if key not in _CACHE:
         digest = hashlib.sha256()

@@ -24,6 +24,7 @@ import numpy as np
 from roll import IGNORE_INDEX
 from roll.data import formats as fmts
 from roll.data.loading import Source, load_sources
+from roll.data.mixing import mix_datasets
 from roll.data.packing import pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
@@ -52,7 +53,29 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
     if data_args.packing and processor == "pairwise":
         raise ConfigError("packing is not supported for stage dpo; set packing: false.")
     with local_rank0_first():
+        if data_args.streaming:
+            return _build_streaming(data_args, tokenizer, stage=stage, processor=processor, formats=formats,
+                                    seed=seed)
         return _build(data_args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed)
+
+
+def _build_streaming(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
+                     seed: int) -> DatasetBundle:
+    """roll.data.streaming's bundle; its eval_dataset is read in full, as without streaming."""
+    import dataclasses
+
+    from roll.data.streaming import build_streaming
+
+    def build_eval():
+        args = dataclasses.replace(data_args, dataset=data_args.eval_dataset, eval_dataset=None,
+                                   streaming=False, shuffle=False, mix_strategy="concat", interleave_probs=None)
+        return _build(args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed).train
+
+    return build_streaming(data_args, tokenizer, stage=stage, seed=seed,
+                           make_processor=functools.partial(make_processor, data_args=data_args,
+                                                            tokenizer=tokenizer, stage=stage,
+                                                            processor=processor, allowed=formats),
+                           build_eval=build_eval)
 
 
 @contextlib.contextmanager
@@ -77,7 +100,8 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
     stats = PreprocessStats()
     sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset)]
     stats.num_samples_in = sum(len(s.dataset) for s in sources)
-    tokenized = _concat([_tokenize(s, data_args, tokenizer, stage, processor, formats) for s in sources])
+    tokenized = mix_datasets([_tokenize(s, data_args, tokenizer, stage, processor, formats) for s in sources],
+                             data_args, seed)
     train = _drop_skipped(tokenized, stats)
     eval_ds = None
     if data_args.eval_dataset:
@@ -138,12 +162,19 @@ def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], st
     return fmt
 
 
-def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
+def make_processor(source: Source, *, data_args, tokenizer, stage: str, processor: str,
+                   allowed: tuple[str, ...]):
+    """The stage processor (a batched map function) for one source, whose format it resolves."""
     fmt = resolve_format(source, data_args.formatting, allowed, stage)
     options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all"},
                "pretrain": {"packing": data_args.packing}}
-    fn = PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
-                               source=source.name, file_rows=source.file_rows, **options.get(processor, {}))
+    return PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
+                                 source=source.name, file_rows=source.file_rows, **options.get(processor, {}))
+
+
+def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
+    fn = make_processor(source, data_args=data_args, tokenizer=tokenizer, stage=stage, processor=processor,
+                        allowed=allowed)
     ds = source.dataset
     if len(ds) == 0:
         raise DataError(f"{source.name} has no rows.")

@@ -41,6 +41,8 @@ class PreprocessStats:
     """Real tokens / (packed rows * cutoff_len); None when not packing."""
     num_eval_samples: int = 0
     preprocess_seconds: float = 0.0
+    streaming: bool = False
+    """The training rows are a stream (roll.data.streaming): nothing is read ahead, so nothing is counted."""
 
     def add_drops(self, reasons: Counter) -> None:
         for reason, count in reasons.items():
@@ -48,6 +50,10 @@ class PreprocessStats:
         self.num_dropped = sum(self.dropped.values())
 
     def summary_lines(self) -> list[str]:
+        if self.streaming:
+            return ["streaming: rows are tokenized (and packed) as training reads them, so there are no "
+                    f"counts ahead; training rows: {self.num_rows} (max_steps x global batch), eval samples: "
+                    f"{self.num_eval_samples}"]
         eff = "n/a (packing off)" if self.packing_efficiency is None else f"{self.packing_efficiency:.4f}"
         dropped = ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or "none"
         return [
