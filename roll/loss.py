@@ -53,3 +53,12 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
     (position ``t``'s logits ``[b, s, V]`` predict label ``t + 1``: shifted here, once)."""
     log_probs, mask = token_log_probs(logits[:, :-1], labels[:, 1:])
     return loss_sum(log_probs), mask.sum()
+
+
+def chosen_sft_losses(chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """DPO's ``pref_ftx`` term of each pair ``[pairs]``: the chosen response's mean per-token negative
+    log-likelihood, ``-chosen_logps / chosen_tokens`` (its log-prob sum over its response tokens; 0 for a pair
+    without any). Both backends add ``pref_ftx`` times it to each pair's preference loss before the mean over
+    pairs: LLaMA-Factory's ``ftx_gamma * sft_loss``, the same for every ``pref_loss`` (TRL's ``sft`` loss type
+    instead averages over the micro-batch's chosen tokens, which weights long responses more)."""
+    return -chosen_logps / chosen_tokens.clamp(min=1).to(chosen_logps.dtype)

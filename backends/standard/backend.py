@@ -130,6 +130,7 @@ class StandardBackend(Backend):
         if job.stage == "dpo":
             dpo_trainer = make_dpo_trainer_class()
             trainer = dpo_trainer(model=models.policy, ref_model=models.ref,
+                                  pref_ftx=self.config.finetuning.pref_ftx,
                                   data_collator=PreferenceBatch(job.collator), **common)
         else:
             trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)

@@ -146,14 +146,15 @@ def apply_lora(model: nn.Module, finetuning) -> nn.Module:
     targets = resolve_lora_targets(model, finetuning.lora_targets)
     lora_config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=finetuning.lora_rank,
                              lora_alpha=finetuning.lora_alpha, lora_dropout=finetuning.lora_dropout,
-                             target_modules=targets)
+                             use_rslora=finetuning.use_rslora, target_modules=targets)
     peft_model = get_peft_model(model, lora_config)
     for param in peft_model.parameters():
         if param.requires_grad:
             param.data = param.data.float()  # low-precision adapters lose small updates
     trainable, total = count_parameters(peft_model)
-    log_rank0(logger, "LoRA r=%d alpha=%d on %s: %d of %d parameters trainable", finetuning.lora_rank,
-              finetuning.lora_alpha, ",".join(targets), trainable, total)
+    log_rank0(logger, "LoRA r=%d alpha=%d%s on %s: %d of %d parameters trainable", finetuning.lora_rank,
+              finetuning.lora_alpha, " (rsLoRA)" if finetuning.use_rslora else "", ",".join(targets), trainable,
+              total)
     return peft_model
 
 

@@ -251,18 +251,34 @@ def make_dpo_trainer_class():
         own once it has one), which we get by declaring them precomputed (hf_args sets
         ``precompute_ref_log_probs`` for ref_free only) and filling the columns with zeros.
 
-        Policy and reference log-probs are roll.loss's (``dpo_logps``), as on the mca backend.
+        Policy and reference log-probs are roll.loss's (``dpo_logps``), as on the mca backend. ``pref_ftx``
+        adds its SFT term (``roll.loss.chosen_sft_losses``) to TRL's loss: TRL's loss is the micro-batch's mean
+        over pairs, so adding the term's mean over the same pairs adds it to every pair's loss.
         """
 
-        def __init__(self, *args, **kwargs) -> None:
+        def __init__(self, *args, pref_ftx: float = 0.0, **kwargs) -> None:
             from accelerate.utils import is_peft_model
 
             from backends.standard.dpo_logps import use_roll_log_probs
 
             super().__init__(*args, **kwargs)  # TRL patches the model it names here (the base model under PEFT)
-            use_roll_log_probs(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+            self._roll_pref_ftx, self._roll_policy_calls = pref_ftx, []
+            use_roll_log_probs(self.model.get_base_model() if is_peft_model(self.model) else self.model,
+                               record=self._roll_policy_calls if pref_ftx else None)
             if self.ref_model is not None:  # TRL patched the model before DeepSpeed / accelerate wrapped it
                 use_roll_log_probs(self.accelerator.unwrap_model(self.ref_model))
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            self._roll_policy_calls.clear()
+            result = super()._compute_loss(model, inputs, return_outputs)
+            if not self._roll_pref_ftx:
+                return result
+            log_probs, mask = self._roll_policy_calls[0]  # the policy's call: TRL runs it before the reference's
+            self._roll_policy_calls.clear()
+            chosen_log_probs, chosen_mask = log_probs.chunk(2)[0], mask.chunk(2)[0]  # rows: chosen, then rejected
+            sft = roll_loss.chosen_sft_losses(roll_loss.sequence_sums(chosen_log_probs), chosen_mask.sum(-1))
+            extra = self._roll_pref_ftx * sft.mean()
+            return (result[0] + extra, *result[1:]) if return_outputs else result + extra
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # roll.data tokenized it already; TRL's prompt/chosen/rejected path does not apply

@@ -131,3 +131,28 @@ def test_the_standard_trainers_take_their_losses_from_roll_loss(tiny_model_dir, 
     # per micro-batch: sft once; dpo twice (policy, then the reference model)
     assert len(calls) == (1 if stage == "sft" else 2), calls
     assert len(result.log_history) >= 1
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_pref_ftx_adds_each_chosen_responses_mean_token_nll(monkeypatch, loss_type):
+    """pref_ftx (LLaMA-Factory's ftx_gamma): each pair's loss gains ftx times its chosen response's mean
+    per-token NLL, whatever pref_loss; the NLL computed here by hand with log_softmax in float64."""
+    from backends.mca.trainer import loss as mca_loss
+
+    _tp1(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 7, 11, generator=gen)  # rows: chosen 0, chosen 1, rejected 0, rejected 1
+    labels = torch.randint(0, 11, (4, 7), generator=gen)
+    labels[0, :2] = labels[1, :5] = labels[2, :3] = labels[3, :1] = IGNORE_INDEX  # prompts of different lengths
+    logps, tokens = mca_loss.sequence_log_probs(logits, labels, 11)
+    reference = logps.detach() * 0.9
+    plain, _, _ = mca_loss.dpo_losses(logps, reference, tokens, mca_loss.DPOSettings(loss_type=loss_type))
+    with_ftx, _, _ = mca_loss.dpo_losses(logps, reference, tokens,
+                                        mca_loss.DPOSettings(loss_type=loss_type, ftx=0.3))
+    log_p = torch.log_softmax(logits.double(), dim=-1)
+    nll = [-log_p[row][labels[row] != IGNORE_INDEX].gather(
+        -1, labels[row][labels[row] != IGNORE_INDEX].unsqueeze(-1)).mean().item() for row in (0, 1)]
+    assert (with_ftx - plain).tolist() == pytest.approx([0.3 * value for value in nll], rel=1e-6)
+    # the shared term itself, on float64 sums: -sum / tokens, 0 for a pair without response tokens
+    assert roll_loss.chosen_sft_losses(torch.tensor([-6.0, 0.0], dtype=torch.float64),
+                                       torch.tensor([3, 0])).tolist() == [2.0, 0.0]
