@@ -15,7 +15,7 @@ from torch import nn
 from roll.data.loading import hub_offline
 from roll.errors import ConfigError, ModelError
 from roll.hf_config import has_hf_config, read_hf_config
-from roll.logging import log_rank0
+from roll.logging import log_rank0, warn_once
 from roll.preflight import check_remote_code, check_weight_files
 
 logger = logging.getLogger(__name__)
@@ -190,3 +190,19 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         total += n
         trainable += n if param.requires_grad else 0
     return trainable, total
+
+
+def moe_aux_coefficient(model: nn.Module, recipe_coeff: float | None, stage: str) -> float:
+    """The load-balancing loss coefficient a pt/sft run adds (``TokenMeanLossMixin``): the recipe's
+    ``moe_aux_loss_coeff``, else the model config's ``router_aux_loss_coef`` (Megatron's default too); 0 for a
+    dense model. DPO trains without it here (one warning when it would apply): see docs/mca-training.md."""
+    config = model.config.get_text_config()
+    if not hasattr(config, "router_aux_loss_coef") or not hasattr(config, "output_router_logits"):
+        return 0.0
+    coeff = float(config.router_aux_loss_coef if recipe_coeff is None else recipe_coeff)
+    if stage == "dpo" and coeff:
+        warn_once(logger, "stage dpo on the standard backend trains this MoE model without the load-balancing "
+                          "loss (the mca backend adds it): set moe_aux_loss_coeff: 0 for the same objective "
+                          "on both backends.")
+        return 0.0
+    return coeff

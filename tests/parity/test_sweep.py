@@ -12,6 +12,7 @@ command line.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,12 +31,7 @@ WORKER = os.path.join(REPO, "tests", "parity", "_worker.py")
 TIMEOUT = 900
 """Per launch (the sweep took 149 s for 67 runs on a busy 2-core machine)."""
 
-XFAIL = {
-    "moe_default_aux_loss": "mca adds the load-balancing loss (moe_aux_loss_coeff defaults to the model's "
-                            "router_aux_loss_coef, 0.001) where HF trains without it "
-                            "(output_router_logits false): exported weights 1.35e-1 apart, losses 1.2e-4 at "
-                            "step 7; ep2_moe_adam with moe_aux_loss_coeff 0 holds within 1.5e-7",
-}
+XFAIL: dict[str, str] = {}
 """Case name -> why it fails today (a known parity gap, with its measured size); held strictly."""
 
 
@@ -136,3 +132,27 @@ def test_case(sweep, case):
         for backend in ("standard", "mca"):
             before, after = (read_log(getattr(pair, backend).output_dir) for pair in (full, resumed))
             assert after == {step: before[step] for step in resumed.steps}, (backend, before, after)
+
+
+def _records(output_dir: str) -> dict[int, dict]:
+    with open(os.path.join(output_dir, "train_log.jsonl"), encoding="utf-8") as fh:
+        return {r["step"]: r for r in map(json.loads, filter(str.strip, fh)) if "loss" in r}
+
+
+def test_pref_ftx_adds_the_chosen_responses_nll_on_both_backends(sweep):
+    """The pref_ftx case's step 1: policy = reference, so each pair's DPO loss is log 2, plus 0.5 x the chosen
+    response's mean token NLL, about ln 512 = 6.24 under the untrained 512-token model. Parity alone would
+    pass if both backends dropped the term."""
+    (pair, *_), = sweep.pairs["cp2_dpo_sigmoid_ftx"]
+    for backend in ("standard", "mca"):
+        step1 = read_log(getattr(pair, backend).output_dir)[1]
+        assert 5.5 < (step1 - math.log(2)) / 0.5 < 7.0, (backend, step1)
+
+
+def test_the_moe_case_trains_with_the_balancing_loss(sweep):
+    """mca logs Megatron's load-balancing loss (about 1 per layer, before its coefficient) at every step of
+    the MoE case, and the standard run matches it within the case's bounds: both trained with it."""
+    (pair, *_), = sweep.pairs["moe_default_aux_loss"]
+    records = _records(pair.mca.output_dir)
+    assert sorted(records) == list(pair.steps)
+    assert all(0.5 < r.get("moe_aux_loss", 0) < 2 for r in records.values()), records

@@ -156,3 +156,27 @@ def test_pref_ftx_adds_each_chosen_responses_mean_token_nll(monkeypatch, loss_ty
     # the shared term itself, on float64 sums: -sum / tokens, 0 for a pair without response tokens
     assert roll_loss.chosen_sft_losses(torch.tensor([-6.0, 0.0], dtype=torch.float64),
                                        torch.tensor([3, 0])).tolist() == [2.0, 0.0]
+
+
+def test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding():
+    """roll.loss's MoE balancing loss (the standard backend's) against Megatron-Core's own functions (the mca
+    backend's): per layer, padding left out, summed over the layers."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                         switch_load_balancing_loss_func)
+
+    gen = torch.Generator().manual_seed(5)
+    layers = [torch.randn(12, 4, generator=gen) * 2 for _ in range(3)]  # 12 tokens, 4 experts, 3 MoE layers
+    padding = torch.tensor([False] * 9 + [True] * 3)
+    expected = 0.0
+    for logits in layers:
+        routing_map, scores = compute_routing_scores_for_aux_loss(logits, 2, "softmax", padding_mask=padding)
+        tokens_per_expert = routing_map.sum(dim=0)
+        expected += switch_load_balancing_loss_func(scores, tokens_per_expert, tokens_per_expert.sum() / 2, 2, 4,
+                                                    1.0).item()
+    ours = roll_loss.load_balancing_loss(layers, 2, (~padding).float())
+    assert ours.item() == pytest.approx(expected, rel=1e-6)
+    # padding counts when it is not masked out: another value
+    assert roll_loss.load_balancing_loss(layers, 2, None).item() != pytest.approx(expected, rel=1e-3)
+    # a router that spreads every token evenly: 1 per layer
+    assert roll_loss.load_balancing_loss([torch.zeros(8, 4)] * 3, 2, None).item() == pytest.approx(3.0)
