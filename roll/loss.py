@@ -53,3 +53,32 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
     (position ``t``'s logits ``[b, s, V]`` predict label ``t + 1``: shifted here, once)."""
     log_probs, mask = token_log_probs(logits[:, :-1], labels[:, 1:])
     return loss_sum(log_probs), mask.sum()
+
+
+def chosen_sft_losses(chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """DPO's ``pref_ftx`` term of each pair ``[pairs]``: the chosen response's mean per-token negative
+    log-likelihood, ``-chosen_logps / chosen_tokens`` (its log-prob sum over its response tokens; 0 for a pair
+    without any). Both backends add ``pref_ftx`` times it to each pair's preference loss before the mean over
+    pairs: LLaMA-Factory's ``ftx_gamma * sft_loss``, the same for every ``pref_loss`` (TRL's ``sft`` loss type
+    instead averages over the micro-batch's chosen tokens, which weights long responses more)."""
+    return -chosen_logps / chosen_tokens.clamp(min=1).to(chosen_logps.dtype)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """The MoE load-balancing loss of one micro-batch, before its coefficient: Megatron-Core's ``aux_loss``
+    (the Switch Transformer loss of each MoE layer, summed over the layers), float32.
+
+    For each layer's router logits ``[tokens, E]``: ``p = softmax(logits)``, the top-``top_k`` experts of each
+    token by ``p``, and ``E / (top_k * T^2) * sum_e (sum_t p_te) * (tokens routed to e)`` over the ``T`` tokens
+    where ``valid [tokens]`` is true (None: all). A balanced router gives 1 per layer. Hugging Face's MoE models
+    pool all layers into one such sum without the ``1 / top_k``; a pipeline stage cannot compute that pooled
+    loss (it holds only its layers), so both backends take this per-layer one (docs/mca-training.md)."""
+    total = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        routed = torch.zeros_like(probs).scatter(1, probs.topk(top_k, dim=-1).indices, 1.0)
+        if valid is not None:
+            routed, probs = routed * valid.unsqueeze(-1), probs * valid.unsqueeze(-1)
+        tokens = (routed.sum() / top_k).clamp(min=1)  # a micro-batch of padding only: 0, not 0 / 0
+        total = total + (probs.sum(0) * routed.sum(0)).sum() * (logits.shape[-1] / (top_k * tokens * tokens))
+    return total

@@ -27,6 +27,7 @@ DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
 MCA_TRAIN = "tests/distributed/test_mca_train.py"
 MCA_DPO = "tests/distributed/test_mca_dpo.py"
 ONE_PROCESS = f"{MCA_TRAIN}::test_export_accumulation_and_resume_on_one_process"
+SWEEP = "tests/parity/test_sweep.py"
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,19 @@ MUTANTS: list[Mutant] = [
            "backends/mca/lora/layers.py", "alpha / rank, rank, True", "alpha / rank ** 0.5, rank, True",
            ("tests/unit/test_mca_lora_utils.py::test_lora_output_is_base_plus_alpha_over_rank_times_b_a",),
            fast=True),
+    Mutant("rslora_ignored_mca", "mca: use_rslora ignored (LoRA scaled by alpha/r)",
+           "backends/mca/lora/layers.py", "        module.lora_scaling = alpha / math.sqrt(rank)", "        pass",
+           ("tests/unit/test_mca_lora_utils.py::test_lora_output_is_base_plus_alpha_over_rank_times_b_a",),
+           fast=True),
+    Mutant("moe_aux_tokens_with_padding", "the MoE load-balancing loss counts padding tokens (standard)",
+           "roll/loss.py", "routed, probs = routed * valid.unsqueeze(-1), probs * valid.unsqueeze(-1)", "pass",
+           ("tests/unit/test_loss.py::test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding",),
+           fast=True),
+    Mutant("pref_ftx_per_token_not_per_pair", "pref_ftx's SFT term averaged over the batch's chosen tokens "
+           "(TRL's sft) instead of each pair's mean", "roll/loss.py",
+           "return -chosen_logps / chosen_tokens.clamp(min=1).to(chosen_logps.dtype)",
+           "return -chosen_logps.sum() / chosen_tokens.sum().clamp(min=1) + 0 * chosen_logps",
+           ("tests/unit/test_loss.py::test_pref_ftx_adds_each_chosen_responses_mean_token_nll",), fast=True),
     Mutant("data_order_swap_standard", "standard: samples 3 and 4 of the shared order swapped",
            TRAINERS, "return SequentialSampler(dataset)", "return [0, 1, 2, 4, 3, *range(5, len(dataset))]",
            (f"{STD_UNIT}::test_trainer_consumes_the_pipeline_order",), fast=True),
@@ -157,6 +171,12 @@ MUTANTS: list[Mutant] = [
            "backends/mca/trainer/step.py", "return loss_sum.float(), count, {REPORT:",
            "return (loss_sum / count.clamp(min=1)).float(), torch.ones_like(count), {REPORT:",
            (ONE_PROCESS,)),
+    Mutant("pref_ftx_dropped_standard", "standard: pref_ftx's SFT term never added to TRL's DPO loss",
+           TRAINERS, "extra = self._roll_pref_ftx * sft.mean()", "extra = 0.0 * sft.mean()",
+           (f"{SWEEP}::test_case[cp2_dpo_sigmoid_ftx]",)),
+    Mutant("moe_aux_padding_counted_mca", "mca: padding tokens counted in the MoE load-balancing loss",
+           "backends/mca/trainer/data.py", '"padding_mask": None if padding is None else padding.to(device)}',
+           '"padding_mask": None}', (f"{SWEEP}::test_case[moe_default_aux_loss]",)),
     Mutant("export_stale_overlap_mca", "mca, overlap_param_gather: the export misses the last update's all-gather",
            LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
            "        pass  # the final eval and the HF export",

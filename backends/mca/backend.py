@@ -117,7 +117,8 @@ class McaBackend(Backend):
         if stage != "dpo":
             return LanguageModelObjective(vocab_size)
         ft = self.config.finetuning
-        settings = DPOSettings(beta=ft.pref_beta, loss_type=ft.pref_loss, label_smoothing=ft.pref_label_smoothing)
+        settings = DPOSettings(beta=ft.pref_beta, loss_type=ft.pref_loss, label_smoothing=ft.pref_label_smoothing,
+                               ftx=ft.pref_ftx)
         if ft.ref_free or models.ref is not None:
             return DPOObjective(vocab_size, settings, models.ref)
         from backends.mca.lora.apply import adapters_disabled  # LoRA: the policy without its adapters

@@ -123,6 +123,7 @@ class StandardBackend(Backend):
     # ---- training -------------------------------------------------------------------------------
 
     def _make_trainer(self, job: TrainJob, models: ModelBundle):
+        from backends.standard import models as M
         from backends.standard.trainers import PreferenceBatch, RollTrainer, make_dpo_trainer_class
 
         common = dict(args=self._hf_args, train_dataset=job.train_dataset, eval_dataset=job.eval_dataset,
@@ -130,9 +131,13 @@ class StandardBackend(Backend):
         if job.stage == "dpo":
             dpo_trainer = make_dpo_trainer_class()
             trainer = dpo_trainer(model=models.policy, ref_model=models.ref,
+                                  pref_ftx=self.config.finetuning.pref_ftx,
                                   data_collator=PreferenceBatch(job.collator), **common)
+            M.moe_aux_coefficient(models.policy, self.config.megatron.moe_aux_loss_coeff, job.stage)  # warns
         else:
             trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)
+            trainer.moe_aux_coeff = M.moe_aux_coefficient(models.policy, self.config.megatron.moe_aux_loss_coeff,
+                                                          job.stage)
         trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
         trainer.roll_dataset, trainer.roll_dataset_spec = job.train_dataset, self.config.data.dataset
         return trainer

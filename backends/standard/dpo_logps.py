@@ -8,6 +8,9 @@ model's own forward and the log-probs with ``roll.loss.token_log_probs``, return
 per-sequence ``sum(dim=1)`` is the float64 sum the mca backend takes (``roll.loss.sequence_sums``). The
 fields TRL logs from (entropy, mean logits, top-1, and for WPO weights ``log_sum_sq_probs``) are computed
 from the same logits without gradient. Remove with TRL's fused head if TRL lets a trainer supply its own.
+
+``record``, when given, receives each call's ``(log_probs, mask)``: DPO's ``pref_ftx`` term reads the policy's
+(TRL's loss runs the policy before the reference, so it is the first of a step's calls).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import torch
 from roll import loss as roll_loss
 
 
-def use_roll_log_probs(model: torch.nn.Module) -> None:
-    """Route ``fused_lm_head=True`` calls of ``model`` (already patched by TRL) through roll.loss."""
+def use_roll_log_probs(model: torch.nn.Module, record: list | None = None) -> None:
+    """Route ``fused_lm_head=True`` calls of ``model`` (already patched by TRL) through roll.loss (``record``:
+    see the module docstring)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     trl_forward = model.forward
@@ -38,6 +42,8 @@ def use_roll_log_probs(model: torch.nn.Module) -> None:
         labels = shift_labels if shift_labels is not None else labels[:, 1:]
         log_probs, mask = roll_loss.token_log_probs(logits, labels)
         log_probs = log_probs.double()
+        if record is not None:
+            record.append((log_probs, mask))
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / count
         aux_loss = getattr(outputs, "aux_loss", None)

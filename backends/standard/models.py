@@ -15,7 +15,7 @@ from torch import nn
 from roll.data.loading import hub_offline
 from roll.errors import ConfigError, ModelError
 from roll.hf_config import has_hf_config, read_hf_config
-from roll.logging import log_rank0
+from roll.logging import log_rank0, warn_once
 from roll.preflight import check_remote_code, check_weight_files
 
 logger = logging.getLogger(__name__)
@@ -146,14 +146,15 @@ def apply_lora(model: nn.Module, finetuning) -> nn.Module:
     targets = resolve_lora_targets(model, finetuning.lora_targets)
     lora_config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=finetuning.lora_rank,
                              lora_alpha=finetuning.lora_alpha, lora_dropout=finetuning.lora_dropout,
-                             target_modules=targets)
+                             use_rslora=finetuning.use_rslora, target_modules=targets)
     peft_model = get_peft_model(model, lora_config)
     for param in peft_model.parameters():
         if param.requires_grad:
             param.data = param.data.float()  # low-precision adapters lose small updates
     trainable, total = count_parameters(peft_model)
-    log_rank0(logger, "LoRA r=%d alpha=%d on %s: %d of %d parameters trainable", finetuning.lora_rank,
-              finetuning.lora_alpha, ",".join(targets), trainable, total)
+    log_rank0(logger, "LoRA r=%d alpha=%d%s on %s: %d of %d parameters trainable", finetuning.lora_rank,
+              finetuning.lora_alpha, " (rsLoRA)" if finetuning.use_rslora else "", ",".join(targets), trainable,
+              total)
     return peft_model
 
 
@@ -189,3 +190,19 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         total += n
         trainable += n if param.requires_grad else 0
     return trainable, total
+
+
+def moe_aux_coefficient(model: nn.Module, recipe_coeff: float | None, stage: str) -> float:
+    """The load-balancing loss coefficient a pt/sft run adds (``TokenMeanLossMixin``): the recipe's
+    ``moe_aux_loss_coeff``, else the model config's ``router_aux_loss_coef`` (Megatron's default too); 0 for a
+    dense model. DPO trains without it here (one warning when it would apply): see docs/mca-training.md."""
+    config = model.config.get_text_config()
+    if not hasattr(config, "router_aux_loss_coef") or not hasattr(config, "output_router_logits"):
+        return 0.0
+    coeff = float(config.router_aux_loss_coef if recipe_coeff is None else recipe_coeff)
+    if stage == "dpo" and coeff:
+        warn_once(logger, "stage dpo on the standard backend trains this MoE model without the load-balancing "
+                          "loss (the mca backend adds it): set moe_aux_loss_coeff: 0 for the same objective "
+                          "on both backends.")
+        return 0.0
+    return coeff

@@ -169,21 +169,50 @@ class TokenMeanLossMixin:
 
     Each micro-batch returns its token-loss sum over the step's global token count (``num_items_in_batch``);
     HF's logged loss adds those up in float32, so roll keeps a float64 sum beside it and logs that: the mean
-    of the step losses since the last log, summed over ranks."""
+    of the step losses since the last log, summed over ranks.
+
+    MoE models (``moe_aux_coeff`` > 0, the model returning its router logits): each training micro-batch adds
+    ``coeff * roll.loss.load_balancing_loss * T`` to its token-loss sum, ``T`` its tokens (non-padding
+    positions that predict a label), as Megatron-Core does with a per-token loss; ``loss`` is logged
+    without it, as on the mca backend (docs/mca-training.md)."""
 
     _roll_loss: torch.Tensor | None = None
     _roll_loss_from_step = 0
+    moe_aux_coeff = 0.0
+    """The load-balancing loss coefficient (the standard backend sets it for MoE models)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.compute_loss_func = self._token_mean_loss
+        self._roll_attention_mask = None
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.moe_aux_coeff and model.training:  # a forward argument: the saved config stays the model's
+            inputs = {**inputs, "output_router_logits": True}
+        self._roll_attention_mask = inputs.get("attention_mask")  # which tokens the load-balancing loss counts
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _token_mean_loss(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         loss_sum, tokens = roll_loss.causal_lm_loss_sum(outputs.logits, labels)
-        loss = loss_sum / (tokens.clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        count = tokens.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         if self.model.training:
-            self._roll_loss = loss.detach() + (0 if self._roll_loss is None else self._roll_loss)
-        return loss.float()
+            self._roll_loss = (loss_sum / count).detach() + (0 if self._roll_loss is None else self._roll_loss)
+            loss_sum = loss_sum + self._moe_aux_sum(outputs, labels.shape)
+        return (loss_sum / count).float()
+
+    def _moe_aux_sum(self, outputs, shape: torch.Size) -> torch.Tensor | float:
+        """``coeff * load_balancing_loss * T`` over the positions that predict a label (all but each row's last,
+        the positions the mca backend's shifted batch holds), padding excluded; 0 for a dense model."""
+        router_logits = getattr(outputs, "router_logits", None)
+        if not self.moe_aux_coeff or not router_logits:
+            return 0.0
+        rows, length = shape
+        mask = self._roll_attention_mask
+        valid = (mask if mask is not None else torch.ones(shape, device=outputs.logits.device))[:, :-1]
+        valid = valid.reshape(-1).to(torch.float32)
+        layers = [logits.reshape(rows, length, -1)[:, :-1].reshape(valid.shape[0], -1) for logits in router_logits]
+        top_k = self.model.config.get_text_config().num_experts_per_tok
+        return self.moe_aux_coeff * roll_loss.load_balancing_loss(layers, top_k, valid) * valid.sum()
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         self._roll_loss_from_step = self._globalstep_last_logged  # HF moves it on before it calls log()
@@ -251,18 +280,34 @@ def make_dpo_trainer_class():
         own once it has one), which we get by declaring them precomputed (hf_args sets
         ``precompute_ref_log_probs`` for ref_free only) and filling the columns with zeros.
 
-        Policy and reference log-probs are roll.loss's (``dpo_logps``), as on the mca backend.
+        Policy and reference log-probs are roll.loss's (``dpo_logps``), as on the mca backend. ``pref_ftx``
+        adds its SFT term (``roll.loss.chosen_sft_losses``) to TRL's loss: TRL's loss is the micro-batch's mean
+        over pairs, so adding the term's mean over the same pairs adds it to every pair's loss.
         """
 
-        def __init__(self, *args, **kwargs) -> None:
+        def __init__(self, *args, pref_ftx: float = 0.0, **kwargs) -> None:
             from accelerate.utils import is_peft_model
 
             from backends.standard.dpo_logps import use_roll_log_probs
 
             super().__init__(*args, **kwargs)  # TRL patches the model it names here (the base model under PEFT)
-            use_roll_log_probs(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+            self._roll_pref_ftx, self._roll_policy_calls = pref_ftx, []
+            use_roll_log_probs(self.model.get_base_model() if is_peft_model(self.model) else self.model,
+                               record=self._roll_policy_calls if pref_ftx else None)
             if self.ref_model is not None:  # TRL patched the model before DeepSpeed / accelerate wrapped it
                 use_roll_log_probs(self.accelerator.unwrap_model(self.ref_model))
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            self._roll_policy_calls.clear()
+            result = super()._compute_loss(model, inputs, return_outputs)
+            if not self._roll_pref_ftx:
+                return result
+            log_probs, mask = self._roll_policy_calls[0]  # the policy's call: TRL runs it before the reference's
+            self._roll_policy_calls.clear()
+            chosen_log_probs, chosen_mask = log_probs.chunk(2)[0], mask.chunk(2)[0]  # rows: chosen, then rejected
+            sft = roll_loss.chosen_sft_losses(roll_loss.sequence_sums(chosen_log_probs), chosen_mask.sum(-1))
+            extra = self._roll_pref_ftx * sft.mean()
+            return (result[0] + extra, *result[1:]) if return_outputs else result + extra
 
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset  # roll.data tokenized it already; TRL's prompt/chosen/rejected path does not apply

@@ -87,6 +87,7 @@ LORA = "tests/distributed/test_mca_train.py::test_lora_trajectories_across_layou
 DPO = "tests/distributed/test_mca_dpo.py::test_dpo_layouts_and_backend_parity"
 LAUNCH = "tests/unit/test_cli.py::test_launch_command_uses_torchrun_or_deepspeed"
 PIPELINE = "tests/unit/test_data_pipeline.py::test_max_samples_val_size_and_eval_dataset"
+MOE_AUX = "tests/unit/test_loss.py::test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding"
 
 LOGGING = NoEffect("logging only: what and where train_log.jsonl, the console and reporters show")
 SPEED = NoEffect("data-loading speed and memory only; the batches are the same")
@@ -139,6 +140,9 @@ ROWS: tuple[Row, ...] = (
         "tests/unit/test_standard_train.py::test_freeze_trains_only_the_last_layers"),
          mca=Refused("finetuning_type: full or lora", "freeze", by="McaBackend.check_support")),
     _row("lora_rank lora_alpha lora_target lora_dropout", both=Honoured(LORA, parity="lora_qv_r4_alpha16")),
+    _row("use_rslora", both=Honoured(
+        "tests/unit/test_mca_lora_utils.py::test_lora_output_is_base_plus_alpha_over_rank_times_b_a",
+        "the scaling round-trips through adapter_config.json", parity="lora_rslora_all_r16")),
     _row("freeze_trainable_layers", standard=Honoured(
         "tests/unit/test_standard_train.py::test_freeze_trains_only_the_last_layers"),
          mca=NoEffect("read with finetuning_type: freeze only, which the mca backend refuses")),
@@ -146,6 +150,9 @@ ROWS: tuple[Row, ...] = (
         "tests/distributed/test_standard_deepspeed.py::test_lora_zero3_exports_adapter_and_merged_model"),
          mca=Honoured("tests/distributed/test_mca_lora.py::test_merged_export_equals_base_plus_adapter")),
     _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(DPO, parity="dpo_ipo")),
+    _row("pref_ftx", both=Honoured(
+        "tests/unit/test_loss.py::test_pref_ftx_adds_each_chosen_responses_mean_token_nll",
+        parity="cp2_dpo_sigmoid_ftx")),
     _row("ref_model", standard=Honoured(
         "tests/unit/test_standard_train.py::test_dpo_with_a_separate_reference_model"),
          mca=Honoured(DPO)),
@@ -156,7 +163,10 @@ ROWS: tuple[Row, ...] = (
          "sequence_parallel", standard=MEGATRON_ONLY, mca=Honoured(LAYOUTS)),
     _row("context_parallel_size", standard=MEGATRON_ONLY, mca=Honoured(
         "tests/distributed/test_mca_platform_dist.py::test_local_attention_packed_and_context_parallel")),
-    _row("expert_model_parallel_size moe_token_dispatcher_type moe_aux_loss_coeff", standard=MEGATRON_ONLY,
+    _row("moe_aux_loss_coeff moe_aux_loss_coef", standard=Honoured(
+        MOE_AUX, "pt and sft; stage dpo trains without it, with one warning (docs/mca-training.md)",
+        parity="moe_default_aux_loss"), mca=Honoured(MOE_AUX, parity="moe_default_aux_loss")),
+    _row("expert_model_parallel_size moe_token_dispatcher_type", standard=MEGATRON_ONLY,
          mca=Honoured("tests/distributed/test_mca_conversion.py::test_moe_logits_parity_ep2_tp2_and_export")),
     _row("expert_tensor_parallel_size", standard=MEGATRON_ONLY, mca=Honoured(
         "tests/distributed/test_mca_platform_dist.py::test_moe_expert_tensor_parallel_on_gloo")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,10 @@ class FinetuningArguments:
     lora_target: str = "all"
     """Comma-separated module names to adapt, or 'all' for every linear layer except the output head."""
 
+    use_rslora: bool = False
+    """LoRA: scale the adapter by lora_alpha / sqrt(lora_rank) (rank-stabilised LoRA, PEFT's use_rslora)
+    instead of lora_alpha / lora_rank."""
+
     freeze_trainable_layers: int = 2
     """With finetuning_type=freeze: how many of the last decoder layers are trained."""
 
@@ -42,6 +47,10 @@ class FinetuningArguments:
 
     pref_label_smoothing: float = 0.0
     """Label smoothing for the sigmoid DPO loss (conservative DPO), in [0, 0.5)."""
+
+    pref_ftx: float = 0.0
+    """DPO: weight of an SFT term added to each pair's preference loss, the chosen response's mean per-token
+    negative log-likelihood (LLaMA-Factory's pref_ftx; >= 0, 0 = off)."""
 
     ref_model: str | None = None
     """Reference model directory for DPO; default: a frozen copy of the starting weights."""
@@ -58,12 +67,22 @@ class FinetuningArguments:
             raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
         if not self.lora_target.strip():
             raise ConfigError("lora_target is empty: use 'all' or a comma-separated list such as 'q_proj,v_proj'.")
+        if self.use_rslora and self.finetuning_type != "lora":
+            raise ConfigError(f"use_rslora only applies to finetuning_type: lora (it scales the LoRA adapter); "
+                              f"finetuning_type is {self.finetuning_type}: drop use_rslora or set "
+                              "finetuning_type: lora.")
         if self.freeze_trainable_layers < 1:
             raise ConfigError(f"freeze_trainable_layers must be >= 1, got {self.freeze_trainable_layers}.")
         if self.pref_beta <= 0:
             raise ConfigError(f"pref_beta must be > 0, got {self.pref_beta}.")
         if not 0.0 <= self.pref_label_smoothing < 0.5:
             raise ConfigError(f"pref_label_smoothing must be in [0, 0.5), got {self.pref_label_smoothing}.")
+        if not 0.0 <= self.pref_ftx < math.inf:
+            raise ConfigError(f"pref_ftx must be a finite number >= 0, got {self.pref_ftx}.")
+        if self.pref_ftx and self.stage != "dpo":
+            raise ConfigError(f"pref_ftx={self.pref_ftx} only applies to stage: dpo (it weights an SFT term in "
+                              f"the preference loss); stage {self.stage} trains on the token loss alone: drop "
+                              "pref_ftx.")
         if self.ref_free and self.ref_model:
             raise ConfigError("ref_free=true and ref_model are contradictory: drop one of them.")
 

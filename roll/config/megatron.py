@@ -1,12 +1,14 @@
 """Megatron-Core settings (the mca backend): parallel layout, distributed optimizer, recompute, MoE.
 
 Recipes stay flat (``tensor_model_parallel_size: 2`` next to ``learning_rate``); these fields form
-their own group only in code and in ``--help``. The standard backend ignores them with one warning.
+their own group only in code and in ``--help``. The standard backend ignores them with one warning, except
+``moe_aux_loss_coeff`` (``BOTH_BACKENDS``), which both backends honour.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import typing
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -72,7 +74,11 @@ class MegatronArguments:
     """[mca] Run all local experts in one grouped GEMM (needs Transformer Engine on GPU)."""
 
     moe_aux_loss_coeff: float | None = None
-    """[mca] Load-balancing auxiliary loss coefficient; default: the model config's router_aux_loss_coef."""
+    """MoE load-balancing loss coefficient, on both backends (0: off); default: the model config's
+    router_aux_loss_coef (docs/mca-training.md: which loss, which tokens)."""
+
+    moe_aux_loss_coef: float | None = None
+    """LLaMA-Factory's spelling of moe_aux_loss_coeff (give one of them)."""
 
     make_vocab_size_divisible_by: int = 1
     """[mca] Pad the embedding/output vocabulary to a multiple of this times TP (Megatron-LM's key; 128 there). Padded rows never enter the loss."""
@@ -92,6 +98,7 @@ class MegatronArguments:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (or null), got {getattr(self, name)}.")
         self._check_choices()
+        self._take_aux_loss_alias()
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("overlap_param_gather=true needs use_distributed_optimizer=true.")
         self._check_recompute()
@@ -103,6 +110,16 @@ class MegatronArguments:
             choices, value = _literal_choices(hints[f.name]), getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}.")
+
+    def _take_aux_loss_alias(self) -> None:
+        coef, coeff = self.moe_aux_loss_coef, self.moe_aux_loss_coeff
+        if coef is not None and coeff is not None and coef != coeff:
+            raise ConfigError(f"moe_aux_loss_coef={coef} and moe_aux_loss_coeff={coeff} are the same key (LLaMA-"
+                              "Factory's spelling and Megatron's): give one of them.")
+        self.moe_aux_loss_coeff = coeff if coeff is not None else coef
+        self.moe_aux_loss_coef = None  # one field holds the value
+        if self.moe_aux_loss_coeff is not None and not 0 <= self.moe_aux_loss_coeff < math.inf:
+            raise ConfigError(f"moe_aux_loss_coeff must be a finite number >= 0, got {self.moe_aux_loss_coeff}.")
 
     def _check_recompute(self) -> None:
         """Megatron's rules for activation recomputation, named by recipe key (its own asserts fire later)."""
@@ -140,8 +157,14 @@ class MegatronArguments:
         return layout
 
     def non_defaults(self) -> dict[str, object]:
-        """Fields set to something other than their default (what the standard backend warns about)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+        """Fields set to something other than their default that the standard backend ignores (it warns about
+        them)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != f.default and f.name not in BOTH_BACKENDS}
+
+
+BOTH_BACKENDS = frozenset({"moe_aux_loss_coeff"})
+"""Fields of this group the standard backend honours too."""
 
 
 def _literal_choices(tp: object) -> tuple:

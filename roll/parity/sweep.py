@@ -134,6 +134,7 @@ def check_pair(pair: Pair, bounds: Bounds, name: str = "", clip_limit: float | N
         failures.append(f"logged steps {list(logged)}, expected {list(pair.steps)}")
     if lr_gap > LR_TOLERANCE:
         failures.append(f"learning_rate rel diff {lr_gap:.2e} > {LR_TOLERANCE:g}")
+    failures += adapter_config_failures(std_dir, mca_dir)
     if clip_limit is not None:
         norms = [r.get("grad_norm") for records in (std_records, mca_records) for r in records.values()]
         if not norms or not all(n is not None and n > clip_limit for n in norms):
@@ -144,6 +145,27 @@ def check_pair(pair: Pair, bounds: Bounds, name: str = "", clip_limit: float | N
 def check_case(case: Case, pair: Pair) -> Verdict:
     clip = float(case.overrides["max_grad_norm"]) if case.clips else None
     return check_pair(pair, case.bounds, case.name, clip)
+
+
+ADAPTER_KEYS = ("r", "lora_alpha", "use_rslora", "target_modules")
+"""The adapter_config.json fields that PEFT rebuilds a LoRA model from (rank, scaling, targets)."""
+
+
+def adapter_config_failures(std_dir: str, mca_dir: str) -> list[str]:
+    """A LoRA run's exported adapter loads into the same model on both backends: their adapter_config.json
+    agree on ``ADAPTER_KEYS`` (equal adapter tensors under another scaling would be another model)."""
+    standard, mca = _adapter_config(std_dir), _adapter_config(mca_dir)
+    return [] if standard == mca else [f"adapter_config.json: standard {standard} vs mca {mca}"]
+
+
+def _adapter_config(output_dir: str) -> dict | None:
+    path = os.path.join(output_dir, "adapter_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    return {key: sorted(config.get(key) or []) if key == "target_modules" else config.get(key)
+            for key in ADAPTER_KEYS}
 
 
 def _has_weights(output_dir: str) -> bool:

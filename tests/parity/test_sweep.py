@@ -6,12 +6,14 @@ in one plain process (one per distinct key set: the standard run does not depend
 layout cases reuse the 1-process cases' reference), the 1-process mca runs in one ``torchrun`` job, started
 beside it (one core each), then the 2-process mca runs in a second ``torchrun`` job. Interpreter start-up and
 imports are paid three times, not once per run. ``roll-parity --case NAME`` runs any one case from the
-command line.
+command line; ``pytest 'tests/parity/test_sweep.py::test_case[NAME]'`` trains only that case (the mutation
+gate's way).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,12 +32,7 @@ WORKER = os.path.join(REPO, "tests", "parity", "_worker.py")
 TIMEOUT = 900
 """Per launch (the sweep took 149 s for 67 runs on a busy 2-core machine)."""
 
-XFAIL = {
-    "moe_default_aux_loss": "mca adds the load-balancing loss (moe_aux_loss_coeff defaults to the model's "
-                            "router_aux_loss_coef, 0.001) where HF trains without it "
-                            "(output_router_logits false): exported weights 1.35e-1 apart, losses 1.2e-4 at "
-                            "step 7; ep2_moe_adam with moe_aux_loss_coeff 0 holds within 1.5e-7",
-}
+XFAIL: dict[str, str] = {}
 """Case name -> why it fails today (a known parity gap, with its measured size); held strictly."""
 
 
@@ -74,13 +71,13 @@ def _model_dir(factory, name: str) -> str:
 class Sweep:
     """Every case planned and trained; ``verdicts(case)`` compares its runs."""
 
-    def __init__(self, factory, root) -> None:
+    def __init__(self, factory, root, cases: list[Case]) -> None:
         from roll.parity.sweep import plan_case
 
         self.pairs, self.outcome = {}, {}
         standard, mca = [], {1: [], 2: []}
         references: dict[str, tuple[str, list]] = {}
-        for case in CASES:
+        for case in cases:
             pairs = plan_case(case, str(root / case.name), _model_dir(factory, case.model))
             if case.standard_key in references:  # the same standard run: train it once
                 owner, reference = references[case.standard_key]
@@ -94,10 +91,12 @@ class Sweep:
                                      for p in pairs]
         start = time.monotonic()
         deadline = start + TIMEOUT
-        first = [_start(standard, root, "standard", 0), _start(mca[1], root, "mca_1p", 1)]
+        first = [_start(runs, root, name, processes) for runs, name, processes in
+                 ((standard, "standard", 0), (mca[1], "mca_1p", 1)) if runs]  # a selection may need no launch
         for started in first:
             self.outcome.update(_finish(started, deadline))
-        self.outcome.update(_finish(_start(mca[2], root, "mca_2p", 2), time.monotonic() + TIMEOUT))
+        if mca[2]:
+            self.outcome.update(_finish(_start(mca[2], root, "mca_2p", 2), time.monotonic() + TIMEOUT))
         self.seconds = time.monotonic() - start
         self.runs = len(standard) + len(mca[1]) + len(mca[2])
 
@@ -113,10 +112,27 @@ class Sweep:
         return out
 
 
+NEEDS = {"test_pref_ftx_adds_the_chosen_responses_nll_on_both_backends": "cp2_dpo_sigmoid_ftx",
+         "test_the_moe_case_trains_with_the_balancing_loss": "moe_default_aux_loss"}
+"""The case each of the other tests reads."""
+
+
+def _selected_cases(session) -> list[Case]:
+    """The cases this session's selected tests of this module need (all of them for the whole module; one for
+    ``test_case[NAME]``, as the mutation gate runs it)."""
+    names = set()
+    for item in session.items:
+        if item.module is not sys.modules[__name__]:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names.add(params["case"].name if "case" in params else NEEDS.get(item.originalname))
+    return [case for case in CASES if case.name in names]
+
+
 @pytest.fixture(scope="module")
-def sweep(tiny_model_factory, tmp_path_factory) -> Sweep:
+def sweep(request, tiny_model_factory, tmp_path_factory) -> Sweep:
     pytest.importorskip("megatron.core")
-    return Sweep(tiny_model_factory, tmp_path_factory.mktemp("parity"))
+    return Sweep(tiny_model_factory, tmp_path_factory.mktemp("parity"), _selected_cases(request.session))
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, id=case.name, marks=pytest.mark.xfail(
@@ -136,3 +152,27 @@ def test_case(sweep, case):
         for backend in ("standard", "mca"):
             before, after = (read_log(getattr(pair, backend).output_dir) for pair in (full, resumed))
             assert after == {step: before[step] for step in resumed.steps}, (backend, before, after)
+
+
+def _records(output_dir: str) -> dict[int, dict]:
+    with open(os.path.join(output_dir, "train_log.jsonl"), encoding="utf-8") as fh:
+        return {r["step"]: r for r in map(json.loads, filter(str.strip, fh)) if "loss" in r}
+
+
+def test_pref_ftx_adds_the_chosen_responses_nll_on_both_backends(sweep):
+    """The pref_ftx case's step 1: policy = reference, so each pair's DPO loss is log 2, plus 0.5 x the chosen
+    response's mean token NLL, about ln 512 = 6.24 under the untrained 512-token model. Parity alone would
+    pass if both backends dropped the term."""
+    (pair, *_), = sweep.pairs["cp2_dpo_sigmoid_ftx"]
+    for backend in ("standard", "mca"):
+        step1 = read_log(getattr(pair, backend).output_dir)[1]
+        assert 5.5 < (step1 - math.log(2)) / 0.5 < 7.0, (backend, step1)
+
+
+def test_the_moe_case_trains_with_the_balancing_loss(sweep):
+    """mca logs Megatron's load-balancing loss (about 1 per layer, before its coefficient) at every step of
+    the MoE case, and the standard run matches it within the case's bounds: both trained with it."""
+    (pair, *_), = sweep.pairs["moe_default_aux_loss"]
+    records = _records(pair.mca.output_dir)
+    assert sorted(records) == list(pair.steps)
+    assert all(0.5 < r.get("moe_aux_loss", 0) < 2 for r in records.values()), records

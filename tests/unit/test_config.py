@@ -76,6 +76,12 @@ def test_optional_and_literal_values(recipe):
     (["recompute_method=block"], ["recompute_method only apply with recompute_granularity: full"]),
     (["recompute_granularity=selective", "recompute_num_layers=2"], ["recompute_num_layers only applies"]),
     (["stage=dpo", "packing=true"], ["packing is not supported for stage dpo"]),
+    (["stage=dpo", "pref_ftx=-0.1"], ["pref_ftx must be a finite number >= 0, got -0.1"]),
+    (["pref_ftx=0.5"], ["pref_ftx=0.5 only applies to stage: dpo", "stage sft"]),
+    (["use_rslora=true"], ["use_rslora only applies to finetuning_type: lora", "finetuning_type is full"]),
+    (["moe_aux_loss_coef=0.01", "moe_aux_loss_coeff=0.02"], ["moe_aux_loss_coef=0.01 and moe_aux_loss_coeff=0.02",
+                                                            "give one of them"]),
+    (["moe_aux_loss_coef=-1"], ["moe_aux_loss_coeff must be a finite number >= 0, got -1.0"]),
     (["deepspeed=/no/such/ds.json"], ["/no/such/ds.json", "does not exist"]),
     (["--use-mca", "finetuning_type=freeze"], ["freeze", "mca backend"]),
     (["--max_steps"], ["--max_steps", "needs a value"]),
@@ -194,6 +200,14 @@ def test_standard_backend_ignores_mca_knobs_with_warning(recipe, roll_warnings):
     assert config.layout is None
     expected = "ignoring Megatron-only settings tensor_model_parallel_size=2, sequence_parallel=True"
     assert expected in roll_warnings.text
+
+
+def test_moe_aux_loss_coefficient_in_either_spelling_applies_on_both_backends(recipe, roll_warnings):
+    """LLaMA-Factory's moe_aux_loss_coef is moe_aux_loss_coeff; the standard backend honours it (no warning)."""
+    for argv in ([], ["--use-mca"]):
+        _, config = parse_args([recipe(moe_aux_loss_coef=0.05), *argv])
+        assert (config.megatron.moe_aux_loss_coeff, config.megatron.moe_aux_loss_coef) == (0.05, None)
+    assert "moe_aux_loss" not in roll_warnings.text
 
 
 SHIPPED = ("qwen_sft", "qwen_pt", "qwen_dpo", "qwen_lora_sft", "qwen3_moe_sft", "llama3_sft")

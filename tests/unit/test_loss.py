@@ -131,3 +131,52 @@ def test_the_standard_trainers_take_their_losses_from_roll_loss(tiny_model_dir, 
     # per micro-batch: sft once; dpo twice (policy, then the reference model)
     assert len(calls) == (1 if stage == "sft" else 2), calls
     assert len(result.log_history) >= 1
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_pref_ftx_adds_each_chosen_responses_mean_token_nll(monkeypatch, loss_type):
+    """pref_ftx (LLaMA-Factory's ftx_gamma): each pair's loss gains ftx times its chosen response's mean
+    per-token NLL, whatever pref_loss; the NLL computed here by hand with log_softmax in float64."""
+    from backends.mca.trainer import loss as mca_loss
+
+    _tp1(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 7, 11, generator=gen)  # rows: chosen 0, chosen 1, rejected 0, rejected 1
+    labels = torch.randint(0, 11, (4, 7), generator=gen)
+    labels[0, :2] = labels[1, :5] = labels[2, :3] = labels[3, :1] = IGNORE_INDEX  # prompts of different lengths
+    logps, tokens = mca_loss.sequence_log_probs(logits, labels, 11)
+    reference = logps.detach() * 0.9
+    plain, _, _ = mca_loss.dpo_losses(logps, reference, tokens, mca_loss.DPOSettings(loss_type=loss_type))
+    with_ftx, _, _ = mca_loss.dpo_losses(logps, reference, tokens,
+                                        mca_loss.DPOSettings(loss_type=loss_type, ftx=0.3))
+    log_p = torch.log_softmax(logits.double(), dim=-1)
+    nll = [-log_p[row][labels[row] != IGNORE_INDEX].gather(
+        -1, labels[row][labels[row] != IGNORE_INDEX].unsqueeze(-1)).mean().item() for row in (0, 1)]
+    assert (with_ftx - plain).tolist() == pytest.approx([0.3 * value for value in nll], rel=1e-6)
+    # the shared term itself, on float64 sums: -sum / tokens, 0 for a pair without response tokens
+    assert roll_loss.chosen_sft_losses(torch.tensor([-6.0, 0.0], dtype=torch.float64),
+                                       torch.tensor([3, 0])).tolist() == [2.0, 0.0]
+
+
+def test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding():
+    """roll.loss's MoE balancing loss (the standard backend's) against Megatron-Core's own functions (the mca
+    backend's): per layer, padding left out, summed over the layers."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                         switch_load_balancing_loss_func)
+
+    gen = torch.Generator().manual_seed(5)
+    layers = [torch.randn(12, 4, generator=gen) * 2 for _ in range(3)]  # 12 tokens, 4 experts, 3 MoE layers
+    padding = torch.tensor([False] * 9 + [True] * 3)
+    expected = 0.0
+    for logits in layers:
+        routing_map, scores = compute_routing_scores_for_aux_loss(logits, 2, "softmax", padding_mask=padding)
+        tokens_per_expert = routing_map.sum(dim=0)
+        expected += switch_load_balancing_loss_func(scores, tokens_per_expert, tokens_per_expert.sum() / 2, 2, 4,
+                                                    1.0).item()
+    ours = roll_loss.load_balancing_loss(layers, 2, (~padding).float())
+    assert ours.item() == pytest.approx(expected, rel=1e-6)
+    # padding counts when it is not masked out: another value
+    assert roll_loss.load_balancing_loss(layers, 2, None).item() != pytest.approx(expected, rel=1e-3)
+    # a router that spreads every token evenly: 1 per layer
+    assert roll_loss.load_balancing_loss([torch.zeros(8, 4)] * 3, 2, None).item() == pytest.approx(3.0)

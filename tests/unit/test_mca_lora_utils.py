@@ -124,9 +124,10 @@ class TELinear(nn.Linear):
         return super().forward(x), None
 
 
-def test_lora_output_is_base_plus_alpha_over_rank_times_b_a():
-    """The adapter adds ``(alpha / r) * B A x`` (LoRA's and PEFT's scaling; rsLoRA's alpha / sqrt(r) is
-    another model), computed here by hand."""
+@pytest.mark.parametrize("rslora, scaling", [(False, 8.0 / 4), (True, 8.0 / 2)])
+def test_lora_output_is_base_plus_alpha_over_rank_times_b_a(rslora, scaling):
+    """The adapter adds ``(alpha / r) * B A x`` (LoRA's and PEFT's scaling), or with use_rslora
+    ``(alpha / sqrt(r)) * B A x`` (rank-stabilised LoRA, PEFT's use_rslora), computed here by hand."""
     pytest.importorskip("megatron.core")
     import torch
 
@@ -136,11 +137,11 @@ def test_lora_output_is_base_plus_alpha_over_rank_times_b_a():
     module = TELinear(6, 5)
     x = torch.randn(3, 6)
     base = module(x)[0].detach()
-    add_lora(module, {"proj": 5}, rank=4, alpha=8.0)
+    add_lora(module, {"proj": 5}, rank=4, alpha=8.0, rslora=rslora)
     a, b = torch.randn(4, 6), torch.randn(5, 4)
     with torch.no_grad():
         module.lora_A["proj"].copy_(a)
         module.lora_B["proj"].copy_(b)
     out, bias = module(x)
     assert bias is None
-    torch.testing.assert_close(out, base + (8.0 / 4) * x @ a.t() @ b.t(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, base + scaling * x @ a.t() @ b.t(), rtol=1e-6, atol=1e-6)

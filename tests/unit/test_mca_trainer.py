@@ -139,6 +139,13 @@ def test_model_inputs_thd_and_context_parallel_slices():
     plain = model_inputs({"input_ids": torch.arange(8).reshape(1, 8), "labels": torch.zeros(1, 8)},
                          torch.device("cpu"), cp_size=2, cp_rank=0)
     assert plain["input_ids"].tolist() == [[0, 1, 6, 7]] and plain["packed_seq_params"] is None
+    assert plain["padding_mask"] is None  # no attention_mask: every token counts in the MoE balancing loss
+    padded = {"input_ids": torch.arange(8).reshape(1, 8), "labels": torch.zeros(1, 8),
+              "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])}
+    cp = model_inputs(padded, torch.device("cpu"), cp_size=2, cp_rank=0)
+    assert cp["padding_mask"].tolist() == [[False, False, True, True]]  # true at padding, sliced like the tokens
+    padded["attention_mask"][:] = 0  # a filler micro-batch: no mask, Megatron's loss would divide by 0
+    assert model_inputs(padded, torch.device("cpu"))["padding_mask"] is None
 
 
 def test_padded_vocabulary_columns_are_minus_infinity(monkeypatch):

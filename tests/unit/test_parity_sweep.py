@@ -43,6 +43,27 @@ def test_every_key_set_has_a_one_process_case_and_every_layout_a_case():
     assert losses == {"sigmoid", "ipo", "hinge"}
     assert set(LAYOUTS) == {case.layout for case in CASES}
     assert len({case.name for case in CASES}) == len(CASES)
+    # at any layout: pref_ftx, use_rslora, and a MoE model with its default load-balancing loss over padded rows
+    assert any(c.overrides.get("pref_ftx") for c in CASES)
+    assert any(c.overrides.get("use_rslora") for c in CASES)
+    assert any(c.model == "moe" and "moe_aux_loss_coeff" not in c.overrides
+               and "uneven" in c.overrides.get("dataset", "") for c in CASES)
+
+
+def test_adapter_configs_must_agree_on_rank_scaling_and_targets(tmp_path):
+    import json
+
+    from roll.parity.sweep import adapter_config_failures
+
+    config = {"r": 16, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj"]}
+    for name, changes in (("standard", {}), ("mca", {"lora_alpha": 8.0, "target_modules": ["v_proj", "q_proj"]}),
+                          ("plain", {"use_rslora": False})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({**config, **changes, "peft_type": "LORA"}))
+    assert adapter_config_failures(str(tmp_path / "standard"), str(tmp_path / "mca")) == []
+    assert "use_rslora" in adapter_config_failures(str(tmp_path / "standard"), str(tmp_path / "plain"))[0]
+    assert adapter_config_failures(str(tmp_path / "standard"), str(tmp_path / "none"))  # one run only
+    assert adapter_config_failures(str(tmp_path / "none"), str(tmp_path / "none")) == []  # no LoRA
 
 
 def test_case_recipes_keep_the_global_batch_and_read_back_as_written(tmp_path):

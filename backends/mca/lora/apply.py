@@ -44,10 +44,21 @@ class LoraSpec:
     dropout: float
     targets: dict[str, tuple[str, ...]]
     """Megatron layer pattern -> the HF projections adapted in it."""
+    rslora: bool = False
+    """Rank-stabilised scaling, alpha / sqrt(rank) (PEFT's ``use_rslora``), instead of alpha / rank."""
 
     @property
     def hf_target_modules(self) -> list[str]:
         return [p for p in HF_ORDER if any(p in projs for projs in self.targets.values())]
+
+    def peft_config(self, base_model_name_or_path: str | None = None):
+        """The PEFT ``LoraConfig`` of these adapters (written as ``adapter_config.json``): what PEFT needs to
+        rebuild the same model, the scaling included."""
+        from peft import LoraConfig, TaskType
+
+        return LoraConfig(task_type=TaskType.CAUSAL_LM, r=self.rank, lora_alpha=self.alpha,
+                          lora_dropout=self.dropout, use_rslora=self.rslora, target_modules=self.hf_target_modules,
+                          base_model_name_or_path=base_model_name_or_path)
 
 
 def apply_lora(chunks: list[nn.Module], finetuning, seed: int) -> list[nn.Module]:
@@ -65,7 +76,8 @@ def apply_lora(chunks: list[nn.Module], finetuning, seed: int) -> list[nn.Module
     for chunk in bare:
         set_linear_is_expert(chunk)
         targets.update(resolve_lora_targets(chunk, finetuning.lora_targets))
-    spec = LoraSpec(finetuning.lora_rank, float(finetuning.lora_alpha), finetuning.lora_dropout, targets)
+    spec = LoraSpec(finetuning.lora_rank, float(finetuning.lora_alpha), finetuning.lora_dropout, targets,
+                    rslora=finetuning.use_rslora)
     for chunk in bare:
         chunk.requires_grad_(False)
         for name, module in list(chunk.named_modules()):
@@ -76,15 +88,15 @@ def apply_lora(chunks: list[nn.Module], finetuning, seed: int) -> list[nn.Module
     init_lora_weights(bare, config, seed)
     trainable = sum(p.numel() for c in bare for p in c.parameters() if p.requires_grad)
     total = sum(p.numel() for c in bare for p in c.parameters())
-    log_rank0(logger, "LoRA r=%d alpha=%g on %s: %d of %d parameters trainable (this rank)", spec.rank, spec.alpha,
-              ",".join(spec.hf_target_modules), trainable, total)
+    log_rank0(logger, "LoRA r=%d alpha=%g%s on %s: %d of %d parameters trainable (this rank)", spec.rank,
+              spec.alpha, " (rsLoRA)" if spec.rslora else "", ",".join(spec.hf_target_modules), trainable, total)
     return chunks
 
 
 def _add(module: nn.Module, pattern: str, projs: tuple[str, ...], spec: LoraSpec, config) -> None:
     tp = module.tp_group.size() if getattr(module, "tp_group", None) is not None else 1
     out_local = module.weight.shape[0]
-    common = dict(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, targeted=projs)
+    common = dict(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, targeted=projs, rslora=spec.rslora)
     if pattern.endswith("linear_qkv"):
         groups = config.num_query_groups or config.num_attention_heads
         per_group, d = config.num_attention_heads // groups, config.kv_channels

@@ -66,7 +66,6 @@ def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_pa
     """Write the chunks' adapter as a PEFT adapter directory that ``PeftModel.from_pretrained(hf_model,
     out_dir)`` loads. Collective: every rank calls it; rank 0 writes. ``spec`` defaults to the one
     ``apply_lora`` stored on the chunks. Returns ``out_dir``."""
-    from peft import LoraConfig, TaskType
     from safetensors.torch import save_file
 
     spec = spec or lora_spec_of(chunks)
@@ -74,9 +73,7 @@ def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_pa
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        LoraConfig(task_type=TaskType.CAUSAL_LM, r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                   target_modules=spec.hf_target_modules,
-                   base_model_name_or_path=base_model_name_or_path).save_pretrained(out_dir)
+        spec.peft_config(base_model_name_or_path).save_pretrained(out_dir)
         remove_stale_weights(out_dir, keep={ADAPTER_WEIGHTS, "adapter_config.json"})
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)

@@ -36,6 +36,7 @@ computed in the adapters' dtype (fp32) and added to the base output; ``(output, 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -165,7 +166,7 @@ def _lora_class(base_cls: type) -> type:
 
 def add_lora(module: nn.Module, projections: dict[str, int], *, rank: int, alpha: float, dropout: float = 0.0,
              fusion: Literal["qkv", "concat", "single"] = "single", local_groups: int = 1,
-             targeted: tuple[str, ...] | None = None) -> None:
+             targeted: tuple[str, ...] | None = None, rslora: bool = False) -> None:
     """Give a Megatron linear one LoRA adapter per projection it computes (in place).
 
     ``projections``: every HF projection the module's output holds, in its fused order, with its
@@ -190,6 +191,8 @@ def add_lora(module: nn.Module, projections: dict[str, int], *, rank: int, alpha
     module.lora_kind, module.lora_fusion, module.lora_local_groups = kind, fusion, local_groups
     module.lora_out_sizes = dict(projections)
     module.lora_scaling, module.lora_rank, module.lora_enabled = alpha / rank, rank, True
+    if rslora:  # rank-stabilised LoRA (Kalajdzievski 2023), PEFT's use_rslora
+        module.lora_scaling = alpha / math.sqrt(rank)
     module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     module.lora_norm_output = hasattr(module, "return_layernorm_output")  # TE LayerNormLinear
     if module.lora_norm_output:

@@ -161,13 +161,9 @@ def _sharded_state(chunks: list[torch.nn.Module], optimizer, lora: bool, *, is_l
 
 def _write_adapter_config(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
     """The PEFT adapter_config.json of the run's LoRA, marking ``ckpt_dir`` as adapter-only."""
-    from peft import LoraConfig, TaskType
-
     from backends.mca.lora.apply import lora_spec_of
 
-    spec = lora_spec_of(chunks)
-    LoraConfig(task_type=TaskType.CAUSAL_LM, r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-               target_modules=spec.hf_target_modules).save_pretrained(ckpt_dir)
+    lora_spec_of(chunks).peft_config().save_pretrained(ckpt_dir)
 
 
 def _materialize_optimizer_state(optimizer) -> None:

@@ -134,17 +134,23 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
     - packed rows (``cu_seqlens``): the batch becomes one THD stream ``[1, B*L]`` with
       ``PackedSeqParams`` (every packed sample its own causal segment);
     - context parallelism: every sequence (every packed segment) is cut into ``2 * cp`` chunks and
-      this rank keeps chunks ``cp_rank`` and ``2*cp-1-cp_rank`` (Megatron's load balancing).
+      this rank keeps chunks ``cp_rank`` and ``2*cp-1-cp_rank`` (Megatron's load balancing);
+    - ``padding_mask`` (true at padding, from ``attention_mask``): MoE routers leave those tokens out of the
+      load-balancing loss, as the standard backend does (``roll.loss.load_balancing_loss``). Not given for a
+      micro-batch of padding only (a filler one at an uneven end), where Megatron's loss would divide by 0.
     """
     from backends.mca.attention import cp_token_index
 
     input_ids, labels = batch["input_ids"], batch["labels"]
+    padding = batch.get("attention_mask")
+    padding = None if padding is None or not padding.any() else padding == 0
     params = None
     if "cu_seqlens" in batch:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = batch["cu_seqlens"].to(torch.int32)
         input_ids, labels = input_ids.reshape(1, -1), labels.reshape(1, -1)
+        padding = None if padding is None else padding.reshape(1, -1)
         position_ids = batch["position_ids"].reshape(1, -1)
         longest = int((cu[1:] - cu[:-1]).max())
         cu_dev = cu.to(device)
@@ -158,5 +164,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
     if cp_size > 1:
         index = cp_token_index(cu.long(), cp_size, cp_rank)
         input_ids, labels, position_ids = input_ids[:, index], labels[:, index], position_ids[:, index]
+        padding = None if padding is None else padding[:, index]
     return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "attention_mask": None,
-            "labels": labels.to(device), "packed_seq_params": params}
+            "labels": labels.to(device), "packed_seq_params": params,
+            "padding_mask": None if padding is None else padding.to(device)}

@@ -88,11 +88,12 @@ def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: i
 
 @dataclass(frozen=True)
 class DPOSettings:
-    """The recipe's DPO keys (pref_beta, pref_loss, pref_label_smoothing)."""
+    """The recipe's DPO keys (pref_beta, pref_loss, pref_label_smoothing, pref_ftx)."""
 
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
+    ftx: float = 0.0
 
 
 def dpo_losses(logps: torch.Tensor, ref_logps: torch.Tensor, tokens: torch.Tensor,
@@ -105,7 +106,8 @@ def dpo_losses(logps: torch.Tensor, ref_logps: torch.Tensor, tokens: torch.Tenso
     - hinge: ``relu(1 - beta * delta)``;
     - ipo: ``(delta_per_token - 1 / (2 beta))^2`` with each log-ratio divided by its response tokens;
 
-    where ``delta = (chosen - ref_chosen) - (rejected - ref_rejected)`` (log-prob sums).
+    where ``delta = (chosen - ref_chosen) - (rejected - ref_rejected)`` (log-prob sums); with ``ftx`` > 0
+    each pair adds ``ftx`` times its chosen response's mean token NLL (``roll.loss.chosen_sft_losses``).
     """
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = ref_logps.chunk(2)
@@ -122,6 +124,8 @@ def dpo_losses(logps: torch.Tensor, ref_logps: torch.Tensor, tokens: torch.Tenso
         losses = (delta - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss {settings.loss_type!r}; choose sigmoid, hinge or ipo")
+    if settings.ftx:
+        losses = losses + settings.ftx * roll_loss.chosen_sft_losses(chosen, chosen_tokens)
     valid = (chosen_tokens > 0).to(losses.dtype)
     chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     stats = torch.stack([chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).to(losses.dtype),
