@@ -11,6 +11,7 @@ Only model weights live here; optimizer/scheduler/RNG state belongs to the train
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import time
@@ -62,7 +63,10 @@ def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, sync_files
     start = time.perf_counter()
     dist_checkpointing.save(sharded_model_state_dict(model_chunks), ckpt_dir,
                             sharded_strategy=in_process_save_strategy(sync_files=sync_files))
-    log_rank0(logger, "saved model checkpoint (torch_dist) to %s in %.1fs", ckpt_dir, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(ckpt_dir, "*.distcp")))  # every rank's files
+    log_rank0(logger, "saved model checkpoint (torch_dist, %.2f GB) to %s in %.1fs (%.2f GB/s%s)", size / 1e9,
+              ckpt_dir, elapsed, size / 1e9 / elapsed, "" if sync_files else ", not fsync'ed")
 
 
 def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True):

@@ -1,0 +1,121 @@
+"""Conversion at disk speed (issue 20 item 3): the HF reader streams shard by shard with bounded memory,
+and ``roll-convert`` writes Megatron checkpoints from its own process with a progress bar.
+
+- in-process: the streaming loader on a tiny checkpoint saved in many shards, through a spy on its
+  safetensors reader: every file is read once, in order, tensor by tensor; the HF tensors held at any
+  moment stay below the largest shard (a whole-model read would hold all of them); 1:1 renames land in
+  their parameter directly;
+- one subprocess: ``roll-convert hf2mca`` then ``mca2hf`` with process creation made to fail (Megatron's
+  default writer spawns a manager and forks writers), bit-exact round trip, a byte progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import weakref
+
+import pytest
+import torch
+
+from tests.helpers import output_of, run
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.mca
+
+# q/k/v and gate/up are fused into one Megatron tensor: read into a buffer, everything else in place
+_FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _sharded_copy(src: str, dst: str, max_shard: str = "60KB") -> str:
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(dst, max_shard_size=max_shard)
+    assert len(glob.glob(os.path.join(dst, "*.safetensors"))) >= 4
+    return dst
+
+
+def _weights(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))) for k, v in load_file(f).items()}
+
+
+def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp_path, monkeypatch):
+    from backends.mca.models import layout, loader
+    from backends.mca.models.config import McaModelConfig
+    from backends.mca.models.template import get_template
+    from tests.unit.test_mca_templates import _fake_chunk
+
+    model_dir = _sharded_copy(tiny_model_factory("qwen2", tie_word_embeddings=False), str(tmp_path / "hf"))
+    hf = _weights(model_dir)
+    config = McaModelConfig.from_hf(json.loads(open(os.path.join(model_dir, "config.json")).read()))
+    expected = {layout.to_impl_name(n, config): t for n, t in get_template("qwen2").hf_to_mca(hf, config).items()}
+    chunk = _fake_chunk({n: tuple(t.shape) for n, t in expected.items()})
+    params = {p.data_ptr() for p in chunk.parameters()}
+    reads: list[tuple[str, str, bool]] = []  # (file, tensor, read straight into a parameter)
+    held = {"now": 0, "peak": 0}
+
+    def release(nbytes: int) -> None:
+        held["now"] -= nbytes
+
+    class Spy(loader.SafetensorsFile):
+        def read(self, name, out=None):
+            tensor = super().read(name, out)
+            reads.append((os.path.basename(self.path), name, out is not None and out.data_ptr() in params))
+            if out is None:  # a buffer the loader holds until its mapping is complete
+                nbytes = tensor.numel() * tensor.element_size()
+                held["now"] += nbytes
+                held["peak"] = max(held["peak"], held["now"])
+                weakref.finalize(tensor, release, nbytes)
+            return tensor
+
+    monkeypatch.setattr(loader, "SafetensorsFile", Spy)
+    coords = {"tp_size": 1, "tp_rank": 0, "etp_size": 1, "etp_rank": 0}
+    place = layout.placement(config, pp_rank=0, vpp_stage=0, ep_rank=0)
+    report = loader.load_hf_weights([chunk], config, model_dir, placements=[place], coords=coords)
+
+    loaded = chunk.state_dict()
+    assert all(torch.equal(loaded[n], t) for n, t in expected.items()), [n for n in expected if not
+                                                                        torch.equal(loaded[n], expected[n])]
+    files = [f for f, _, _ in reads]
+    runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
+    assert runs == sorted(set(files)) == report.files_read  # each file once, in order, never reopened
+    assert sorted(n for _, n, _ in reads) == sorted(hf)  # tensor by tensor, each exactly once
+    assert {n for _, n, direct in reads if not direct} == {n for n in hf if any(p in n for p in _FUSED)}
+    largest_shard = max(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    total = sum(t.numel() * t.element_size() for t in hf.values())
+    assert 0 < held["peak"] <= largest_shard < total / 3, (held, largest_shard, total)
+    assert held["now"] == 0  # nothing kept after the load
+    assert report.bytes_read == total
+
+
+_NO_PROCESSES = """
+import multiprocessing.process, os, sys
+def refuse(*args, **kwargs):
+    raise RuntimeError("conversion started a process")
+os.fork = refuse
+multiprocessing.process.BaseProcess.start = refuse
+from backends.mca import convert_cli
+from roll.logging import setup_logging
+setup_logging()
+hf, mca, back = sys.argv[1:4]
+assert convert_cli.run(["hf2mca", "--input", hf, "--output", mca]) == 0
+assert convert_cli.run(["mca2hf", "--input", mca, "--output", back, "--max-shard-gb", "0.00005"]) == 0
+"""
+
+
+def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_factory, tmp_path):
+    hf = _sharded_copy(tiny_model_factory("llama", tie_word_embeddings=False), str(tmp_path / "hf"))
+    mca, back = str(tmp_path / "mca"), str(tmp_path / "back")
+    proc = run([sys.executable, "-c", _NO_PROCESSES, hf, mca, back], timeout=240)
+    assert proc.returncode == 0, output_of(proc)
+    assert os.path.isfile(os.path.join(mca, "metadata.json")) and glob.glob(os.path.join(mca, "*.distcp"))
+    a, b = _weights(hf), _weights(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    for bar in ("read HF weights: 100%", "write HF weights: 100%"):
+        assert bar in proc.stderr and "B/s]" in proc.stderr, output_of(proc)
+    for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "GB/s"):
+        assert log in proc.stderr, output_of(proc)
