@@ -47,14 +47,13 @@ def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int
     template = get_template(config.hf_model_type)
     local = {name: (tensor, sharding.param_tp_kind(name, tensor, config))
              for name, tensor in canonical_tensors(chunks, config)}
-    writer = _ShardWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
     units = ["pre", *range(config.num_layers), "post"]
     start = time.perf_counter()
-    with byte_progress(_global_bytes(local), "write HF weights") as bar:
+    with byte_progress(_hf_bytes(local, config), "write HF weights") as bar:
+        writer = _ShardWriter(out_dir, max_shard_bytes, bar) if dist.get_rank() == 0 else None
         for unit in units:
             mine = {name: t for name, t in local.items() if _unit_of(name) == unit}
             gathered = gather_unit(mine)
-            bar.update(sum(t.numel() * t.element_size() for t in gathered.values()))
             if writer is not None:
                 full = {name: sharding.unpad_vocab(name, t, config) for name, t in gathered.items()}
                 if config.tie_embeddings_and_output_weights:
@@ -74,18 +73,21 @@ def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int
     dist.barrier()
 
 
-def _global_bytes(local: dict[str, tuple[torch.Tensor, sharding.Kind]]) -> int:
-    """Bytes of the whole model's Megatron tensors (vocab padding included), as ``gather_unit`` assembles
-    them: each holder's shard times its (expert-)tensor-parallel size, summed over ranks."""
+def _hf_bytes(local: dict[str, tuple[torch.Tensor, sharding.Kind]], config: McaModelConfig) -> int:
+    """Bytes of the HF tensors ``save_hf`` writes (collective): each holder's shard times its (expert-)
+    tensor-parallel size, without the vocab padding and the tied output layer, summed over ranks."""
     from megatron.core import parallel_state as ps
 
     total = 0
     for name, (tensor, kind) in local.items():
         expert = sharding.is_expert(name)
-        if not _is_holder(expert):
+        if not _is_holder(expert) or (name == "output_layer.weight" and config.tie_embeddings_and_output_weights):
             continue
         size = ps.get_expert_tensor_parallel_world_size() if expert else ps.get_tensor_model_parallel_world_size()
-        total += tensor.numel() * tensor.element_size() * (1 if kind == "replicated" else size)
+        nbytes = tensor.numel() * tensor.element_size() * (1 if kind == "replicated" else size)
+        if name in sharding.VOCAB_TENSORS:
+            nbytes = nbytes * config.vocab_size // config.padded_vocab_size
+        total += nbytes
     summed = torch.tensor([total], dtype=torch.int64, device=model_device())
     dist.all_reduce(summed)
     return int(summed.item())
@@ -142,11 +144,12 @@ def _is_holder(expert: bool) -> bool:
 
 
 class _ShardWriter:
-    """Appends tensors to ``max_shard_bytes``-sized files, then names them model-0000x-of-0000y."""
+    """Appends tensors to ``max_shard_bytes``-sized files, then names them model-0000x-of-0000y; ``progress``
+    (a byte counter) advances as each file is written."""
 
-    def __init__(self, out_dir: str, max_shard_bytes: int) -> None:
+    def __init__(self, out_dir: str, max_shard_bytes: int, progress=None) -> None:
         os.makedirs(out_dir, exist_ok=True)
-        self.out_dir, self.max_bytes = out_dir, max_shard_bytes
+        self.out_dir, self.max_bytes, self.progress = out_dir, max_shard_bytes, progress
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.files: list[tuple[str, list[str]]] = []
@@ -166,6 +169,8 @@ class _ShardWriter:
         tmp = f"part-{len(self.files):05d}.safetensors.tmp"
         save_file(self.pending, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
         self.bytes_written += self.pending_bytes
+        if self.progress is not None:
+            self.progress.update(self.pending_bytes)
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
