@@ -119,3 +119,17 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
         assert bar in proc.stderr and "B/s]" in proc.stderr, output_of(proc)
     for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "GB/s"):
         assert log in proc.stderr, output_of(proc)
+
+
+def test_conversion_memory_of_a_7b_shape_by_hand():
+    """Qwen2.5-7B (hidden 3584, 28 heads / 4 KV of 128, FFN 18944, vocab 152064, untied), bf16 safetensors."""
+    from roll.plan.convert import conversion_memory, conversion_memory_line
+    from roll.plan.shape import KNOWN_SHAPES
+
+    shape = KNOWN_SHAPES["qwen2.5-7b"]
+    fp32, bf16 = conversion_memory(shape), conversion_memory(shape, megatron_bytes=2)
+    assert fp32.weights == 4 * 7_615_616_512 and bf16.weights == 2 * 7_615_616_512
+    assert fp32.hf2mca_extra == 152064 * 3584 * 2  # the bf16 embedding, read before its cast to fp32
+    assert bf16.hf2mca_extra == 2 * 18944 * 3584 * 2 * 2  # gate + up of one layer, then their concatenation
+    assert fp32.mca2hf_extra == 152064 * 3584 * 4 + 2 * 1024**3  # the staged embedding + one output shard
+    assert "hf2mca 31.6 GB" in conversion_memory_line() and "15.8 GB" in conversion_memory_line()
