@@ -65,7 +65,8 @@ def conversion_memory_line(name: str = "qwen2.5-7b") -> str:
     shape = KNOWN_SHAPES[name]
     fp32 = conversion_memory(shape)
     online = conversion_memory(shape, megatron_bytes=2)
-    return (f"Peak memory at most, one process ({name}, {shape.total_params() / 1e9:.2f}B parameters, bf16 safetensors): "
+    params = shape.total_params() / 1e9
+    return (f"Peak memory at most, one process ({name}, {params:.2f}B parameters, bf16 safetensors): "
             f"hf2mca {fp32.hf2mca / 1e9:.1f} GB (the fp32 model {fp32.weights / 1e9:.1f} GB + "
             f"{fp32.hf2mca_extra / 1e9:.1f} GB), mca2hf {fp32.mca2hf / 1e9:.1f} GB (+ {fp32.mca2hf_extra / 1e9:.1f} "
             f"GB with the default 2 GiB shards); roll-train --use-mca --bf16 loading it: "

@@ -40,7 +40,8 @@ def _sharded_copy(src: str, dst: str, max_shard: str = "60KB") -> str:
 def _weights(model_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {k: v for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))) for k, v in load_file(f).items()}
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    return {name: tensor for f in files for name, tensor in load_file(f).items()}
 
 
 def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp_path, monkeypatch):
