@@ -34,10 +34,11 @@ def safetensors_bytes(model_dir: str) -> int:
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
-def _timed(command: list[str], timeout: float) -> tuple[float, str, str, int]:
-    """(wall seconds, status, stdout, peak RSS bytes) of one subprocess (OMP threads: all cores, as a user
-    would run it). The peak is the kernel's own high-water mark of the process (``wait4``'s ``ru_maxrss``),
-    not a sample: file pages it maps count too."""
+def _timed(command: list[str], timeout: float) -> tuple[float, str, str, int, float]:
+    """(wall seconds, status, stdout, peak RSS bytes, CPU seconds) of one subprocess (OMP threads: all cores,
+    as a user would run it). The peak is the kernel's own high-water mark of the process (``wait4``'s
+    ``ru_maxrss``), not a sample: file pages it maps count too. CPU seconds (user + system) move far less
+    than wall time when other jobs share the machine."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
@@ -53,11 +54,11 @@ def _timed(command: list[str], timeout: float) -> tuple[float, str, str, int]:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    peak = usage.ru_maxrss * 1024  # KiB on Linux
+    peak, cpu = usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime  # ru_maxrss: KiB on Linux
     if wall >= timeout and proc.returncode < 0:
-        return wall, f"timeout ({timeout:.0f} s)", "", peak
+        return wall, f"timeout ({timeout:.0f} s)", "", peak, cpu
     status_text = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {stderr[-500:]}"
-    return wall, status_text, stdout, peak
+    return wall, status_text, stdout, peak, cpu
 
 
 def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
@@ -66,15 +67,17 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
     size = safetensors_bytes(model_dir)
     mca_dir, back_dir = os.path.join(root, "convert", "mca"), os.path.join(root, "convert", "hf")
     py = sys.executable
-    startup, _, _, base_rss = _timed([py, "-c", "import backends.mca.convert"], timeout)
+    startup, _, _, base_rss, base_cpu = _timed([py, "-c", "import backends.mca.convert"], timeout)
     rows = []
-    wall, status, out, rss = _timed([py, "-c", _RAW_READ, model_dir], timeout)
+    wall, status, out, rss, cpu = _timed([py, "-c", _RAW_READ, model_dir], timeout)
     read_s = json.loads(out.strip().splitlines()[-1])["read_s"] if status == "ok" else None
     rows.append(_row("raw read (safetensors load_file + clone)", size, wall, status, net=read_s, rss=rss))
     for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
         cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
-        wall, status, _, rss = _timed(cmd, timeout)
-        rows.append(_row(f"roll-convert {name} (TP1)", size, wall, status, net=max(wall - startup, 1e-3), rss=rss))
+        wall, status, _, rss, cpu = _timed(cmd, timeout)
+        net = wall - startup if wall > startup else None  # under heavy load start-up can outlast a run
+        rows.append(_row(f"roll-convert {name} (TP1)", size, wall, status, net=net, rss=rss))
+        rows[-1]["net_cpu_s"] = round(cpu - base_cpu, 2)
     for row in rows:
         row["startup_s"] = round(startup, 2)
         row["startup_rss_gb"] = round(base_rss / 1e9, 3)
