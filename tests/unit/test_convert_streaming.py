@@ -134,3 +134,20 @@ def test_conversion_memory_of_a_7b_shape_by_hand():
     assert bf16.hf2mca_extra == 2 * 18944 * 3584 * 2 * 2  # gate + up of one layer, then their concatenation
     assert fp32.mca2hf_extra == 152064 * 3584 * 4 + 2 * 1024**3  # the staged embedding + one output shard
     assert "hf2mca 31.6 GB" in conversion_memory_line() and "15.8 GB" in conversion_memory_line()
+
+
+def test_bench_times_a_process_with_its_peak_memory_and_cpu():
+    """roll-bench's conversion rows: the kernel's high-water mark of the child (a 200 MB string is in it) and
+    its CPU time; a failing child is reported with its exit code; the table divides the net peak by the model."""
+    from roll.bench import report
+    from roll.bench.convert import _row, _timed
+
+    wall, status, out, peak, cpu = _timed([sys.executable, "-c", "x = b'a' * 200_000_000; print(len(x))"], 60)
+    assert status == "ok" and out.strip() == "200000000" and peak > 200e6 and 0 < cpu <= wall * 4
+    assert _timed([sys.executable, "-c", "raise SystemExit(3)"], 60)[1].startswith("failed (exit 3)")
+    rows = [_row("raw read", 10**9, 2.0, "ok", net=1.0, rss=int(1.5e9)), _row("hf2mca", 10**9, 4.0, "ok", net=2.0,
+                                                                                 rss=int(2.7e9))]
+    for row in rows:
+        row.update(startup_s=2.0, startup_rss_gb=0.5)
+    table = "\n".join(report.conversion_table(rows))
+    assert "| hf2mca | 1.000 | 4.0 | 0.250 | 2.00 | 0.500 | - | 2.70 | 2.20 | ok |" in table, table
