@@ -84,6 +84,7 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True):
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict)
+    import torch
     from torch.distributed import checkpoint as dcp
 
     class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
@@ -91,7 +92,12 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True):
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=sync_files)
             planner = MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
-            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+            crc32 = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)  # torch.load never checks it (0.3 s per 0.5 GB)
+            try:
+                dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
+            finally:
+                torch.serialization.set_crc32_options(crc32)
 
     return InProcessSaveStrategy("torch_dist", 1, thread_count=thread_count)
 
