@@ -68,3 +68,12 @@ def warn_once(logger: logging.Logger, msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         log_rank0(logger, msg, level=logging.WARNING)
+
+
+def byte_progress(total: int, desc: str, rank0_only: bool = True):
+    """A tqdm bar on stderr counting bytes with their rate (e.g. ``1.2GB/s``), for long I/O such as a
+    checkpoint conversion; disabled off rank 0 (``rank0_only``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
+                mininterval=0.5, dynamic_ncols=True, disable=rank0_only and not is_rank0())

@@ -17,6 +17,7 @@ import glob
 import os
 import pickle
 import re
+import sys
 import zipfile
 from typing import IO, Any
 
@@ -48,11 +49,12 @@ def set_trusted(value: bool) -> None:
     _trusted = bool(value)
 
 
-def allowed_globals() -> list:
+def allowed_globals(deepspeed: bool = True) -> list:
     """What files may name besides tensors and plain containers (torch's ``weights_only`` defaults).
 
     numpy's RNG state (HF's ``rng_state*.pth``, as ``transformers.trainer_pt_utils.safe_globals``); PyTorch
-    distributed-checkpoint metadata (``.metadata`` of Megatron checkpoints); DeepSpeed's optimizer states.
+    distributed-checkpoint metadata (``.metadata`` of Megatron checkpoints); DeepSpeed's optimizer states
+    (unless ``deepspeed`` is False: naming them imports DeepSpeed, 3 s).
     """
     import numpy as np
     import torch
@@ -64,6 +66,8 @@ def allowed_globals() -> list:
                metadata.TensorProperties, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
                metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size,
                torch.memory_format, torch.layout]
+    if not deepspeed:
+        return allowed
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -80,6 +84,18 @@ def torch_load(source: str | IO[bytes], path: str | None = None, **kwargs) -> An
     path = path or str(source)
     if _trusted:
         return torch.load(source, weights_only=False, **kwargs)
+    # DeepSpeed's classes join the allow-list only for a file that names them (or once DeepSpeed is
+    # imported anyway): importing it to read a Megatron checkpoint's common.pt cost 3 s per load.
+    with_deepspeed = "deepspeed" in sys.modules
+    start = source.tell() if hasattr(source, "tell") else None
+    try:
+        with torch.serialization.safe_globals(allowed_globals(deepspeed=with_deepspeed)):
+            return torch.load(source, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        if with_deepspeed or "deepspeed." not in str(exc):
+            raise refusal(path, exc) from None
+    if start is not None:
+        source.seek(start)
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(source, weights_only=True, **kwargs)
@@ -104,23 +120,24 @@ class _RestrictedUnpickler(pickle.Unpickler):
     callable (REDUCE, NEWOBJ and BUILD act on what it returned; persistent ids are refused by default)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _allowed_by_name().get(f"{module}.{name}")
+        found = _allowed_by_name(module.startswith("deepspeed.")).get(f"{module}.{name}")
         if found is None:
             raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
         return found
 
 
-@functools.lru_cache(maxsize=1)
-def _allowed_by_name() -> dict[str, Any]:
-    """``module.name`` -> object, for :class:`_RestrictedUnpickler`: the allow-list, the classes of PyTorch
-    DCP's save plans (Megatron keeps them in ``.metadata``), torch dtypes and paths."""
+@functools.lru_cache(maxsize=2)
+def _allowed_by_name(deepspeed: bool) -> dict[str, Any]:
+    """``module.name`` -> object, for :class:`_RestrictedUnpickler`: the allow-list (DeepSpeed's classes
+    only for a name in DeepSpeed's modules), the classes of PyTorch DCP's save plans (Megatron keeps them in
+    ``.metadata``), torch dtypes and paths."""
     import collections
     import pathlib
 
     import torch
     from torch.distributed.checkpoint import planner
 
-    objects = allowed_globals() + [planner.SavePlan, planner.WriteItem, planner.TensorWriteData,
+    objects = allowed_globals(deepspeed) + [planner.SavePlan, planner.WriteItem, planner.TensorWriteData,
                                    planner.WriteItemType, torch.serialization._get_layout,
                                    collections.OrderedDict, pathlib.PurePosixPath, pathlib.PosixPath]
     names = {f"{obj.__module__}.{obj.__qualname__}": obj for obj in objects}

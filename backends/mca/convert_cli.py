@@ -39,14 +39,19 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="roll-convert", description=__doc__.split("\n")[0])
+    from roll.plan.convert import conversion_memory_line
+
+    memory = (f"{conversion_memory_line()} The HF side streams shard by shard; the Megatron checkpoint is "
+              "written from this process with I/O threads; a progress bar with GB/s goes to stderr "
+              "(docs/mca-models.md, 'The converter').")
+    parser = argparse.ArgumentParser(prog="roll-convert", description=__doc__.split("\n")[0], epilog=memory)
     sub = parser.add_subparsers(dest="command", required=True)
     specs = {"hf2mca": "HF checkpoint -> Megatron checkpoint (torch_dist + mca_config.json)",
              "mca2hf": "Megatron checkpoint -> standard HF safetensors checkpoint",
              "check": "build the HF and the Megatron model from HF_DIR and compare their logits"}
     for name, help_text in specs.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text,
-                             formatter_class=_DefaultsFormatter)
+        cmd = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_DefaultsFormatter,
+                             epilog=memory if name != "check" else None)
         cmd.add_argument("--input", required=True, metavar="DIR", help="source model directory")
         if name != "check":
             cmd.add_argument("--output", required=True, metavar="DIR", help="directory to write")

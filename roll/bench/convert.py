@@ -3,7 +3,9 @@ raw read of the same safetensors files (``safetensors.torch.load_file``).
 
 Each is a subprocess timed from outside (what a user waits for). A second number subtracts the start-up
 of a process that only imports the converter (Python, torch, transformers, megatron), which no
-conversion can avoid; GB/s uses the HF safetensors bytes of the model (the same bytes both ways).
+conversion can avoid; GB/s uses the HF safetensors bytes of the model (the same bytes both ways). Each row
+also has the process's peak resident memory, and the table states it net of the start-up process's as a
+multiple of the model's bytes (one shard here: the bench model is a single file).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 _RAW_READ = """
@@ -30,41 +34,60 @@ def safetensors_bytes(model_dir: str) -> int:
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
-def _timed(command: list[str], timeout: float) -> tuple[float, str, str]:
-    """(wall seconds, status, stdout) of one subprocess (OMP threads: all cores, as a user would run it)."""
+def _timed(command: list[str], timeout: float) -> tuple[float, str, str, int, float]:
+    """(wall seconds, status, stdout, peak RSS bytes, CPU seconds) of one subprocess (OMP threads: all cores,
+    as a user would run it). The peak is the kernel's own high-water mark of the process (``wait4``'s
+    ``ru_maxrss``), not a sample: file pages it maps count too. CPU seconds (user + system) move far less
+    than wall time when other jobs share the machine."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return time.perf_counter() - start, f"timeout ({timeout:.0f} s)", ""
-    wall = time.perf_counter() - start
-    status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {proc.stderr[-500:]}"
-    return wall, status, proc.stdout
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=err)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    peak, cpu = usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime  # ru_maxrss: KiB on Linux
+    if wall >= timeout and proc.returncode < 0:
+        return wall, f"timeout ({timeout:.0f} s)", "", peak, cpu
+    status_text = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {stderr[-500:]}"
+    return wall, status_text, stdout, peak, cpu
 
 
 def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
-    """Rows: raw read, hf2mca, mca2hf; each with bytes, wall_s, GB/s, and the same net of start-up."""
+    """Rows: raw read, hf2mca, mca2hf; each with bytes, wall_s, GB/s, the same net of start-up, and the
+    process's peak RSS next to that of the start-up process (imports only)."""
     size = safetensors_bytes(model_dir)
     mca_dir, back_dir = os.path.join(root, "convert", "mca"), os.path.join(root, "convert", "hf")
     py = sys.executable
-    startup, _, _ = _timed([py, "-c", "import backends.mca.convert"], timeout)
+    startup, _, _, base_rss, base_cpu = _timed([py, "-c", "import backends.mca.convert"], timeout)
     rows = []
-    wall, status, out = _timed([py, "-c", _RAW_READ, model_dir], timeout)
+    wall, status, out, rss, cpu = _timed([py, "-c", _RAW_READ, model_dir], timeout)
     read_s = json.loads(out.strip().splitlines()[-1])["read_s"] if status == "ok" else None
-    rows.append(_row("raw read (safetensors load_file + clone)", size, wall, status, net=read_s))
+    rows.append(_row("raw read (safetensors load_file + clone)", size, wall, status, net=read_s, rss=rss))
     for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
         cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
-        wall, status, _ = _timed(cmd, timeout)
-        rows.append(_row(f"roll-convert {name} (TP1)", size, wall, status, net=max(wall - startup, 1e-3)))
+        wall, status, _, rss, cpu = _timed(cmd, timeout)
+        net = wall - startup if wall > startup else None  # under heavy load start-up can outlast a run
+        rows.append(_row(f"roll-convert {name} (TP1)", size, wall, status, net=net, rss=rss))
+        rows[-1]["net_cpu_s"] = round(cpu - base_cpu, 2)
     for row in rows:
         row["startup_s"] = round(startup, 2)
+        row["startup_rss_gb"] = round(base_rss / 1e9, 3)
     return rows
 
 
-def _row(what: str, size: int, wall: float, status: str, net: float | None) -> dict:
+def _row(what: str, size: int, wall: float, status: str, net: float | None, rss: int) -> dict:
     gb = size / 1e9
     return {"what": what, "status": status, "bytes": size, "wall_s": round(wall, 2),
             "gb_per_s": round(gb / wall, 3) if status == "ok" else None,
             "net_s": round(net, 2) if net is not None and status == "ok" else None,
-            "net_gb_per_s": round(gb / net, 3) if net and status == "ok" else None}
+            "net_gb_per_s": round(gb / net, 3) if net and status == "ok" else None,
+            "peak_rss_gb": round(rss / 1e9, 3)}

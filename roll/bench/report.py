@@ -131,14 +131,23 @@ def cases_table(rows: list[dict]) -> list[str]:
 def conversion_table(rows: list[dict]) -> list[str]:
     if not rows:
         return ["(conversion not timed: --no-convert)"]
-    lines = ["| what | GB | wall s | GB/s (wall) | net s | GB/s (net) | status |", "|" + "---|" * 7]
+    lines = ["| what | GB | wall s | GB/s (wall) | net s | GB/s (net) | net CPU s | peak RSS GB | net peak / model "
+             "| status |", "|" + "---|" * 10]
+    base = rows[0].get("startup_rss_gb")
     for r in rows:
+        rss = r.get("peak_rss_gb")
+        ratio = (rss - base) * 1e9 / r["bytes"] if rss is not None and base is not None else None
         lines.append(f"| {r['what']} | {r['bytes'] / 1e9:.3f} | {r['wall_s']:.1f} "
                      f"| {_num(r['gb_per_s'], '.3f')} "
-                     f"| {_num(r['net_s'], '.2f')} | {_num(r['net_gb_per_s'], '.3f')} | {r['status'][:80]} |")
+                     f"| {_num(r['net_s'], '.2f')} | {_num(r['net_gb_per_s'], '.3f')} "
+                     f"| {_num(r.get('net_cpu_s'), '.2f')} | {_num(rss, '.2f')} "
+                     f"| {_num(ratio, '.2f')} | {r['status'][:80]} |")
     lines.append("")
     lines.append("net s: the raw read's own load_file time; for roll-convert, the wall time minus the "
-                 f"start-up of a process that only imports the converter ({rows[0]['startup_s']:.1f} s).")
+                 f"start-up of a process that only imports the converter ({rows[0]['startup_s']:.1f} s); net CPU s: "
+                 "the same for user + system CPU time, which other jobs on the machine move far less. "
+                 f"Peak RSS: the kernel's high-water mark of each process; net peak / model subtracts the "
+                 f"import-only process's ({_num(base, '.2f')} GB) and divides by the model's safetensors bytes.")
     return lines
 
 

@@ -112,3 +112,31 @@ def test_print_config_redacts_secrets(capsys):
     assert main(["stage=sft", "hub_token=hf_abc123", "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert "hf_abc123" not in printed and f"hub_token: {redact.REDACTED}" in printed
+
+
+_DEEPSPEED_LAZILY = """
+import io, sys
+import torch
+from roll import unpickle
+torch.save({"w": torch.ones(1)}, sys.argv[1] + "/plain.pt")
+unpickle.torch_load(sys.argv[1] + "/plain.pt")
+assert "deepspeed" not in sys.modules, "reading a plain file imported DeepSpeed"
+with open(sys.argv[1] + "/zero.pt", "rb") as fh:
+    buffer = io.BytesIO(fh.read())
+print(unpickle.torch_load(buffer, path="zero.pt")["stage"])
+"""
+
+
+def test_deepspeed_classes_are_allowed_only_when_a_file_names_them(tmp_path):
+    """DeepSpeed is imported (3 s) for a file that names its classes, read again from the same buffer, and
+    not for a Megatron or HF file that does not."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.save({"stage": ZeroStageEnum(2)}, str(tmp_path / "zero.pt"))
+    proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_LAZILY, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ZeroStageEnum.gradients", proc.stderr[-2000:]

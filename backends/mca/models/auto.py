@@ -102,12 +102,14 @@ def _build_uninitialised(config: McaModelConfig) -> list[torch.nn.Module]:
 def save_mca(chunks: list[torch.nn.Module], config: McaModelConfig, out_dir: str,
              tokenizer_dir: str | None = None) -> None:
     """Write a Megatron checkpoint (torch_dist, loadable at any layout) plus ``mca_config.json``
-    (and the tokenizer files of ``tokenizer_dir``, so the directory stays a usable model)."""
+    (and the tokenizer files of ``tokenizer_dir``, so the directory stays a usable model).
+
+    Files are not fsync'ed (as ``save_pretrained``): the OS writes them back; a conversion can be rerun."""
     import torch.distributed as dist
 
     from backends.mca.checkpoint import save_checkpoint
 
-    save_checkpoint(chunks, out_dir)
+    save_checkpoint(chunks, out_dir, sync_files=False)
     if dist.get_rank() == 0:
         config.save_pretrained(out_dir)
         if tokenizer_dir:

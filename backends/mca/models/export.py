@@ -12,17 +12,18 @@ import json
 import logging
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from backends.mca.models import sharding
-from backends.mca.models.gpt import canonical_tensors
+from backends.mca.models.gpt import canonical_tensors, model_device
 from backends.mca.models.loader import INDEX_NAME
 from backends.mca.models.template import get_template
 from backends.mca.models.unwrap import unwrap_model
-from roll.logging import log_rank0
+from roll.logging import byte_progress, log_rank0
 from roll.outputs import remove_stale_weights
 
 if TYPE_CHECKING:
@@ -46,25 +47,50 @@ def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int
     template = get_template(config.hf_model_type)
     local = {name: (tensor, sharding.param_tp_kind(name, tensor, config))
              for name, tensor in canonical_tensors(chunks, config)}
-    writer = _ShardWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
     units = ["pre", *range(config.num_layers), "post"]
-    for unit in units:
-        mine = {name: t for name, t in local.items() if _unit_of(name) == unit}
-        gathered = gather_unit(mine)
+    start = time.perf_counter()
+    with byte_progress(_hf_bytes(local, config), "write HF weights") as bar:
+        writer = _ShardWriter(out_dir, max_shard_bytes, bar) if dist.get_rank() == 0 else None
+        for unit in units:
+            mine = {name: t for name, t in local.items() if _unit_of(name) == unit}
+            gathered = gather_unit(mine)
+            if writer is not None:
+                full = {name: sharding.unpad_vocab(name, t, config) for name, t in gathered.items()}
+                if config.tie_embeddings_and_output_weights:
+                    full.pop("output_layer.weight", None)  # HF ties lm_head to embed_tokens itself
+                writer.add(template.mca_to_hf(full, config))
         if writer is not None:
-            full = {name: sharding.unpad_vocab(name, t, config) for name, t in gathered.items()}
-            if config.tie_embeddings_and_output_weights:
-                full.pop("output_layer.weight", None)  # HF ties lm_head to embed_tokens itself
-            writer.add(template.mca_to_hf(full, config))
+            written = writer.finish()
     if writer is not None:
-        written = writer.finish()
         for name in remove_stale_weights(out_dir, keep=written):
             log_rank0(logger, "removed %s from %s: weights of an earlier save, another layout", name, out_dir)
         _write_config(template.hf_config_dict(config), out_dir)
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
-        log_rank0(logger, "wrote HF checkpoint to %s (%d shard files)", out_dir, len(writer.files))
+        elapsed = time.perf_counter() - start
+        log_rank0(logger, "wrote HF checkpoint to %s (%d shard files, %.2f GB) in %.1fs (%.2f GB/s)", out_dir,
+                  len(writer.files), writer.bytes_written / 1e9, elapsed, writer.bytes_written / 1e9 / elapsed)
     dist.barrier()
+
+
+def _hf_bytes(local: dict[str, tuple[torch.Tensor, sharding.Kind]], config: McaModelConfig) -> int:
+    """Bytes of the HF tensors ``save_hf`` writes (collective): each holder's shard times its (expert-)
+    tensor-parallel size, without the vocab padding and the tied output layer, summed over ranks."""
+    from megatron.core import parallel_state as ps
+
+    total = 0
+    for name, (tensor, kind) in local.items():
+        expert = sharding.is_expert(name)
+        if not _is_holder(expert) or (name == "output_layer.weight" and config.tie_embeddings_and_output_weights):
+            continue
+        size = ps.get_expert_tensor_parallel_world_size() if expert else ps.get_tensor_model_parallel_world_size()
+        nbytes = tensor.numel() * tensor.element_size() * (1 if kind == "replicated" else size)
+        if name in sharding.VOCAB_TENSORS:
+            nbytes = nbytes * config.vocab_size // config.padded_vocab_size
+        total += nbytes
+    summed = torch.tensor([total], dtype=torch.int64, device=model_device())
+    dist.all_reduce(summed)
+    return int(summed.item())
 
 
 def _unit_of(name: str) -> str | int:
@@ -95,12 +121,14 @@ def gather_unit(mine: dict[str, tuple[torch.Tensor, sharding.Kind]]) -> dict[str
             tensor = sharding.merge(shards, kind)
         if _is_holder(expert):
             send[name] = tensor.cpu()
-    received: list[dict] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(send, received, dst=0)
-    if received is None:
+    rank0 = dist.get_rank() == 0
+    received: list[dict] | None = [None] * dist.get_world_size() if rank0 else None
+    if dist.get_world_size() > 1:  # rank 0's own tensors stay out of the pickles (all of them at world 1)
+        dist.gather_object({} if rank0 else send, received, dst=0)
+    if not rank0:
         return {}
-    merged: dict[str, torch.Tensor] = {}
-    for part in received:
+    merged: dict[str, torch.Tensor] = dict(send)
+    for part in received[1:]:
         for name, tensor in part.items():
             merged.setdefault(name, tensor)
     return merged
@@ -116,14 +144,16 @@ def _is_holder(expert: bool) -> bool:
 
 
 class _ShardWriter:
-    """Appends tensors to ``max_shard_bytes``-sized files, then names them model-0000x-of-0000y."""
+    """Appends tensors to ``max_shard_bytes``-sized files, then names them model-0000x-of-0000y; ``progress``
+    (a byte counter) advances as each file is written."""
 
-    def __init__(self, out_dir: str, max_shard_bytes: int) -> None:
+    def __init__(self, out_dir: str, max_shard_bytes: int, progress=None) -> None:
         os.makedirs(out_dir, exist_ok=True)
-        self.out_dir, self.max_bytes = out_dir, max_shard_bytes
+        self.out_dir, self.max_bytes, self.progress = out_dir, max_shard_bytes, progress
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.files: list[tuple[str, list[str]]] = []
+        self.bytes_written = 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -138,6 +168,9 @@ class _ShardWriter:
 
         tmp = f"part-{len(self.files):05d}.safetensors.tmp"
         save_file(self.pending, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
+        self.bytes_written += self.pending_bytes
+        if self.progress is not None:
+            self.progress.update(self.pending_bytes)
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

@@ -2,9 +2,11 @@
 
 Each rank works out which canonical Megatron tensors its chunks hold (PP/VPP layers, EP experts),
 which HF tensors those need, and which safetensors files hold them; it then reads only those
-tensors, file by file, converting a Megatron tensor as soon as all its HF inputs have arrived and
-dropping the inputs right after. Peak memory is this rank's own weights plus the inputs of the few
-mappings still incomplete, never the whole model.
+tensors, file by file and tensor by tensor (``safetensors_io``: positioned reads, no memory map),
+converting a Megatron tensor as soon as all its HF inputs have arrived and dropping the inputs right
+after; a 1:1 rename is read straight into its parameter. Peak memory is this rank's own weights plus the
+inputs of the few mappings still incomplete (at most a layer's q/k/v or gate/up, or the embedding when
+it is padded or split), never the whole model twice and never a whole file.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,9 +23,11 @@ import torch
 
 from backends.mca.models import layout, sharding
 from backends.mca.models.gpt import canonical_tensors, rank_coordinates
-from backends.mca.models.mapping import Mapping
+from backends.mca.models.mapping import Mapping, Rename
+from backends.mca.models.safetensors_io import SafetensorsFile
 from backends.mca.models.template import Template, get_template
 from roll.errors import ModelError
+from roll.logging import byte_progress, log_rank0
 from roll.weights import check_weights_match
 
 if TYPE_CHECKING:
@@ -39,6 +44,7 @@ class LoadReport:
 
     files_read: list[str] = field(default_factory=list)
     tensors_read: int = 0
+    bytes_read: int = 0
     tensors_in_checkpoint: int = 0
     params_loaded: int = 0
 
@@ -60,9 +66,7 @@ def hf_weight_map(hf_dir: str) -> dict[str, str]:
     if not os.path.isfile(single):
         raise ModelError(f"{hf_dir!r} has neither {INDEX_NAME} nor {SINGLE_NAME}: no safetensors weights to load "
                          "(.bin checkpoints are not supported; re-save the model with safe_serialization=True).")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as fh:
+    with SafetensorsFile(single) as fh:
         return {name: SINGLE_NAME for name in fh.keys()}
 
 
@@ -121,8 +125,8 @@ def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement] |
 
 def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, weight_map: dict[str, str],
             report: LoadReport, coords: dict[str, int]) -> None:
-    from safetensors import safe_open
-
+    """Read the needed tensors file by file (sorted), each straight into its parameter when it is a plain
+    rename at the parameter's dtype and shape, else into a buffer held only until its mapping is complete."""
     tp, etp = (coords["tp_size"], coords["tp_rank"]), (coords["etp_size"], coords["etp_rank"])
     waiting: dict[str, set[str]] = defaultdict(set)  # HF name -> canonical names still needing it
     for canonical, target in targets.items():
@@ -131,23 +135,63 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
     by_file: dict[str, list[str]] = defaultdict(list)
     for hf_name in waiting:
         by_file[weight_map[hf_name]].append(hf_name)
+    total = 0
+    for file in by_file:
+        with SafetensorsFile(os.path.join(hf_dir, file)) as fh:
+            total += sum(fh.nbytes(name) for name in by_file[file])
     buffer: dict[str, torch.Tensor] = {}
-    for file in sorted(by_file):
-        report.files_read.append(file)
-        with safe_open(os.path.join(hf_dir, file), "pt") as fh:
-            for hf_name in sorted(by_file[file]):
-                buffer[hf_name] = fh.get_tensor(hf_name)
-                report.tensors_read += 1
-                for canonical in sorted(waiting[hf_name]):
-                    target = targets[canonical]
-                    if all(n in buffer for n in target.hf_names):
-                        _fill(canonical, target, [buffer[n] for n in target.hf_names], config, tp, etp)
-                        report.params_loaded += len(target.params)
-                        for n in target.hf_names:
-                            waiting[n].discard(canonical)
-                for n in [n for n in buffer if not waiting[n]]:
-                    del buffer[n]  # no pending mapping needs it any more
+    start = time.perf_counter()
+    with byte_progress(total, "read HF weights") as bar:
+        for file in sorted(by_file):
+            report.files_read.append(file)
+            with SafetensorsFile(os.path.join(hf_dir, file)) as fh:
+                for hf_name in sorted(by_file[file]):
+                    direct = _direct_param(hf_name, waiting, targets, fh, config, (tp, etp))
+                    tensor = fh.read(hf_name, out=direct)
+                    report.tensors_read += 1
+                    report.bytes_read += fh.nbytes(hf_name)
+                    bar.update(fh.nbytes(hf_name))
+                    if direct is not None:  # already in place: the one parameter that needed it
+                        canonical = waiting.pop(hf_name).pop()
+                        report.params_loaded += len(targets[canonical].params)
+                        continue
+                    buffer[hf_name] = tensor
+                    _fill_ready(hf_name, waiting, targets, buffer, config, tp, etp, report)
     assert not buffer, f"HF tensors read but never consumed: {sorted(buffer)}"
+    elapsed = time.perf_counter() - start
+    log_rank0(logger, "read %.2f GB of HF weights from %d file(s) in %.1fs (%.2f GB/s)", report.bytes_read / 1e9,
+              len(report.files_read), elapsed, report.bytes_read / 1e9 / max(elapsed, 1e-9))
+
+
+def _direct_param(hf_name: str, waiting: dict[str, set[str]], targets: dict[str, _Target], fh: SafetensorsFile,
+                  config: McaModelConfig, sizes: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor | None:
+    """The parameter ``hf_name`` can be read into as is: its only consumer is a 1:1 rename into one
+    parameter that this rank holds whole (no TP split, no vocab padding), at the file's dtype and shape."""
+    if len(waiting[hf_name]) != 1:
+        return None
+    canonical = next(iter(waiting[hf_name]))
+    target = targets[canonical]
+    if not isinstance(target.convert, Rename) or len(target.params) != 1:
+        return None
+    if sharding.tp_size_rank(canonical, *sizes)[0] != 1 and sharding.tp_kind(canonical, config) != "replicated":
+        return None
+    param = target.params[0].data
+    return param if fh.fits(hf_name, param) else None  # a padded vocab or another dtype goes through _fill
+
+
+def _fill_ready(hf_name: str, waiting: dict[str, set[str]], targets: dict[str, _Target],
+                buffer: dict[str, torch.Tensor], config: McaModelConfig, tp: tuple[int, int],
+                etp: tuple[int, int], report: LoadReport) -> None:
+    """Convert every mapping ``hf_name`` completes, then drop the buffered inputs nothing waits for."""
+    for canonical in sorted(waiting[hf_name]):
+        target = targets[canonical]
+        if all(n in buffer for n in target.hf_names):
+            _fill(canonical, target, [buffer[n] for n in target.hf_names], config, tp, etp)
+            report.params_loaded += len(target.params)
+            for n in target.hf_names:
+                waiting[n].discard(canonical)
+    for n in [n for n in buffer if not waiting[n]]:
+        del buffer[n]  # no pending mapping needs it any more
 
 
 def _fill(canonical: str, target: _Target, tensors: list[torch.Tensor], config: McaModelConfig,

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
 
 Kind = Literal["column", "row", "swiglu", "replicated"]
-_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""The tensors whose vocab dim is padded (to a multiple of make_vocab_size_divisible_by x TP)."""
+_VOCAB = VOCAB_TENSORS
 _COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.bias")
 _SWIGLU = ".linear_fc1.weight"
 _ROW = (".linear_proj.weight", ".linear_fc2.weight")

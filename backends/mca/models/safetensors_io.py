@@ -1,0 +1,111 @@
+"""Read a ``.safetensors`` file tensor by tensor with positioned reads, straight into a given tensor.
+
+``safetensors.safe_open`` maps the whole file and hands out tensors that view the mapping, so a
+conversion copies every byte twice (page cache -> mapped tensor -> parameter) and the mapped pages of
+the whole file count in the process's resident memory until it is closed. Here the header is parsed
+once and each tensor's bytes are read with ``os.preadv`` into its destination: the parameter itself
+when no conversion is needed (a 1:1 rename at the parameter's dtype and shape), else a buffer of that
+one tensor. Nothing else of the file is ever resident in this process.
+
+The format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N, N bytes
+of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the
+data, offsets relative to its start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+
+import torch
+
+from roll.errors import ModelError
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_MAX_HEADER = 100 * 1024**2  # the format's own limit
+
+
+class SafetensorsFile:
+    """One open ``.safetensors`` file: ``keys()``, ``nbytes(name)``, ``read(name, out=None)``."""
+
+    def __init__(self, path: str) -> None:
+        if sys.byteorder != "little":
+            raise ModelError("reading safetensors needs a little-endian host (the format's byte order).")
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self._entries, self._base = self._parse_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse_header(self) -> tuple[dict[str, dict], int]:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < length <= min(_MAX_HEADER, size - 8):
+            raise ModelError(f"{self.path}: not a safetensors file (header length {length}, file {size} bytes); "
+                             "is the download complete?")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except ValueError as err:
+            raise ModelError(f"{self.path}: unreadable safetensors header ({err}).") from None
+        header.pop("__metadata__", None)
+        base = 8 + length
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            dtype = DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise ModelError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}, which roll cannot read.")
+            numel = 1
+            for dim in entry["shape"]:
+                numel *= dim
+            if end - begin != numel * dtype.itemsize or base + end > size:
+                raise ModelError(f"{self.path}: tensor {name!r} lies outside the file or does not match its shape "
+                                 "(truncated or corrupt file).")
+            entry["torch_dtype"] = dtype
+        return header, base
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._entries[name]["data_offsets"]
+        return end - begin
+
+    def fits(self, name: str, out: torch.Tensor) -> bool:
+        """Whether ``read(name, out)`` can fill ``out`` in place (same dtype and shape, contiguous, CPU)."""
+        entry = self._entries[name]
+        return (out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry["torch_dtype"]
+                and list(out.shape) == entry["shape"])
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``name``, read into ``out`` when given (it must ``fit``), else into a new tensor."""
+        entry = self._entries[name]
+        if out is None:
+            out = torch.empty(entry["shape"], dtype=entry["torch_dtype"])
+        assert self.fits(name, out), f"{name}: {out.dtype}{tuple(out.shape)} cannot hold {entry}"
+        begin, end = entry["data_offsets"]
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")
+        done = 0
+        while done < end - begin:  # one read returns at most ~2 GiB on Linux
+            got = os.preadv(self._fd, [view[done:]], self._base + begin + done)
+            if got <= 0:
+                raise ModelError(f"{self.path}: file ended inside tensor {name!r} (truncated?).")
+            done += got
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,153 @@
+"""Conversion at disk speed (issue 20 item 3): the HF reader streams shard by shard with bounded memory,
+and ``roll-convert`` writes Megatron checkpoints from its own process with a progress bar.
+
+- in-process: the streaming loader on a tiny checkpoint saved in many shards, through a spy on its
+  safetensors reader: every file is read once, in order, tensor by tensor; the HF tensors held at any
+  moment stay below the largest shard (a whole-model read would hold all of them); 1:1 renames land in
+  their parameter directly;
+- one subprocess: ``roll-convert hf2mca`` then ``mca2hf`` with process creation made to fail (Megatron's
+  default writer spawns a manager and forks writers), bit-exact round trip, a byte progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import weakref
+
+import pytest
+import torch
+
+from tests.helpers import output_of, run
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.mca
+
+# q/k/v and gate/up are fused into one Megatron tensor: read into a buffer, everything else in place
+_FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _sharded_copy(src: str, dst: str, max_shard: str = "60KB") -> str:
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).save_pretrained(dst, max_shard_size=max_shard)
+    assert len(glob.glob(os.path.join(dst, "*.safetensors"))) >= 4
+    return dst
+
+
+def _weights(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    return {name: tensor for f in files for name, tensor in load_file(f).items()}
+
+
+def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp_path, monkeypatch):
+    from backends.mca.models import layout, loader
+    from backends.mca.models.config import McaModelConfig
+    from backends.mca.models.template import get_template
+    from tests.unit.test_mca_templates import _fake_chunk
+
+    model_dir = _sharded_copy(tiny_model_factory("qwen2", tie_word_embeddings=False), str(tmp_path / "hf"))
+    hf = _weights(model_dir)
+    config = McaModelConfig.from_hf(json.loads(open(os.path.join(model_dir, "config.json")).read()))
+    expected = {layout.to_impl_name(n, config): t for n, t in get_template("qwen2").hf_to_mca(hf, config).items()}
+    chunk = _fake_chunk({n: tuple(t.shape) for n, t in expected.items()})
+    params = {p.data_ptr() for p in chunk.parameters()}
+    reads: list[tuple[str, str, bool]] = []  # (file, tensor, read straight into a parameter)
+    held = {"now": 0, "peak": 0}
+
+    def release(nbytes: int) -> None:
+        held["now"] -= nbytes
+
+    class Spy(loader.SafetensorsFile):
+        def read(self, name, out=None):
+            tensor = super().read(name, out)
+            reads.append((os.path.basename(self.path), name, out is not None and out.data_ptr() in params))
+            if out is None:  # a buffer the loader holds until its mapping is complete
+                nbytes = tensor.numel() * tensor.element_size()
+                held["now"] += nbytes
+                held["peak"] = max(held["peak"], held["now"])
+                weakref.finalize(tensor, release, nbytes)
+            return tensor
+
+    monkeypatch.setattr(loader, "SafetensorsFile", Spy)
+    coords = {"tp_size": 1, "tp_rank": 0, "etp_size": 1, "etp_rank": 0}
+    place = layout.placement(config, pp_rank=0, vpp_stage=0, ep_rank=0)
+    report = loader.load_hf_weights([chunk], config, model_dir, placements=[place], coords=coords)
+
+    loaded = chunk.state_dict()
+    assert all(torch.equal(loaded[n], t) for n, t in expected.items()), [n for n in expected if not
+                                                                        torch.equal(loaded[n], expected[n])]
+    files = [f for f, _, _ in reads]
+    runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
+    assert runs == sorted(set(files)) == report.files_read  # each file once, in order, never reopened
+    assert sorted(n for _, n, _ in reads) == sorted(hf)  # tensor by tensor, each exactly once
+    assert {n for _, n, direct in reads if not direct} == {n for n in hf if any(p in n for p in _FUSED)}
+    largest_shard = max(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    total = sum(t.numel() * t.element_size() for t in hf.values())
+    assert 0 < held["peak"] <= largest_shard < total / 3, (held, largest_shard, total)
+    assert held["now"] == 0  # nothing kept after the load
+    assert report.bytes_read == total
+
+
+_NO_PROCESSES = """
+import multiprocessing.process, os, sys
+def refuse(*args, **kwargs):
+    raise RuntimeError("conversion started a process")
+os.fork = refuse
+multiprocessing.process.BaseProcess.start = refuse
+from backends.mca import convert_cli
+from roll.logging import setup_logging
+setup_logging()
+hf, mca, back = sys.argv[1:4]
+assert convert_cli.run(["hf2mca", "--input", hf, "--output", mca]) == 0
+assert convert_cli.run(["mca2hf", "--input", mca, "--output", back, "--max-shard-gb", "0.00005"]) == 0
+"""
+
+
+def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_factory, tmp_path):
+    hf = _sharded_copy(tiny_model_factory("llama", tie_word_embeddings=False), str(tmp_path / "hf"))
+    mca, back = str(tmp_path / "mca"), str(tmp_path / "back")
+    proc = run([sys.executable, "-c", _NO_PROCESSES, hf, mca, back], timeout=240)
+    assert proc.returncode == 0, output_of(proc)
+    assert os.path.isfile(os.path.join(mca, "metadata.json")) and glob.glob(os.path.join(mca, "*.distcp"))
+    a, b = _weights(hf), _weights(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    for bar in ("read HF weights: 100%", "write HF weights: 100%"):
+        assert bar in proc.stderr and "B/s]" in proc.stderr, output_of(proc)
+    for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "GB/s"):
+        assert log in proc.stderr, output_of(proc)
+
+
+def test_conversion_memory_of_a_7b_shape_by_hand():
+    """Qwen2.5-7B (hidden 3584, 28 heads / 4 KV of 128, FFN 18944, vocab 152064, untied), bf16 safetensors."""
+    from roll.plan.convert import conversion_memory, conversion_memory_line
+    from roll.plan.shape import KNOWN_SHAPES
+
+    shape = KNOWN_SHAPES["qwen2.5-7b"]
+    fp32, bf16 = conversion_memory(shape), conversion_memory(shape, megatron_bytes=2)
+    assert fp32.weights == 4 * 7_615_616_512 and bf16.weights == 2 * 7_615_616_512
+    assert fp32.hf2mca_extra == 152064 * 3584 * 2  # the bf16 embedding, read before its cast to fp32
+    assert bf16.hf2mca_extra == 2 * 18944 * 3584 * 2 * 2  # gate + up of one layer, then their concatenation
+    assert fp32.mca2hf_extra == 152064 * 3584 * 4 + 2 * 1024**3  # the staged embedding + one output shard
+    assert "hf2mca 31.6 GB" in conversion_memory_line() and "15.8 GB" in conversion_memory_line()
+
+
+def test_bench_times_a_process_with_its_peak_memory_and_cpu():
+    """roll-bench's conversion rows: the kernel's high-water mark of the child (a 200 MB string is in it) and
+    its CPU time; a failing child is reported with its exit code; the table divides the net peak by the model."""
+    from roll.bench import report
+    from roll.bench.convert import _row, _timed
+
+    wall, status, out, peak, cpu = _timed([sys.executable, "-c", "x = b'a' * 200_000_000; print(len(x))"], 60)
+    assert status == "ok" and out.strip() == "200000000" and peak > 200e6 and 0 < cpu <= wall * 4
+    assert _timed([sys.executable, "-c", "raise SystemExit(3)"], 60)[1].startswith("failed (exit 3)")
+    rows = [_row("raw read", 10**9, 2.0, "ok", net=1.0, rss=int(1.5e9)), _row("hf2mca", 10**9, 4.0, "ok", net=2.0,
+                                                                                 rss=int(2.7e9))]
+    for row in rows:
+        row.update(startup_s=2.0, startup_rss_gb=0.5)
+    table = "\n".join(report.conversion_table(rows))
+    assert "| hf2mca | 1.000 | 4.0 | 0.250 | 2.00 | 0.500 | - | 2.70 | 2.20 | ok |" in table, table
