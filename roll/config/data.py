@@ -47,7 +47,10 @@ class DataArguments:
     """Rows per batch handed to each tokenization call."""
 
     overwrite_cache: bool = False
-    """Ignore the preprocessing cache and tokenize again."""
+    """Ignore the preprocessing cache (and a prepared tokenized_path) and tokenize and pack again."""
+
+    tokenized_path: str | None = None
+    """Directory of prepared data: the first run saves its tokenized (and packed) rows there, later runs, other nodes and the other backend load them without tokenizing; a recipe whose data settings differ from the saved ones is refused. `roll-train RECIPE --prepare-data` only prepares."""
 
     def __post_init__(self) -> None:
         if self.cutoff_len < 2:

@@ -23,6 +23,7 @@ import numpy as np
 
 from roll import IGNORE_INDEX
 from roll.data import formats as fmts
+from roll.data import prepared
 from roll.data.loading import Source, load_sources
 from roll.data.packing import pack_dataset
 from roll.data.policy import PAIR_PREFIXES
@@ -51,8 +52,14 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
         raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
     if data_args.packing and processor == "pairwise":
         raise ConfigError("packing is not supported for stage dpo; set packing: false.")
+    build = functools.partial(_build, data_args, tokenizer, stage=stage, processor=processor, formats=formats,
+                              seed=seed)
     with local_rank0_first():
-        return _build(data_args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed)
+        if data_args.tokenized_path:
+            settings = prepared.data_settings(data_args, tokenizer, stage=stage, seed=seed)
+            return prepared.load_or_prepare(data_args.tokenized_path, settings, build,
+                                            rebuild=_fresh(data_args))
+        return build()
 
 
 @contextlib.contextmanager
@@ -69,6 +76,12 @@ def local_rank0_first():
     finally:
         if distributed and first:
             dist.barrier()
+
+
+def _fresh(data_args) -> bool:
+    """overwrite_cache: packed rows and prepared data are written again by each node's local rank 0 only (the
+    other ranks, which wait for it, load what it wrote)."""
+    return data_args.overwrite_cache and local_rank() == 0
 
 
 def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
@@ -98,11 +111,11 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
         stats.num_eval_samples = len(eval_ds)
         eval_ds = eval_ds.remove_columns([c for c in META_COLUMNS if c in eval_ds.column_names])
     if data_args.packing:
-        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len,
-                                                       data_args.preprocessing_num_workers)
+        reuse = not _fresh(data_args)
+        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len, use_cache=reuse)
         train = train.shuffle(seed=seed) if data_args.shuffle else train
         if eval_ds is not None:
-            eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len)
+            eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len, use_cache=reuse)
     stats.num_rows = len(train)
     stats.preprocess_seconds = round(time.perf_counter() - start, 3)
     for line in stats.summary_lines():
