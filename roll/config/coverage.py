@@ -129,6 +129,8 @@ ROWS: tuple[Row, ...] = (
     _row("preprocessing_num_workers preprocessing_batch_size", both=NoEffect(
         "tokenization speed only; the rows are the same")),
     _row("overwrite_cache", both=NoEffect("re-tokenizes instead of reusing the cache: the same rows")),
+    _row("tokenized_path", both=Honoured(
+        "tests/unit/test_data_prepared.py::test_tokenized_path_round_trip_and_refusals")),
     # -- finetuning ---------------------------------------------------------------------------------------
     _row("stage", both=Honoured(PARITY, "pt and sft; dpo: " + DPO)),
     _row("finetuning_type", standard=Honoured(

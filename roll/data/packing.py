@@ -165,7 +165,8 @@ def _write_packed(dataset, capacity: int, path: str) -> None:
                 last = min(first + bins_per_write, len(bin_sizes))
                 start = int(bin_ends[first - 1]) if first else 0
                 chunk = members[start:int(bin_ends[last - 1])]
-                writer.write_table(_packed_rows(source[chunk.tolist()], lengths[chunk], bin_sizes[first:last]))
+                rows = source[chunk.tolist()]
+                writer.write_table(_packed_rows(rows, lengths[chunk], bin_sizes[first:last]))
             writer.finalize()
         os.replace(partial, path)
     finally:

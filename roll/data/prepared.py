@@ -45,7 +45,8 @@ def data_settings(data_args, tokenizer, *, stage: str, seed: int) -> dict:
     roll's data-processing code (each a digest), by name."""
     settings = {f.name: getattr(data_args, f.name) for f in dataclasses.fields(data_args)
                 if f.init and f.name not in NOT_DATA_SETTINGS}
-    settings.update(stage=stage, seed=seed, tokenizer=tokenizer_digest(tokenizer), roll_data_code=code_digest())
+    settings.update(stage=stage, seed=seed, tokenizer=tokenizer_digest(tokenizer),
+                    roll_data_code=code_digest())
     return json.loads(json.dumps(settings, default=str))  # the values as they read back from the manifest
 
 
@@ -82,7 +83,7 @@ def load_or_prepare(path: str, settings: dict, build: Callable, *, rebuild: bool
 
 
 def has_data(path: str) -> bool:
-    """Whether ``path`` holds something (an empty directory is a place to prepare into, as in LLaMA-Factory)."""
+    """Whether ``path`` holds something (an empty directory is where to prepare, as in LLaMA-Factory)."""
     return os.path.isfile(path) or (os.path.isdir(path) and bool(os.listdir(path)))
 
 
@@ -116,8 +117,9 @@ def load(path: str, settings: dict):
 def read_manifest(path: str) -> dict:
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest):
-        raise ConfigError(f"tokenized_path {path} exists but holds no {MANIFEST}: it was not prepared by roll "
-                          "(or not completely). Point tokenized_path at a new directory, or delete this one, "
+        raise ConfigError(f"tokenized_path {path} exists but holds no {MANIFEST}: it was not prepared by "
+                          "roll (or not completely). Point tokenized_path at a new directory, or delete this "
+                          "one, "
                           "to prepare the data there.")
     with open(manifest, encoding="utf-8") as handle:
         return json.load(handle)

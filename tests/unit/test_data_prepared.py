@@ -1,5 +1,6 @@
-"""Data built once: packed rows cached and memory-mapped (roll/data/packing.py), the same bins as the list-based
-best-fit decreasing it replaced, and ``tokenized_path`` / ``--prepare-data`` (roll/data/prepared.py)."""
+"""Data built once: packed rows cached and memory-mapped (roll/data/packing.py), the same bins as the
+list-based best-fit decreasing it replaced, and ``tokenized_path`` / ``--prepare-data``
+(roll/data/prepared.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from roll.errors import ConfigError
 
 
 def reference_bins(lengths: list[int], capacity: int) -> list[list[int]]:
-    """The best-fit decreasing roll shipped before the array version (a sorted list of (room, bin id)): the bins
-    the goldens and parity runs were recorded with."""
+    """The best-fit decreasing roll shipped before the array version (a sorted list of (room, bin id)): the
+    bins the goldens and parity runs were recorded with."""
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -54,7 +55,7 @@ def test_packed_rows_equal_a_plain_concatenation_of_each_bin(tmp_path, monkeypat
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, 500, int(n)).tolist() for n in rng.integers(1, 40, 300)]
     labels = [[-100] + row[1:] for row in ids]
-    ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}).shuffle(seed=1)  # an indices mapping
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}).shuffle(seed=1)  # indices mapping
     packed, efficiency = packing.pack_dataset(ds, 64)
     bins = reference_bins([len(row) for row in ds["input_ids"]], 64)
     rows = ds[:]
@@ -86,16 +87,20 @@ def _build(tokenizer, **keys):
 
 @pytest.fixture
 def counted(monkeypatch, tmp_path):
-    """Counts of packing passes (``_write_packed``) and tokenizer passes (``_build``), on a fresh datasets cache."""
+    """Counts of packing passes (``_write_packed``) and tokenizer passes (``_build``), on a fresh cache."""
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     calls = {"pack": 0, "build": 0}
-    for module, name, key in ((packing, "_write_packed", "pack"), (pipeline, "_build", "build")):
-        def spy(*args, _real=getattr(module, name), _key=key, **kwargs):
-            calls[_key] += 1
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(module, name, spy)
+
+    def spy(real, key):
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(packing, "_write_packed", spy(packing._write_packed, "pack"))
+    monkeypatch.setattr(pipeline, "_build", spy(pipeline._build, "build"))
     return calls
 
 
@@ -107,7 +112,7 @@ def test_packed_rows_are_cached_memory_mapped_and_reused(bpe, tmp_path, counted)
     assert again.train.to_list() == first.train.to_list() and again.stats == first.stats.__class__(
         **{**vars(first.stats), "preprocess_seconds": again.stats.preprocess_seconds})
     files = {os.path.dirname(f["filename"]) for f in again.train.cache_files}
-    assert files == {str(tmp_path / "hf_cache" / "roll-packed")}  # memory-mapped from the cache, not in memory
+    assert files == {str(tmp_path / "hf_cache" / "roll-packed")}  # memory-mapped from the cache
     _build(bpe, dataset=data, cutoff_len=96, packing=True)  # another bin size: its own file
     _build(bpe, dataset=data, cutoff_len=128, packing=True, overwrite_cache=True)
     assert counted["pack"] == 3
@@ -147,7 +152,7 @@ def test_prepare_data_command(tiny_model_dir, tmp_path, capsys):
     common = [f"model_name_or_path={tiny_model_dir}", "stage=sft", f"dataset={_rows(tmp_path, 40)}",
               "cutoff_len=128", "packing=true", f"output_dir={tmp_path / 'out'}"]
     assert roll_train([*common, "--prepare-data"]) == 2  # no tokenized_path: nowhere to prepare into
-    assert "--prepare-data saves the prepared data to tokenized_path, which is not set" in capsys.readouterr().err
+    assert "--prepare-data saves the prepared data to tokenized_path, which is not" in capsys.readouterr().err
     assert roll_train([*common, f"tokenized_path={prepared}", "--prepare-data", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["already_prepared"] is False and summary["num_samples"] == 40 and summary["num_rows"] < 40
