@@ -93,10 +93,13 @@ def _enumerate_ints(values: np.ndarray, block: int = 1 << 16):
 
 
 def sample_lengths(dataset, column: str = "input_ids") -> np.ndarray:
+    """Row lengths of a list column, in the dataset's row order, read from the list offsets of its (memory-
+    mapped) table and reordered by its indices mapping: the values are never copied into memory."""
     import pyarrow.compute as pc
 
-    lengths = pc.list_value_length(dataset.with_format("arrow")[column])
-    return lengths.to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = pc.list_value_length(dataset.data.column(column)).to_numpy().astype(np.int64)
+    indices = dataset._indices
+    return lengths if indices is None else lengths[indices.column(0).to_numpy()]
 
 
 def pack_dataset(dataset, capacity: int, *, use_cache: bool = True):

@@ -35,6 +35,9 @@ from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
 
+COUNT_BATCH_ROWS = 1 << 16
+"""Rows per batch when counting tokens (_count)."""
+
 PROCESSORS = {"pretrain": PretrainProcessor, "supervised": SupervisedProcessor, "pairwise": PairwiseProcessor}
 
 
@@ -227,14 +230,15 @@ def _hold_out(ds, val_size: float, seed: int):
 
 
 def _count(ds, stats: PreprocessStats, pairwise: bool) -> None:
-    """Token counts of the training split, computed on arrow columns (no python loop over tokens)."""
+    """Token counts of the training split, computed on arrow columns (no python loop over tokens), a batch at a
+    time: a shuffled split's rows are gathered per batch, never the whole split into memory at once."""
     import pyarrow.compute as pc
 
-    table = ds.with_format("arrow")[:]
     prefixes = PAIR_PREFIXES if pairwise else ("",)
-    for prefix in prefixes:
-        stats.num_tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
-        labels = pc.list_flatten(table[f"{prefix}labels"])
-        stats.num_trainable_tokens += pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0
-    stats.num_samples = pc.sum(table["_docs"]).as_py() or 0
-    stats.num_truncated = pc.sum(table["_truncated"].cast("int64")).as_py() or 0
+    for table in ds.with_format("arrow").iter(batch_size=COUNT_BATCH_ROWS):
+        for prefix in prefixes:
+            stats.num_tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
+            labels = pc.list_flatten(table[f"{prefix}labels"])
+            stats.num_trainable_tokens += pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0
+        stats.num_samples += pc.sum(table["_docs"]).as_py() or 0
+        stats.num_truncated += pc.sum(table["_truncated"].cast("int64")).as_py() or 0
