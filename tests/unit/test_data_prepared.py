@@ -68,6 +68,8 @@ def test_packed_rows_equal_a_plain_concatenation_of_each_bin(tmp_path, monkeypat
         "input_ids": "List(Value('int32'))", "labels": "List(Value('int64'))",
         "position_ids": "List(Value('int64'))", "seq_lens": "List(Value('int64'))"}
     assert efficiency == sum(map(len, ids)) / (len(bins) * 64)
+    smaller, _ = packing.pack_dataset(ds, 48)  # the same tokens, another bin size: not the 64-token file
+    assert max(map(len, smaller["input_ids"])) <= 48 and len(smaller) > len(packed)
 
 
 def _rows(tmp_path, n: int = 80) -> str:
