@@ -106,9 +106,10 @@ def counted(monkeypatch, tmp_path):
     return calls
 
 
-def test_packed_rows_are_cached_memory_mapped_and_reused(bpe, tmp_path, counted):
+def test_packed_rows_are_cached_memory_mapped_and_reused(bpe, tmp_path, counted, monkeypatch):
     data = _rows(tmp_path)
     first = _build(bpe, dataset=data, cutoff_len=128, packing=True)
+    monkeypatch.setattr(pipeline, "COUNT_BATCH_ROWS", 7)  # the same counts summed over many batches
     again = _build(bpe, dataset=data, cutoff_len=128, packing=True)
     assert counted["pack"] == 1  # the second start packed nothing
     assert again.train.to_list() == first.train.to_list() and again.stats == first.stats.__class__(
