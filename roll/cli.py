@@ -16,7 +16,8 @@ from roll.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMP
                          TrainingStopped)
 
 USAGE = """usage: roll-train [RECIPE.yaml] [key=value | --key value | --flag ...] [--use-mca]
-                  [--print-config] [--dry-run [--json]] [--plan [--json] [gpu_memory_gb=80]] [--help]
+                  [--print-config] [--dry-run [--json]] [--plan [--json] [gpu_memory_gb=80]]
+                  [--prepare-data] [--help]
 
 Train a model with one recipe on either backend: the standard one (HF Trainer / TRL + DeepSpeed)
 or, with --use-mca, Megatron-Core. Precedence: defaults < recipe < command line.
@@ -27,7 +28,9 @@ switches:
   --dry-run        build tokenizer, dataset and collator, print a data summary and one example, exit
   --plan           print the per-rank GPU memory (parameters, gradients, optimizer states, activations) of this
                    layout and whether it fits gpu_memory_gb (a key, default 80); loads nothing (docs/planner.md)
-  --json           with --dry-run or --plan: print the summary / plan as one JSON object
+  --prepare-data   tokenize (and pack) the data into tokenized_path and exit: on a CPU machine, before the
+                   GPU job, which then loads it (docs/data.md, 'Preparing data once'); loads no model
+  --json           with --dry-run, --plan or --prepare-data: print the summary / plan as one JSON object
   --help           this text
 """
 
@@ -84,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
             plan = plan_run(config)
             sys.stdout.write(json.dumps(plan.to_dict()) + "\n" if options.json else plan.format())
+            return 0
+        if options.prepare_data:
+            from roll import router
+
+            router.prepare_data(config, as_json=options.json)
             return 0
         if options.dry_run:  # the tokenizer (and, with --use-mca, the model's config) must be on this machine
             from roll import preflight, router

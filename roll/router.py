@@ -91,6 +91,35 @@ def _check_resumed_data(config: RunConfig, job: TrainJob, dp_size: int) -> None:
                                       * t.gradient_accumulation_steps * dp_size)
 
 
+def prepare_data(config: RunConfig, *, as_json: bool = False, out: Callable[[str], None] | None = None) -> None:
+    """--prepare-data: build the datasets into ``tokenized_path`` (tokenizer only: no backend, no model) and
+    print the data summary."""
+    from roll import data
+    from roll.data.prepared import has_data
+    from roll.data.report import SUMMARY_KEYS
+    from roll.model_dir import check_model_exists
+
+    path = config.data.tokenized_path
+    if not path:
+        raise ConfigError("--prepare-data saves the prepared data to tokenized_path, which is not set: add "
+                          "`tokenized_path: DIR` to the recipe (or tokenized_path=DIR on the command line).")
+    check_model_exists(config.model.tokenizer_name_or_path or config.model.model_name_or_path,
+                       "tokenizer_name_or_path" if config.model.tokenizer_name_or_path else "model_name_or_path")
+    existed = has_data(path) and not config.data.overwrite_cache
+    spec = STAGES[config.finetuning.stage]
+    tokenizer = data.load_tokenizer(config.model, config.data)
+    bundle = data.build_datasets(config.data, tokenizer, stage=config.finetuning.stage,
+                                 processor=spec.processor, formats=spec.formats, seed=config.training.seed)
+    stats = bundle.stats
+    summary = {key: getattr(stats, key) for key in SUMMARY_KEYS}
+    summary.update(tokenized_path=path, already_prepared=existed, num_rows=stats.num_rows,
+                   num_eval_rows=0 if bundle.eval is None else len(bundle.eval))
+    verb = "already held these settings' data" if existed else "prepared"
+    text = "\n".join([f"tokenized_path {path}: {verb}", *("  " + line for line in stats.summary_lines()),
+                      f"train with tokenized_path: {path} (either backend, any node that sees it)"])
+    (out or sys.stdout.write)(json.dumps(summary) + "\n" if as_json else text + "\n")
+
+
 def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         out: Callable[[str], None] | None = None) -> TrainResult | None:
     """Run the configured stage end to end (or only the data side with dry_run, written with ``out``:

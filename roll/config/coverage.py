@@ -134,6 +134,8 @@ ROWS: tuple[Row, ...] = (
         "tests/distributed/test_streaming.py::test_streaming_same_losses_on_both_backends_and_across_a_resume",
         "the shared pipeline streams and mixes (roll.data.streaming, roll.data.mixing); both backends read its "
         "order; tests/unit/test_data_streaming.py checks the order itself")),
+    _row("tokenized_path", both=Honoured(
+        "tests/unit/test_data_prepared.py::test_tokenized_path_round_trip_and_refusals")),
     # -- finetuning ---------------------------------------------------------------------------------------
     _row("stage", both=Honoured(PARITY, "pt and sft; dpo: " + DPO)),
     _row("finetuning_type", standard=Honoured(

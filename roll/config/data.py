@@ -50,7 +50,10 @@ class DataArguments:
     """Rows per batch handed to each tokenization call."""
 
     overwrite_cache: bool = False
-    """Ignore the preprocessing cache and tokenize again."""
+    """Ignore the preprocessing cache (and a prepared tokenized_path) and tokenize and pack again."""
+
+    tokenized_path: str | None = None
+    """Directory of prepared data: the first run saves its tokenized (and packed) rows there, later runs, other nodes and the other backend load them without tokenizing; a recipe whose data settings differ from the saved ones is refused. `roll-train RECIPE --prepare-data` only prepares."""
 
     mix_strategy: Literal["concat", "interleave_under", "interleave_over"] = "concat"
     """How the comma-separated datasets of `dataset:` are mixed: one after the other (concat), or one row at a time until the first is exhausted (interleave_under) or until all are (interleave_over, smaller ones repeat)."""
@@ -113,6 +116,8 @@ def check_streaming(data: DataArguments, training, stage: str) -> None:
                               "hand: set eval_dataset (read in full, not streamed) and val_size: 0."),
         (data.max_samples is not None, "max_samples caps an in-memory dataset; a stream's length is set by "
                                        "max_steps: drop max_samples."),
+        (bool(data.tokenized_path), f"tokenized_path={data.tokenized_path} saves a dataset held whole, and a "
+                                    "stream never is: drop tokenized_path (or set streaming: false)."),
     ]
     for strategy in ("eval_strategy", "save_strategy", "logging_strategy"):
         value = str(getattr(getattr(training, strategy, None), "value", getattr(training, strategy, None)))

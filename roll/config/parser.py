@@ -15,7 +15,7 @@ from roll.config.run import GROUPS, RunConfig
 from roll.config.training import LAUNCH_ENV_FALLBACKS
 from roll.errors import ConfigError
 
-FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan")
+FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan", "prepare_data")
 """Command-line switches that are not config keys."""
 
 
@@ -30,6 +30,7 @@ class CliOptions:
     json: bool = False
     version: bool = False
     plan: bool = False
+    prepare_data: bool = False
     argv: list[str] = field(default_factory=list)
 
 

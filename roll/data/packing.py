@@ -6,82 +6,194 @@ still has room), which for chat-length samples reaches > 95% of slots. A packed 
 boundary), ``position_ids`` restarting at 0 per sample, and ``seq_lens`` (sample lengths in order).
 The collator turns position_ids into ``cu_seqlens``; HF models read the same boundaries from
 position_ids, Megatron's THD format from cu_seqlens.
+
+The packed rows are written once to an Arrow file in the datasets cache (``HF_DATASETS_CACHE/roll-packed``),
+named by a fingerprint of the tokenized dataset, the bin size and this module's code, and memory-mapped: a
+second start, and every other rank of the node (which waits for local rank 0, ``local_rank0_first``),
+loads the file instead of packing again, and no rank holds the packed rows in its own memory.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
+import heapq
+import logging
+import os
+import uuid
+
+import numpy as np
 
 from roll.errors import DataError
 
+logger = logging.getLogger(__name__)
 
-def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+ALGORITHM = "bfd"
+"""Name of the bin-filling rule, part of the cache key."""
+
+TOKENS_PER_WRITE = 1 << 22
+"""Tokens gathered per Arrow record batch while writing packed rows: bounds the memory the writing takes."""
+
+
+def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     """Indices of ``lengths`` grouped into bins whose sums are <= capacity (bins in creation order).
 
     Example: ``best_fit_decreasing([3, 5, 2, 4], 7) -> [[1, 2], [3, 0]]``.
     """
-    too_long = next((i for i, n in enumerate(lengths) if n > capacity), None)
-    if too_long is not None:
-        raise DataError(f"sample {too_long} has {lengths[too_long]} tokens, "
-                        f"more than the bin size {capacity}")
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, bin id), sorted: the first fit found is the best fit
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        need = lengths[index]
-        pos = bisect.bisect_left(free, (need, -1))
-        if pos < len(free):
-            room, bin_id = free.pop(pos)
+    members, bin_sizes = pack_bins(np.asarray(lengths, dtype=np.int64), capacity)
+    bounds = np.cumsum(bin_sizes)
+    return [part.tolist() for part in np.split(members, bounds[:-1])] if len(bin_sizes) else []
+
+
+def pack_bins(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit decreasing on an int array: (sample indices grouped by bin, in bin creation order and each bin
+    in filling order; number of samples per bin).
+
+    Samples are taken longest first (ties: lower index first); each goes into the bin with the least room
+    that still fits it (ties: the older bin), else opens a bin. The open bins are kept per room value (a
+    heap of bin ids each, plus the sorted list of room values in use, at most ``capacity`` long), so the
+    state is one int per open bin and nothing per sample but its bin id in an array.
+    """
+    too_long = np.flatnonzero(lengths > capacity)
+    if too_long.size:
+        first = int(too_long[0])
+        raise DataError(f"sample {first} has {int(lengths[first])} tokens, more than the bin size {capacity}")
+    order = np.lexsort((np.arange(len(lengths)), -lengths))
+    bin_of = np.empty(len(lengths), dtype=np.int64)
+    rooms: list[int] = []  # room values that some open bin has, sorted
+    by_room: dict[int, list[int]] = {}  # room -> heap of bin ids with that room
+    opened = 0
+    for position, need in _enumerate_ints(lengths[order]):
+        at = bisect.bisect_left(rooms, need)
+        if at < len(rooms):
+            room = rooms[at]
+            heap = by_room[room]
+            bin_id = heapq.heappop(heap)
+            if not heap:
+                del rooms[at], by_room[room]
         else:
-            room, bin_id = capacity, len(bins)
-            bins.append([])
-        bins[bin_id].append(index)
-        if room - need > 0:
-            bisect.insort(free, (room - need, bin_id))
-    return bins
+            room, bin_id = capacity, opened
+            opened += 1
+        bin_of[position] = bin_id
+        left = room - need
+        if left > 0:
+            if left not in by_room:
+                by_room[left] = []
+                bisect.insort(rooms, left)
+            heapq.heappush(by_room[left], bin_id)
+    grouped = np.argsort(bin_of, kind="stable")  # by bin, each bin in filling order
+    return order[grouped], np.bincount(bin_of, minlength=opened)
 
 
-def sample_lengths(dataset, column: str = "input_ids") -> list[int]:
+def _enumerate_ints(values: np.ndarray, block: int = 1 << 16):
+    """enumerate() over an int array as Python ints, converted a block at a time (not one list of all)."""
+    for start in range(0, len(values), block):
+        yield from enumerate(values[start:start + block].tolist(), start)
+
+
+def sample_lengths(dataset, column: str = "input_ids") -> np.ndarray:
+    """Row lengths of a list column, in the dataset's row order, read from the list offsets of its (memory-
+    mapped) table and reordered by its indices mapping: the values are never copied into memory."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(dataset.with_format("arrow")[column]).to_pylist()
+    lengths = pc.list_value_length(dataset.data.column(column)).to_numpy().astype(np.int64)
+    indices = dataset._indices
+    return lengths if indices is None else lengths[indices.column(0).to_numpy()]
 
 
-class _Gather:
-    """Batched map function: bins of sample indices -> packed rows."""
+def pack_dataset(dataset, capacity: int, *, use_cache: bool = True):
+    """Pack a tokenized pt/sft dataset into rows of <= capacity tokens; returns (packed, efficiency).
 
-    def __init__(self, source) -> None:
-        self.source = source
-
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "seq_lens": []}
-        flat = [i for bin_ in batch["_bin"] for i in bin_]
-        rows = self.source.select_columns(["input_ids", "labels"])[flat]
-        cursor = 0
-        for bin_ in batch["_bin"]:
-            ids, labels, positions, lens = [], [], [], []
-            for k in range(cursor, cursor + len(bin_)):
-                ids += rows["input_ids"][k]
-                labels += rows["labels"][k]
-                positions += range(len(rows["input_ids"][k]))
-                lens.append(len(rows["input_ids"][k]))
-            cursor += len(bin_)
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["position_ids"].append(positions)
-            out["seq_lens"].append(lens)
-        return out
-
-
-def pack_dataset(dataset, capacity: int, num_proc: int | None = None):
-    """Pack a tokenized pt/sft dataset into rows of <= capacity tokens; returns (packed, efficiency)."""
+    The packed dataset is memory-mapped from its cache file, written here unless a run before wrote it
+    (``use_cache=False``: write it again).
+    """
     import datasets
 
+    name = f"{packed_fingerprint(dataset, capacity)}.arrow"
+    path = os.path.join(datasets.config.HF_DATASETS_CACHE, "roll-packed", name)
+    if not (use_cache and os.path.isfile(path)):
+        _write_packed(dataset, capacity, path)
+    else:
+        logger.info("packing: reusing %s", path)
+    packed = datasets.Dataset.from_file(path)
+    return packed, efficiency(packed, capacity)
+
+
+def packed_fingerprint(dataset, capacity: int) -> str:
+    """Cache key: the tokenized dataset (datasets' own fingerprint of it, in its row order), the bin size, the
+    bin rule and this module's code (a changed packing never reuses an old file)."""
+    parts = [dataset._fingerprint, str(capacity), ALGORITHM, _code_digest()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    with open(__file__, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
+
+
+def efficiency(packed, capacity: int) -> float:
+    """Real tokens / (rows * capacity), read from the packed rows' lengths."""
+    if len(packed) == 0:
+        return 0.0
+    return float(sample_lengths(packed).sum()) / (len(packed) * capacity)
+
+
+def packed_features():
+    """The packed rows' schema (the one ``datasets.map`` inferred when packing went through it)."""
+    import datasets
+
+    return datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                              "labels": datasets.List(datasets.Value("int64")),
+                              "position_ids": datasets.List(datasets.Value("int64")),
+                              "seq_lens": datasets.List(datasets.Value("int64"))})
+
+
+def _write_packed(dataset, capacity: int, path: str) -> None:
+    """Bins -> Arrow file at ``path`` (written under a temporary name and renamed: a reader never sees half a
+    file, and two nodes writing one shared cache both leave a whole one)."""
+    from datasets.arrow_writer import ArrowWriter
+
     lengths = sample_lengths(dataset)
-    bins = best_fit_decreasing(lengths, capacity)
-    efficiency = sum(lengths) / (len(bins) * capacity) if bins else 0.0
-    fingerprint = hashlib.sha256(f"{dataset._fingerprint}-bfd-{capacity}".encode()).hexdigest()[:16]
-    packed = datasets.Dataset.from_dict({"_bin": bins}).map(
-        _Gather(dataset), batched=True, batch_size=256, remove_columns=["_bin"], num_proc=num_proc,
-        new_fingerprint=fingerprint, desc=f"Packing into {capacity}-token rows")
-    return packed, efficiency
+    members, bin_sizes = pack_bins(lengths, capacity)
+    source = dataset.select_columns(["input_ids", "labels"]).with_format("arrow")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{uuid.uuid4().hex}.partial"
+    bin_ends = np.cumsum(bin_sizes)
+    bins_per_write = max(1, TOKENS_PER_WRITE // capacity)
+    try:
+        with ArrowWriter(features=packed_features(), path=partial) as writer:
+            for first in range(0, len(bin_sizes), bins_per_write):
+                last = min(first + bins_per_write, len(bin_sizes))
+                start = int(bin_ends[first - 1]) if first else 0
+                chunk = members[start:int(bin_ends[last - 1])]
+                rows = source[chunk.tolist()]
+                writer.write_table(_packed_rows(rows, lengths[chunk], bin_sizes[first:last]))
+            writer.finalize()
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _packed_rows(rows, sample_lens: np.ndarray, bin_sizes: np.ndarray):
+    """Arrow table of packed rows from ``rows`` (the samples, grouped by bin in order) without a Python loop:
+    each column's values are concatenated and cut at the bins' token offsets."""
+    import pyarrow as pa
+
+    bin_tokens = np.add.reduceat(sample_lens, np.r_[0, np.cumsum(bin_sizes)[:-1]]) if len(bin_sizes) else []
+    token_offsets = pa.array(np.r_[0, np.cumsum(bin_tokens)].astype(np.int32))
+    sample_offsets = pa.array(np.r_[0, np.cumsum(bin_sizes)].astype(np.int32))
+    starts = np.r_[0, np.cumsum(sample_lens)[:-1]]
+    positions = np.arange(int(sample_lens.sum()), dtype=np.int64) - np.repeat(starts, sample_lens)
+
+    def values(column: str, dtype):
+        return rows.column(column).combine_chunks().flatten().cast(dtype)
+
+    return pa.table({
+        "input_ids": pa.ListArray.from_arrays(token_offsets, values("input_ids", pa.int32())),
+        "labels": pa.ListArray.from_arrays(token_offsets, values("labels", pa.int64())),
+        "position_ids": pa.ListArray.from_arrays(token_offsets, pa.array(positions)),
+        "seq_lens": pa.ListArray.from_arrays(sample_offsets, pa.array(sample_lens.astype(np.int64))),
+    })

@@ -23,6 +23,7 @@ import numpy as np
 
 from roll import IGNORE_INDEX
 from roll.data import formats as fmts
+from roll.data import prepared
 from roll.data.loading import Source, load_sources
 from roll.data.mixing import mix_datasets
 from roll.data.packing import pack_dataset
@@ -34,6 +35,10 @@ from roll.launch import local_rank
 from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
+
+COUNT_BATCH_ROWS = 8192
+"""Rows per batch when counting tokens (_count): at 200k alpaca rows, 65,536-row batches raised a warm start's
+peak anonymous memory from 372 to 637 MB, for no measurable speed (docs/performance.md, the data benchmark)."""
 
 PROCESSORS = {"pretrain": PretrainProcessor, "supervised": SupervisedProcessor, "pairwise": PairwiseProcessor}
 
@@ -52,11 +57,17 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
         raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
     if data_args.packing and processor == "pairwise":
         raise ConfigError("packing is not supported for stage dpo; set packing: false.")
+    build = functools.partial(_build, data_args, tokenizer, stage=stage, processor=processor, formats=formats,
+                              seed=seed)
     with local_rank0_first():
         if data_args.streaming:
             return _build_streaming(data_args, tokenizer, stage=stage, processor=processor, formats=formats,
                                     seed=seed)
-        return _build(data_args, tokenizer, stage=stage, processor=processor, formats=formats, seed=seed)
+        if data_args.tokenized_path:
+            settings = prepared.data_settings(data_args, tokenizer, stage=stage, seed=seed)
+            return prepared.load_or_prepare(data_args.tokenized_path, settings, build,
+                                            rebuild=_fresh(data_args))
+        return build()
 
 
 def _build_streaming(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
@@ -94,6 +105,12 @@ def local_rank0_first():
             dist.barrier()
 
 
+def _fresh(data_args) -> bool:
+    """overwrite_cache: packed rows and prepared data are written again by each node's local rank 0 only (the
+    other ranks, which wait for it, load what it wrote)."""
+    return data_args.overwrite_cache and local_rank() == 0
+
+
 def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
            seed: int) -> DatasetBundle:
     start = time.perf_counter()
@@ -122,11 +139,11 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
         stats.num_eval_samples = len(eval_ds)
         eval_ds = eval_ds.remove_columns([c for c in META_COLUMNS if c in eval_ds.column_names])
     if data_args.packing:
-        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len,
-                                                       data_args.preprocessing_num_workers)
+        reuse = not _fresh(data_args)
+        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len, use_cache=reuse)
         train = train.shuffle(seed=seed) if data_args.shuffle else train
         if eval_ds is not None:
-            eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len)
+            eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len, use_cache=reuse)
     stats.num_rows = len(train)
     stats.preprocess_seconds = round(time.perf_counter() - start, 3)
     for line in stats.summary_lines():
@@ -245,14 +262,15 @@ def _hold_out(ds, val_size: float, seed: int):
 
 
 def _count(ds, stats: PreprocessStats, pairwise: bool) -> None:
-    """Token counts of the training split, computed on arrow columns (no python loop over tokens)."""
+    """Token counts of the training split, computed on arrow columns (no python loop over tokens), a batch at a
+    time: a shuffled split's rows are gathered per batch, never the whole split into memory at once."""
     import pyarrow.compute as pc
 
-    table = ds.with_format("arrow")[:]
     prefixes = PAIR_PREFIXES if pairwise else ("",)
-    for prefix in prefixes:
-        stats.num_tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
-        labels = pc.list_flatten(table[f"{prefix}labels"])
-        stats.num_trainable_tokens += pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0
-    stats.num_samples = pc.sum(table["_docs"]).as_py() or 0
-    stats.num_truncated = pc.sum(table["_truncated"].cast("int64")).as_py() or 0
+    for table in ds.with_format("arrow").iter(batch_size=COUNT_BATCH_ROWS):
+        for prefix in prefixes:
+            stats.num_tokens += pc.sum(pc.list_value_length(table[f"{prefix}input_ids"])).as_py() or 0
+            labels = pc.list_flatten(table[f"{prefix}labels"])
+            stats.num_trainable_tokens += pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0
+        stats.num_samples += pc.sum(table["_docs"]).as_py() or 0
+        stats.num_truncated += pc.sum(table["_truncated"].cast("int64")).as_py() or 0

@@ -15,6 +15,7 @@ from roll.bench import report as bench_report
 from roll.bench import prepare as bench_setup
 from roll.bench.prepare import BenchOptions, parse_options
 from roll.errors import ConfigError
+from tests.helpers import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -142,3 +143,27 @@ def test_gloo_bandwidth_script_times_every_collective(tmp_path):
         for what in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
             assert any(name.startswith(f"{what} {dtype}") for name in names), (what, dtype, proc.stdout)
     assert len(lines) == 11 and all(float(line.split()[-4]) > 0 for line in lines), proc.stdout
+
+
+def test_data_bench_rows_memory_probe_and_targets(tmp_path):
+    """roll.bench.data's pieces without its (minutes-long) starts: the generated rows, the /proc probe, and the
+    target lines computed from a results table."""
+    from roll.bench import data as bench_data
+
+    path = tmp_path / "rows.jsonl"
+    bench_data.write_rows(str(path), 25)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 25 and set(rows[0]) == {"instruction", "input", "output"}
+    assert all(10 <= len(r["output"].split()) <= 200 for r in rows)
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
+    try:
+        assert wait_until(lambda: bench_data.rss_anon(child.pid) > 60 << 20, timeout=60)
+        assert child.pid in bench_data.tree(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    runs = [{"runner": "roll", "rows": 10, "ranks": 1, "packing": packing, "start": "warm", "status": "ok",
+             "start_s": seconds, "anon_mb": mb}
+            for packing, seconds, mb in (("off", 10.0, 500), ("on", 11.0, 650))]
+    assert bench_data.targets(runs) == [
+        "- 10 rows, 1 rank(s): packed warm start 1.10x the unpacked, anonymous memory 1.30x (targets: 1.2x)"]

@@ -207,6 +207,7 @@ BASE = {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json", "mod
     ({"streaming": True}, "needs max_steps"),
     ({"streaming": True, "max_steps": 5, "val_size": 0.1}, "set eval_dataset"),
     ({"streaming": True, "max_steps": 5, "max_samples": 10}, "drop max_samples"),
+    ({"streaming": True, "max_steps": 5, "tokenized_path": "prepared"}, "drop tokenized_path"),
     ({"streaming": True, "max_steps": 5, "save_strategy": "epoch"}, "save_strategy=epoch"),
     ({"streaming": True, "max_steps": 5, "stage": "dpo"}, "stage dpo cannot stream"),
     ({"streaming": True, "max_steps": 5, "buffer_size": 0}, "buffer_size must be positive"),
