@@ -9,6 +9,7 @@ rate at every step. Its only state is the step count, saved with the trainer sta
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -17,6 +18,9 @@ if TYPE_CHECKING:  # config validation imports schedule_name: --print-config mus
     import torch
 
 from roll.errors import ConfigError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
 
 METRIC_DRIVEN = {"reduce_lr_on_plateau": "it lowers the rate when an eval metric stops improving",
                  "greedy": "it changes the rate from the training loss it is fed each step"}
@@ -161,7 +165,69 @@ def build_optimizer(chunks: list[torch.nn.Module], training, megatron_args):
         optimizer_cpu_offload=getattr(megatron_args, "optimizer_cpu_offload", False))
     optimizer = get_megatron_optimizer(optimizer_config, chunks, config_overrides=config_overrides(chunks))
     apply_weight_decay(optimizer, training.weight_decay)
+    kernels = use_fast_adam(optimizer)
+    log_rank0(logger, "Adam kernel: %s", ", ".join(sorted(set(kernels))) or "none (no trainable parameters)")
     return optimizer
+
+
+def use_fast_adam(optimizer) -> list[str]:
+    """Run Megatron's inner Adam as one fused (or multi-tensor) kernel over all parameters; returns the
+    kernel of each inner optimizer.
+
+    With Transformer Engine or Apex installed Megatron builds their ``FusedAdam`` itself (``te_fused`` /
+    ``apex_fused``: left as built). Without them it falls back to ``torch.optim.AdamW`` with torch's
+    defaults, which on CPU is the per-parameter loop (a mul / lerp / sqrt / div / addcdiv call for each
+    tensor). The same update as one kernel: torch's ``fused`` AdamW on every device it has a kernel for
+    (CPU, CUDA, ...: what HF Trainer's default ``adamw_torch_fused`` runs), else ``foreach``. The flags are
+    the param groups' own (torch reads them at each step), so Megatron's wrappers, grad clipping and
+    checkpoints see the same optimizer. Call it again after a checkpoint load: loading replaces the groups.
+    """
+    import torch
+
+    kernels = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        base = getattr(inner, "optimizer", None)
+        if base is None:  # a rank without trainable parameters
+            continue
+        if not isinstance(base, torch.optim.Adam):  # TE / Apex FusedAdam, or the CPU-offload hybrid
+            kernels.append(_kernel_name(base))
+            continue
+        params = [param for group in base.param_groups for param in group["params"]]
+        fused = _fused_adam_supported(params)
+        for settings in (base.defaults, *base.param_groups):
+            settings.update(fused=fused, foreach=not fused)
+        _own_step_tensors(base, fused)
+        kernels.append("torch_fused" if fused else "torch_foreach")
+    return kernels
+
+
+def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
+    """torch's fused Adam runs on ``params``: floating point, on devices it has a fused kernel for."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    return all(p.is_floating_point() and p.device.type in devices and not p.is_sparse for p in params)
+
+
+def _own_step_tensors(base, fused: bool) -> None:
+    """One ``step`` tensor per parameter (a loaded checkpoint may share one across all of them, and both
+    kernels increment each parameter's in place), float32 on the parameter's device for the fused kernel."""
+    import torch
+
+    for param, state in base.state.items():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            device = param.device if fused else step.device
+            state["step"] = step.detach().to(dtype=torch.float32, device=device, copy=True)
+
+
+def _kernel_name(base) -> str:
+    module = type(base).__module__
+    if module.startswith("transformer_engine"):
+        return "te_fused"
+    if module.startswith("apex"):
+        return "apex_fused"
+    return type(base).__name__
 
 
 def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> None:
