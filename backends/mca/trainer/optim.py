@@ -232,8 +232,6 @@ def _kernel_name(base) -> str:
 
 def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> None:
     """Tell the schedules how to sync and finalise gradients (Megatron-LM's wiring)."""
-    from megatron.core.distributed import finalize_model_grads
-
     config = chunks[0].config
     config.no_sync_func = [chunk.no_sync for chunk in chunks]
     if len(chunks) == 1:
@@ -246,8 +244,37 @@ def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> No
         config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
         if len(chunks) == 1:
             config.param_sync_func = config.param_sync_func[0]
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads_on_device
     config.grad_scale_func = optimizer.scale_loss
+
+
+def finalize_model_grads_on_device(model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
+    """megatron-core's ``finalize_model_grads`` (gradient all-reduce, tied and SP grads), then its per-token
+    division by the global batch's token count without reading that count to the host.
+
+    Megatron's own tests ``if num_tokens > 0`` on the device tensor, a wait on the device inside every
+    step. Dividing by ``max(count, 1)`` is the same: with no trainable token the gradients are zero.
+    ``1.0 / count`` is the same float32 tensor Megatron computes. Collective (broadcast over the
+    pipeline, all-reduce over data and context parallel ranks), as Megatron's.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed.finalize_model_grads import get_pp_last_rank
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if num_tokens is None:
+        return
+    if pg_collection is not None:
+        pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
+    else:
+        pp_group = ps.get_pipeline_model_parallel_group()
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)  # only the last stage counts
+    dist.all_reduce(num_tokens, group=dp_cp_group)
+    scaling = 1.0 / num_tokens.clamp(min=1)
+    for chunk in model:
+        chunk.scale_gradients(scaling)
 
 
 def sync_params(chunks: list[torch.nn.Module]) -> None:
@@ -265,21 +292,42 @@ def sync_params(chunks: list[torch.nn.Module]) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
-def step_if_finite(optimizer) -> tuple[bool, float | None]:
-    """Megatron's ``optimizer.step()``, except that a non-finite gradient norm skips the update.
+def grad_norm_squared(optimizer, device: torch.device) -> torch.Tensor:
+    """``[squared global gradient norm]`` as Megatron's ``get_grad_norm`` measures it, left on the device.
 
-    megatron-core's fp32 / bf16 optimizers only skip on the fp16 grad scaler's inf check; a NaN gradient
-    in fp32 would be applied and poison every weight. Same order as ``ChainedOptimizer.step``: prepare
-    the grads (unscale, fp16 inf check), one global norm (collective over the model-parallel groups, so
-    every rank decides alike), clip by that norm, update. Returns (updated, grad norm).
+    Megatron's own reads the norm to the host (``.item()``; without TE/Apex its local l2 kernel reads it
+    once more), so a step would wait on the device twice before its update; the loop reads this together
+    with the loss reports, once (``MegatronTrainer._train_step``). The same arithmetic as megatron-core's
+    local fallback (each gradient's norm, their norm, squared, summed over each inner optimizer's
+    grad-stats group: the model-parallel ranks, or every rank with the distributed optimizer), so its
+    square root in Python is the float Megatron returns. Collective. Call after ``prepare_grads``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False):
+            continue
+        grads = inner.get_main_grads_for_grad_norm()
+        square = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            square = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) ** 2).reshape(1)
+        dist.all_reduce(square, group=inner.get_grad_stats_parallel_group())
+        total += square
+    return total
+
+
+def clip_and_step(optimizer, grad_norm: float) -> bool:
+    """Clip by ``grad_norm`` (``grad_norm_squared``'s root), then Megatron's update; returns whether it stepped.
+
+    The loop skips this when the loss or the norm is not finite: megatron-core's fp32 / bf16 optimizers only
+    skip on the fp16 grad scaler's inf check, and a NaN gradient in fp32 would be applied and poison every
+    weight. Same order as ``ChainedOptimizer.step``: prepare the grads (unscale, fp16 inf check: the
+    loop's ``prepare_grads``), one global norm (collective, so every rank decides alike), clip, update.
     """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    if optimizer.prepare_grads():  # the fp16 grad scaler found inf/nan and lowered its scale
-        return False, None
-    grad_norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(grad_norm):
-        return False, grad_norm
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
             continue
@@ -288,4 +336,4 @@ def step_if_finite(optimizer) -> tuple[bool, float | None]:
             decoupled = inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
             clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
                                          use_decoupled_grad=decoupled)
-    return optimizer.step_with_ready_grads(), grad_norm
+    return optimizer.step_with_ready_grads()
