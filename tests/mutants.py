@@ -167,10 +167,10 @@ MUTANTS: list[Mutant] = [
            'kwargs["remove_unused_columns"] = False\n    kwargs["max_grad_norm"] = 0.0',
            (PARITY_TP1, DECAY_PARITY)),
     Mutant("export_stale_mca", "mca: the last optimizer step is not in the exported weights",
-           LOOP, "        if not skipped:\n            updated, grad_norm = step_if_finite(self.optimizer)",
+           LOOP, "        if not skipped:\n            skipped = not clip_and_step(self.optimizer, grad_norm)",
            "        if not skipped and self.state.global_step + 1 < self.plan.total_steps(\n"
            "                self.training.max_steps, self.training.num_train_epochs, len(dataset)):\n"
-           "            updated, grad_norm = step_if_finite(self.optimizer)",
+           "            skipped = not clip_and_step(self.optimizer, grad_norm)",
            (ONE_PROCESS,)),
     Mutant("resume_repeats_batch_mca", "mca: a resumed run repeats the checkpoint's last batch",
            "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",

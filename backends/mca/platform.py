@@ -7,7 +7,8 @@ Transformer Engine is absent; without TE/Apex its torch norms also refuse sequen
 gloo refuses the uneven collectives MoE with expert-TP issues. One more is not about the platform: the
 checkpoint reader PyTorch and megatron use would unpickle anything a checkpoint holds
 (``restricted_checkpoint_reads``, applied everywhere; docs/reliability.md, "What roll trusts"). The patches
-to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``;
+to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``,
+the multi-tensor scale without extra copies (``foreach_multi_tensor_scale``) in ``backends.mca.multi_tensor``;
 this module's table and ``apply_patches`` are the one entry point for all.
 
 Each patch says what it fixes, when it can go, and is applied exactly when the condition it fixes
@@ -33,6 +34,7 @@ import torch
 from packaging.version import Version
 
 from backends.mca.checkpoint_reads import patch_distopt_step_on_load, patch_restricted_checkpoint_reads
+from backends.mca.multi_tensor import patch_local_multi_tensor_scale, uses_local_multi_tensor_scale
 from roll.logging import log_rank0, warn_once
 from roll.platform import current_platform
 
@@ -94,7 +96,7 @@ def apply_patches() -> None:
                   current_platform().device_type, ", ".join(new))
         if _torch_adam_fallback():  # megatron's own 7 import-time warnings are silenced in backends/mca/__init__
             log_rank0(logger, "Transformer Engine and Apex are not installed: megatron-core uses its local "
-                              "fallbacks (torch norms, torch AdamW, local multi-tensor kernels)")
+                              "fallbacks (torch norms, torch AdamW run fused, local multi-tensor kernels)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,6 +382,8 @@ _PATCHES: tuple[_Patch, ...] = (
     _Patch("distopt_step_on_load", patch_distopt_step_on_load,
            "DistributedOptimizer loads fully_reshardable checkpoints with torch's AdamW (not in 0.16.1)",
            _torch_adam_fallback),
+    _Patch("foreach_multi_tensor_scale", patch_local_multi_tensor_scale,
+           "megatron-core's local multi_tensor_scale scales in place (not as of 0.16.1)", uses_local_multi_tensor_scale),
     _Patch("restricted_checkpoint_reads", patch_restricted_checkpoint_reads,
            "torch.distributed.checkpoint unpickles .metadata and bytes entries with an allow-list", _always),
 )

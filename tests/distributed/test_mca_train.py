@@ -321,7 +321,9 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
       The losses of such a run are all right (each is computed before its update), so no loss check sees it;
     - GAS=2 x MBS=2 logs the standard backend's losses at every step within tests.bounds.BACKEND (measured
       here: 5.3e-8): the loss is normalised per token of the global batch, not per micro-batch;
-    - a run resumed from checkpoint-2 logs step 3's loss exactly: no batch skipped or repeated."""
+    - a run resumed from checkpoint-2 logs step 3's loss exactly: no batch skipped or repeated;
+    - each training step reads the device once (loss reports and grad norm together): on a GPU every other
+      read (``.item()``, ``float()``, ``if tensor``) would make the host wait for the device."""
     from safetensors.torch import load_file
 
     base = {**SFT, "model_name_or_path": tiny_model_dir, "max_steps": 3, "save_hf_model": True}
@@ -329,7 +331,7 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
     full = tmp_path / "mca"
     no_export = {"save_hf_model": False}
     result = train_runs(tmp_path, {**base, "output_dir": str(full)}, [
-        {"name": "mca", "overrides": {"save_strategy": "steps", "save_steps": 2}},
+        {"name": "mca", "overrides": {"save_strategy": "steps", "save_steps": 2}, "count_host_reads": True},
         {"name": "gas2", "overrides": {**no_export, "output_dir": str(tmp_path / "gas2"),
                                        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}},
         {"name": "resumed", "overrides": {**no_export, "output_dir": str(tmp_path / "resumed"),
@@ -344,3 +346,4 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
     assert moved > 1e-3 and worst <= 5e-5, (moved, worst)
     assert_within([Comparison("gas2 vs standard", result["gas2"]["losses"], standard, BACKEND)])
     assert result["resumed"]["losses"] == result["mca"]["losses"][2:], (result["resumed"], result["mca"])
+    assert result["mca"]["host_reads"] == [1, 1, 1], result["mca"]["host_reads"]

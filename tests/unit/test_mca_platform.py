@@ -170,15 +170,15 @@ def test_real_patch_conditions_on_this_machine(monkeypatch):
     assert set(needed) == {"rng_tracker", "current_device", "default_causal_mask", "hardcoded_cuda",
                            "moe_router_without_te", "cuda_streams", "moe_split_sizes",
                            "torch_norm_sequence_parallel", "gloo_uneven_first_dim", "distopt_step_on_load",
-                           "restricted_checkpoint_reads"}
+                           "foreach_multi_tensor_scale", "restricted_checkpoint_reads"}
     # this CPU machine has no accelerator, no TE and no Apex, and its collectives run on gloo
     assert all(condition() for condition in needed.values())
     monkeypatch.setattr(platform, "current_platform", lambda: Platform("cuda", "nccl"))
     on_gpu = {name for name, condition in needed.items() if condition()}
-    # a GPU without TE/Apex still needs the MoE-router, torch-norm and torch-AdamW fixes, none of the CPU ones;
-    # checkpoint reads are restricted everywhere
+    # a GPU without TE/Apex still needs the MoE-router, torch-norm, torch-AdamW and multi-tensor fixes, none of
+    # the CPU ones; checkpoint reads are restricted everywhere
     assert on_gpu == {"moe_router_without_te", "torch_norm_sequence_parallel", "distopt_step_on_load",
-                      "restricted_checkpoint_reads"}
+                      "foreach_multi_tensor_scale", "restricted_checkpoint_reads"}
 
 
 # -- initialize_megatron (one process, no launcher) ---------------------------------------------------
@@ -196,3 +196,25 @@ def test_initialize_megatron_single_process_idempotent_and_reproducible():
     assert result["first"]["tp_tracker"][:2] != result["first"]["torch"]
     assert "cannot re-initialise with tp(2)" in result["conflict_error"]
     assert "expects world_size 2" in result["world_error"] and "has 1 processes" in result["world_error"]
+
+
+def test_foreach_multi_tensor_scale_gives_the_local_fallbacks_bits():
+    """The clipping scale (in place) and the main-to-model copy (another dtype, scale 1) of
+    ``foreach_multi_tensor_scale`` equal megatron-core's own ``local_multi_tensor_scale`` bit for bit."""
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from backends.mca.multi_tensor import foreach_multi_tensor_scale
+
+    torch.manual_seed(0)
+    grads = [torch.randn(17, 5), torch.randn(3), torch.randn(2, 2, 9)]
+    ours, megatrons = [g.clone() for g in grads], [g.clone() for g in grads]
+    foreach_multi_tensor_scale(0, None, [ours, ours], 0.123456789)
+    local_multi_tensor_scale(0, None, [megatrons, megatrons], 0.123456789)
+    assert all(torch.equal(a, b) for a, b in zip(ours, megatrons))
+    assert not torch.equal(ours[0], grads[0])  # it scaled
+    for scale in (1.0, 0.5):
+        ours_bf16, megatrons_bf16 = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads], \
+            [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
+        foreach_multi_tensor_scale(0, None, [grads, ours_bf16], scale)
+        local_multi_tensor_scale(0, None, [grads, megatrons_bf16], scale)
+        assert all(torch.equal(a, b) for a, b in zip(ours_bf16, megatrons_bf16)), scale

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from backends.mca.checkpoint import sharded_model_state_dict, user_errors_of
 from backends.mca.models.config import MCA_CONFIG_NAME
 from backends.mca.models.unwrap import unwrap_model
+from backends.mca.trainer.optim import use_fast_adam
 from roll import checkpoints, redact, resume_record, unpickle
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
@@ -133,6 +134,7 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
     if updated:
         with torch.no_grad():  # fp32 main params are views of leaf parameters
             optimizer.load_state_dict(loaded["optimizer"])
+        use_fast_adam(optimizer)  # the load replaced the param groups, and with them the kernel flags
     if state.layout == expected.layout:
         _set_rng_state(unpickle.torch_load(os.path.join(ckpt_dir, "rng", f"rank_{dist.get_rank()}.pt")))
     else:

@@ -23,8 +23,8 @@ from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length
 from backends.mca.trainer.metrics import MetricsWriter, speed_meter
-from backends.mca.trainer.optim import (LRSchedule, build_optimizer, install_hooks, schedule_for,
-                                        step_if_finite, sync_params, wrap_ddp)
+from backends.mca.trainer.optim import (LRSchedule, build_optimizer, clip_and_step, grad_norm_squared,
+                                        install_hooks, schedule_for, sync_params, wrap_ddp)
 from backends.mca.trainer.param_groups import apply_weight_decay
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
 from roll import reliability
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
-    """One step's numbers, summed over the ranks that own them (see ``_reduce``)."""
+    """One step's numbers, summed over the ranks that own them (see ``_step_numbers``)."""
 
     loss: float
     metrics: dict[str, float]
@@ -172,21 +172,23 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         lr = schedule.apply(self.optimizer, self.state.global_step)
         outputs = self._forward_backward(batches, forward_only=False)
-        metrics, real = self._reduce(outputs, batches)
+        metrics, real, grad_norm = self._step_numbers(outputs, batches)
         loss = metrics.pop("loss")
         aux_loss = moe_aux_loss(self.model_config, len(batches))
-        skipped = not math.isfinite(loss)  # all-reduced: every rank decides alike
-        grad_norm = None
+        # All-reduced, so every rank decides alike: a non-finite loss or grad norm, or fp16's grad scaler
+        # found inf/nan (no norm), skips the update.
+        skipped = grad_norm is None or not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not math.isfinite(loss):
+            grad_norm = None  # not logged: the loss already says the step is lost
         if not skipped:
-            updated, grad_norm = step_if_finite(self.optimizer)
-            skipped = not updated  # a non-finite grad norm, or fp16's grad scaler found inf/nan
+            skipped = not clip_and_step(self.optimizer, grad_norm)
         if skipped:
             self.state.skipped_steps += 1
         self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
         self.state.global_step += 1
         # Logged as HF Trainer (transformers 5) logs it: the rate this step's update used, read before its
         # scheduler steps (Trainer._inner_training_loop, "get learning rate before update").
-        return StepStats(loss, metrics, real, None if grad_norm is None else float(grad_norm), lr, skipped, aux_loss)
+        return StepStats(loss, metrics, real, grad_norm, lr, skipped, aux_loss)
 
     # ---- forward / backward ---------------------------------------------------------------------
 
@@ -205,9 +207,20 @@ class MegatronTrainer:
         output = model(**{key: value for key, value in micro.items() if key not in ("labels", "ref_logps")})
         return output, self.objective.loss_func(micro["labels"], micro)
 
-    def _reduce(self, outputs: list[dict], batches: list[dict]) -> tuple[dict[str, float], int]:
-        """(the objective's metrics over the global batch, real tokens): one all-reduce of the reports."""
-        return self._metrics(self._local_sums(outputs, batches))
+    def _step_numbers(self, outputs: list[dict], batches: list[dict]) -> tuple[dict[str, float], int,
+                                                                                float | None]:
+        """(the objective's metrics over the global batch, real tokens, the global grad norm; None when fp16's
+        grad scaler found inf/nan): one all-reduce of the reports, and the step's one host read, of the
+        reports and the squared norm together (collective)."""
+        sums = self._local_sums(outputs, batches)
+        dist.all_reduce(sums)
+        found_inf = self.optimizer.prepare_grads()  # fp16 only: the grad scaler reads its own inf check
+        if not found_inf:
+            sums = torch.cat([sums, grad_norm_squared(self.optimizer, self.device).to(sums)])
+        values = sums.tolist()
+        size = self.objective.report_size
+        grad_norm = None if found_inf else values[size + 1] ** 0.5
+        return self.objective.metrics(values[:size]), int(values[size]), grad_norm
 
     def _local_sums(self, outputs: list[dict], batches: list[dict]) -> torch.Tensor:
         """This rank's share of the loss reports (summed over micro-batches) and of the real tokens."""

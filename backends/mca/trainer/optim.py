@@ -9,6 +9,7 @@ rate at every step. Its only state is the step count, saved with the trainer sta
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -17,6 +18,9 @@ if TYPE_CHECKING:  # config validation imports schedule_name: --print-config mus
     import torch
 
 from roll.errors import ConfigError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
 
 METRIC_DRIVEN = {"reduce_lr_on_plateau": "it lowers the rate when an eval metric stops improving",
                  "greedy": "it changes the rate from the training loss it is fed each step"}
@@ -187,13 +191,73 @@ def build_optimizer(chunks: list[torch.nn.Module], training, megatron_args):
         optimizer_cpu_offload=getattr(megatron_args, "optimizer_cpu_offload", False))
     optimizer = get_megatron_optimizer(optimizer_config, chunks, config_overrides=config_overrides(chunks))
     apply_weight_decay(optimizer, training.weight_decay)
+    kernels = use_fast_adam(optimizer)
+    log_rank0(logger, "Adam kernel: %s", ", ".join(sorted(set(kernels))) or "none (no trainable parameters)")
     return optimizer
+
+
+def use_fast_adam(optimizer) -> list[str]:
+    """Run Megatron's inner Adam as one fused (or multi-tensor) kernel over all parameters; returns the
+    kernel of each inner optimizer.
+
+    With Transformer Engine or Apex installed Megatron builds their ``FusedAdam`` itself (``te_fused`` /
+    ``apex_fused``: left as built). Without them it falls back to ``torch.optim.AdamW`` with torch's
+    defaults, which on CPU is the per-parameter loop (a mul / lerp / sqrt / div / addcdiv call for each
+    tensor). The same update as one kernel: torch's ``fused`` AdamW on every device it has a kernel for
+    (CPU, CUDA, ...: what HF Trainer's default ``adamw_torch_fused`` runs), else ``foreach``. The flags are
+    the param groups' own (torch reads them at each step), so Megatron's wrappers, grad clipping and
+    checkpoints see the same optimizer. Call it again after a checkpoint load: loading replaces the groups.
+    """
+    import torch
+
+    kernels = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        base = getattr(inner, "optimizer", None)
+        if base is None:  # a rank without trainable parameters
+            continue
+        if not isinstance(base, torch.optim.Adam):  # TE / Apex FusedAdam, or the CPU-offload hybrid
+            kernels.append(_kernel_name(base))
+            continue
+        params = [param for group in base.param_groups for param in group["params"]]
+        fused = _fused_adam_supported(params)
+        for settings in (base.defaults, *base.param_groups):
+            settings.update(fused=fused, foreach=not fused)
+        _own_step_tensors(base, fused)
+        kernels.append("torch_fused" if fused else "torch_foreach")
+    return kernels
+
+
+def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
+    """torch's fused Adam runs on ``params``: floating point, on devices it has a fused kernel for."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = set(_get_fused_kernels_supported_devices())
+    return all(p.is_floating_point() and p.device.type in devices and not p.is_sparse for p in params)
+
+
+def _own_step_tensors(base, fused: bool) -> None:
+    """One ``step`` tensor per parameter (a loaded checkpoint may share one across all of them, and both
+    kernels increment each parameter's in place), float32 on the parameter's device for the fused kernel."""
+    import torch
+
+    for param, state in base.state.items():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            device = param.device if fused else step.device
+            state["step"] = step.detach().to(dtype=torch.float32, device=device, copy=True)
+
+
+def _kernel_name(base) -> str:
+    module = type(base).__module__
+    if module.startswith("transformer_engine"):
+        return "te_fused"
+    if module.startswith("apex"):
+        return "apex_fused"
+    return type(base).__name__
 
 
 def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> None:
     """Tell the schedules how to sync and finalise gradients (Megatron-LM's wiring)."""
-    from megatron.core.distributed import finalize_model_grads
-
     config = chunks[0].config
     config.no_sync_func = [chunk.no_sync for chunk in chunks]
     if len(chunks) == 1:
@@ -206,8 +270,37 @@ def install_hooks(chunks: list[torch.nn.Module], optimizer, megatron_args) -> No
         config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
         if len(chunks) == 1:
             config.param_sync_func = config.param_sync_func[0]
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_model_grads_on_device
     config.grad_scale_func = optimizer.scale_loss
+
+
+def finalize_model_grads_on_device(model, num_tokens=None, pg_collection=None, force_all_reduce=False) -> None:
+    """megatron-core's ``finalize_model_grads`` (gradient all-reduce, tied and SP grads), then its per-token
+    division by the global batch's token count without reading that count to the host.
+
+    Megatron's own tests ``if num_tokens > 0`` on the device tensor, a wait on the device inside every
+    step. Dividing by ``max(count, 1)`` is the same: with no trainable token the gradients are zero.
+    ``1.0 / count`` is the same float32 tensor Megatron computes. Collective (broadcast over the
+    pipeline, all-reduce over data and context parallel ranks), as Megatron's.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed.finalize_model_grads import get_pp_last_rank
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if num_tokens is None:
+        return
+    if pg_collection is not None:
+        pp_group, dp_cp_group = pg_collection.pp, pg_collection.dp_cp
+    else:
+        pp_group = ps.get_pipeline_model_parallel_group()
+        dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)  # only the last stage counts
+    dist.all_reduce(num_tokens, group=dp_cp_group)
+    scaling = 1.0 / num_tokens.clamp(min=1)
+    for chunk in model:
+        chunk.scale_gradients(scaling)
 
 
 def sync_params(chunks: list[torch.nn.Module]) -> None:
@@ -225,21 +318,42 @@ def sync_params(chunks: list[torch.nn.Module]) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
-def step_if_finite(optimizer) -> tuple[bool, float | None]:
-    """Megatron's ``optimizer.step()``, except that a non-finite gradient norm skips the update.
+def grad_norm_squared(optimizer, device: torch.device) -> torch.Tensor:
+    """``[squared global gradient norm]`` as Megatron's ``get_grad_norm`` measures it, left on the device.
 
-    megatron-core's fp32 / bf16 optimizers only skip on the fp16 grad scaler's inf check; a NaN gradient
-    in fp32 would be applied and poison every weight. Same order as ``ChainedOptimizer.step``: prepare
-    the grads (unscale, fp16 inf check), one global norm (collective over the model-parallel groups, so
-    every rank decides alike), clip by that norm, update. Returns (updated, grad norm).
+    Megatron's own reads the norm to the host (``.item()``; without TE/Apex its local l2 kernel reads it
+    once more), so a step would wait on the device twice before its update; the loop reads this together
+    with the loss reports, once (``MegatronTrainer._train_step``). The same arithmetic as megatron-core's
+    local fallback (each gradient's norm, their norm, squared, summed over each inner optimizer's
+    grad-stats group: the model-parallel ranks, or every rank with the distributed optimizer), so its
+    square root in Python is the float Megatron returns. Collective. Call after ``prepare_grads``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False):
+            continue
+        grads = inner.get_main_grads_for_grad_norm()
+        square = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            square = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) ** 2).reshape(1)
+        dist.all_reduce(square, group=inner.get_grad_stats_parallel_group())
+        total += square
+    return total
+
+
+def clip_and_step(optimizer, grad_norm: float) -> bool:
+    """Clip by ``grad_norm`` (``grad_norm_squared``'s root), then Megatron's update; returns whether it stepped.
+
+    The loop skips this when the loss or the norm is not finite: megatron-core's fp32 / bf16 optimizers only
+    skip on the fp16 grad scaler's inf check, and a NaN gradient in fp32 would be applied and poison every
+    weight. Same order as ``ChainedOptimizer.step``: prepare the grads (unscale, fp16 inf check: the
+    loop's ``prepare_grads``), one global norm (collective, so every rank decides alike), clip, update.
     """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    if optimizer.prepare_grads():  # the fp16 grad scaler found inf/nan and lowered its scale
-        return False, None
-    grad_norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(grad_norm):
-        return False, grad_norm
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
             continue
@@ -248,4 +362,4 @@ def step_if_finite(optimizer) -> tuple[bool, float | None]:
             decoupled = inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
             clip_grad_by_total_norm_fp32(parameters, max_norm=inner.config.clip_grad, total_norm=grad_norm,
                                          use_decoupled_grad=decoupled)
-    return optimizer.step_with_ready_grads(), grad_norm
+    return optimizer.step_with_ready_grads()

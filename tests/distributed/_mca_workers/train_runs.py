@@ -7,18 +7,70 @@ run starts from ``base`` + its overrides (``use_mca`` and ``nproc_per_node`` are
 launch), or, when it gives ``"args"``, from a roll-train command line (e.g. a recipe file and
 ``--use-mca``; ``nproc_per_node`` is appended), and trains in this process; Megatron is torn down and brought up again between runs, the
 process group is kept (it is this worker's). Rank 0 writes {name: {"losses": [...], "grad_norms":
-[...], "log": [...]}} to RESULT.json. Starting the interpreter and importing Megatron once for all
+[...], "log": [...]}} to RESULT.json; a run with ``"count_host_reads": true`` also gets "host_reads": the
+tensor-to-host reads (``item``, ``tolist``, ``float()``, ``bool()``, ...) of each training step. Starting the interpreter and importing Megatron once for all
 runs keeps a layout matrix affordable on 2 cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, REPO)
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+"""Tensor methods that bring a value to the host: on a GPU each waits for the device to catch up."""
+
+
+@contextlib.contextmanager
+def counting_host_reads(enabled: bool):
+    """Count ``HOST_READS`` calls inside each ``MegatronTrainer._train_step`` (one count per step; a read
+    nested in another, e.g. through the CPU platform's torch-function mode, counts once)."""
+    import torch
+
+    from backends.mca.trainer.loop import MegatronTrainer
+
+    counts: list[int] = []
+    if not enabled:
+        yield counts
+        return
+    state = {"step": False, "inside": False}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    original_step = MegatronTrainer._train_step
+
+    def counted(name):
+        def read(self, *args, **kwargs):
+            if state["step"] and not state["inside"]:
+                counts[-1] += 1
+            outer, state["inside"] = state["inside"], True
+            try:
+                return originals[name](self, *args, **kwargs)
+            finally:
+                state["inside"] = outer
+        return read
+
+    def train_step(self, *args, **kwargs):
+        counts.append(0)
+        state["step"] = True
+        try:
+            return original_step(self, *args, **kwargs)
+        finally:
+            state["step"] = False
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counted(name))
+    MegatronTrainer._train_step = train_step
+    try:
+        yield counts
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+        MegatronTrainer._train_step = original_step
 
 
 def main() -> None:
@@ -40,11 +92,12 @@ def main() -> None:
         else:
             recipe = {**spec.get("base", {}), "use_mca": True, "nproc_per_node": dist.get_world_size()}
             config = resolve(recipe, {key: str(value) for key, value in item.get("overrides", {}).items()}, None)
-        result = run(config)
+        with counting_host_reads(item.get("count_host_reads", False)) as host_reads:
+            result = run(config)
         log = [entry for entry in result.log_history if "loss" in entry]
         results[item["name"]] = {"losses": [entry["loss"] for entry in log],
                                  "grad_norms": [entry.get("grad_norm") for entry in log], "log": log,
-                                 "metrics": result.metrics}
+                                 "metrics": result.metrics, "host_reads": host_reads}
         dist.barrier()
     if dist.get_rank() == 0:
         with open(result_file, "w", encoding="utf-8") as fh:
