@@ -4,13 +4,18 @@ Both backends compute every pt/sft token loss and every DPO log-probability with
 same logits give the same numbers on both, and the number logged is the number optimised.
 
 - **Per token**: ``log p(label) = (x_label - m) - log(sum_v exp(x_v - m))`` in float32 (logits of lower
-  precision are upcast), ``m`` the row's largest logit, the sum a tree reduction (``Tensor.sum``). This is
-  Megatron's vocab-parallel cross entropy with the vocabulary in one piece: with tensor parallelism the mca
-  backend keeps Megatron's kernel, whose steps are these (max, subtract, exp, sum, log) with the max and the
-  sum all-reduced over the vocabulary shards. ``F.cross_entropy`` in float32 (what a Hugging Face model's own
+  precision are upcast, float64 stays float64), ``m`` the row's largest logit, the sum a tree reduction
+  (``Tensor.sum``). These are the steps of Megatron's vocab-parallel cross entropy (max, subtract, exp, sum,
+  log); with tensor parallelism the mca backend runs this same kernel on its vocabulary shard, the max and
+  the sums all-reduced over the shards. ``F.cross_entropy`` in float32 (what a Hugging Face model's own
   loss calls) accumulates its log-sum-exp less carefully: on a real 255-token sample of SmolLM2-135M, 5.7e-6
   relative off a float64 reference, against 2e-8 for this arithmetic; trained models' peaked distributions
   are where that shows.
+- **Memory and time** (``_TokenLogProbs``): one pass over the logits in chunks of rows, each upcast and
+  exponentiated on its own, and a backward that recomputes ``exp(x - m)`` per chunk and writes the
+  gradient into the logits' memory: besides the logits (and the gradient where they cannot be
+  overwritten) no ``[tokens, vocab]`` tensor is kept or built, where autograd over the same expression
+  kept an extra float32 one and built four. Same numbers, to the bit, as that autograd expression.
 - **Sums**: token log-probabilities are summed in float64 (a row's sum for DPO, a micro-batch's for pt/sft),
   so the sum's error does not grow with the number of tokens; the global per-token mean divides the float64
   sum by the global batch's trainable tokens (the contract's count).
@@ -25,16 +30,19 @@ import torch
 from roll import IGNORE_INDEX
 
 
-def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, *,
+                    group=None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, mask)``: float32 log-probability of each label under ``logits [..., V]`` (0 where the
-    label is IGNORE_INDEX) and the mask of trainable labels, both of ``labels``' shape ``[...]``."""
+    label is IGNORE_INDEX) and the mask of trainable labels, both of ``labels``' shape ``[...]``.
+
+    Columns ``>= vocab_size`` (a padded vocabulary; default: none) are left out of the softmax. With a
+    process ``group`` the logits are this rank's slice of a vocabulary split over it, starting at column
+    ``first`` (tensor parallelism). The backward may write the gradient into the logits (``_TokenLogProbs``).
+    """
     mask = labels != IGNORE_INDEX
-    logits = logits.float()
-    # The max only shifts the exponent range: no gradient flows through it (as in Megatron's kernel).
-    shifted = logits - logits.max(dim=-1, keepdim=True).values.detach()
-    predicted = shifted.gather(-1, labels.masked_fill(~mask, 0).unsqueeze(-1)).squeeze(-1)
-    log_sum = shifted.exp().sum(dim=-1).log()
-    return (predicted - log_sum).masked_fill(~mask, 0.0), mask
+    vocab = logits.shape[-1] + first if vocab_size is None else vocab_size
+    log_probs = _TokenLogProbs.apply(logits, labels.masked_fill(~mask, 0), vocab, first, group)
+    return log_probs.masked_fill(~mask, 0.0), mask
 
 
 def loss_sum(log_probs: torch.Tensor) -> torch.Tensor:
@@ -48,8 +56,86 @@ def sequence_sums(log_probs: torch.Tensor) -> torch.Tensor:
     return log_probs.double().sum(dim=-1)
 
 
+def causal_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_log_probs`` of a causal LM batch with HF-aligned ``labels [b, s]`` (position ``t``'s logits
+    ``[b, s, V]`` predict label ``t + 1``: shifted here, once), ``[b, s - 1]`` each. The labels move, not the
+    logits: a ``logits[:, :-1]`` slice is not one block of memory, and the kernel would copy it."""
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+    log_probs, mask = token_log_probs(logits, shifted)
+    return log_probs[:, :-1], mask[:, :-1]
+
+
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(float64 token-loss sum, trainable tokens)`` of a causal LM batch with HF-aligned ``labels [b, s]``
-    (position ``t``'s logits ``[b, s, V]`` predict label ``t + 1``: shifted here, once)."""
-    log_probs, mask = token_log_probs(logits[:, :-1], labels[:, 1:])
+    """``(float64 token-loss sum, trainable tokens)`` of a causal LM batch (``causal_log_probs``)."""
+    log_probs, mask = causal_log_probs(logits, labels)
     return loss_sum(log_probs), mask.sum()
+
+
+CHUNK_ELEMENTS = 1 << 22
+"""Logit elements per chunk (16 MB in float32): at a 151,936 vocabulary, 27 rows at a time are upcast and
+exponentiated, so the float32 temporaries stay small whatever the batch."""
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """``log p(label)`` of each row of ``logits [..., V]``, in chunks of rows, with a hand-written backward.
+
+    Autograd over the unfused expression keeps ``exp(x - m)`` ([tokens, V] float32) for the backward and
+    builds three more such tensors in it. This keeps only the logits (which the caller holds anyway) and per
+    row ``m`` and ``sum``, upcasts and exponentiates ``CHUNK_ELEMENTS`` at a time, and recomputes
+    ``exp(x - m)`` chunk by chunk in the backward. The arithmetic is the unfused expression's, element for
+    element, forward and backward: ``grad = exp(x - m) * (-g / sum)``, plus ``g`` at the label. When the
+    logits are an intermediate result (a model's output, not a leaf tensor or a view of one), the gradient
+    is written into their memory, as Megatron's kernel does: nothing may read them after the backward
+    (autograd refuses a second backward through them).
+
+    Columns ``>= vocab`` hold no token: they are left out of the softmax, and their gradient is 0. With a
+    ``group`` the columns are this rank's slice, from column ``first``, of a vocabulary split over the group:
+    the max and the two per-row sums (label logit, ``sum``) are all-reduced, two collectives per call.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab, first, group):
+        flat = logits.reshape(-1, logits.shape[-1])  # a view unless the logits are a strided slice
+        width = max(0, min(flat.shape[1], vocab - first))
+        local = labels.reshape(-1) - first
+        here = (local >= 0) & (local < width)
+        local = local.masked_fill(~here, 0)
+        dtype = torch.promote_types(flat.dtype, torch.float32)  # bf16 / fp16 upcast, a chunk at a time
+        row_max = torch.full((flat.shape[0],), float("-inf"), device=flat.device, dtype=dtype)
+        sums = torch.zeros(2, flat.shape[0], device=flat.device, dtype=dtype)  # [x_label - max, sum of exp]
+        chunks = _row_chunks(flat) if width else []
+        for rows in chunks:
+            row_max[rows] = flat[rows, :width].to(dtype).amax(dim=-1)
+        if group is not None:
+            torch.distributed.all_reduce(row_max, torch.distributed.ReduceOp.MAX, group=group)
+        for rows in chunks:
+            shifted = flat[rows, :width].to(dtype) - row_max[rows, None]  # [rows, width] float32
+            sums[0, rows] = shifted.gather(-1, local[rows, None]).squeeze(-1).masked_fill(~here[rows], 0)
+            sums[1, rows] = shifted.exp_().sum(dim=-1)
+        if group is not None:
+            torch.distributed.all_reduce(sums, group=group)
+        ctx.save_for_backward(flat, local, here, row_max, sums[1])
+        base = logits if logits._base is None else logits._base
+        ctx.overwrite = base.grad_fn is not None or flat.data_ptr() != logits.data_ptr()
+        ctx.width, ctx.shape = width, logits.shape
+        return (sums[0] - sums[1].log()).view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat, local, here, row_max, row_sum = ctx.saved_tensors
+        width = ctx.width
+        out = flat if ctx.overwrite else torch.empty_like(flat)
+        out[:, width:] = 0
+        grad = grad.reshape(-1)
+        scale = grad.neg() / row_sum
+        grad = grad.masked_fill(~here, 0)
+        for rows in _row_chunks(flat) if width else []:
+            shifted = flat[rows, :width].to(scale.dtype) - row_max[rows, None]
+            out[rows, :width] = shifted.exp_().mul_(scale[rows, None]).scatter_add_(-1, local[rows, None],
+                                                                                     grad[rows, None])
+        return out.view(ctx.shape), None, None, None, None
+
+
+def _row_chunks(flat: torch.Tensor) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // flat.shape[1])
+    return [slice(start, start + step) for start in range(0, flat.shape[0], step)]

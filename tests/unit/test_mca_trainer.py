@@ -141,19 +141,6 @@ def test_model_inputs_thd_and_context_parallel_slices():
     assert plain["input_ids"].tolist() == [[0, 1, 6, 7]] and plain["packed_seq_params"] is None
 
 
-def test_padded_vocabulary_columns_are_minus_infinity(monkeypatch):
-    from megatron.core import parallel_state
-
-    from backends.mca.trainer.loss import mask_padded_vocab
-
-    logits = torch.zeros(2, 8)  # this rank's slice of a 16-column (padded) vocabulary of 10 tokens
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
-    masked = mask_padded_vocab(logits, vocab_size=10)
-    assert torch.isfinite(masked[:, :2]).all() and torch.isinf(masked[:, 2:]).all()
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
-    assert mask_padded_vocab(logits, vocab_size=10) is logits  # no padded column on rank 0
-
-
 def test_report_to_names():
     assert report_targets("none") == set() and report_targets(None) == set()
     assert report_targets(["tensorboard", "none"]) == {"tensorboard"} and report_targets("all") == {"tensorboard"}
