@@ -14,8 +14,9 @@ same logits give the same numbers on both, and the number logged is the number o
 - **Memory and time** (``_TokenLogProbs``): one pass over the logits in chunks of rows, each upcast and
   exponentiated on its own, and a backward that recomputes ``exp(x - m)`` per chunk and writes the
   gradient into the logits' memory: besides the logits (and the gradient where they cannot be
-  overwritten) no ``[tokens, vocab]`` tensor is kept or built, where autograd over the same expression
-  kept an extra float32 one and built four. Same numbers, to the bit, as that autograd expression.
+  overwritten) no ``[tokens, vocab]`` tensor is kept or built, only chunks of one, where autograd over
+  the same expression keeps two float32 ones (``x - m``, ``exp(x - m)``) and builds three more in the
+  backward. Same numbers, to the bit, as that autograd expression.
 - **Sums**: token log-probabilities are summed in float64 (a row's sum for DPO, a micro-batch's for pt/sft),
   so the sum's error does not grow with the number of tokens; the global per-token mean divides the float64
   sum by the global batch's trainable tokens (the contract's count).
@@ -81,8 +82,8 @@ load of ~30 on 2 cores, 1 << 22 took 1.3x ``F.cross_entropy``'s time and 1 << 24
 class _TokenLogProbs(torch.autograd.Function):
     """``log p(label)`` of each row of ``logits [..., V]``, in chunks of rows, with a hand-written backward.
 
-    Autograd over the unfused expression keeps ``exp(x - m)`` ([tokens, V] float32) for the backward and
-    builds three more such tensors in it. This keeps only the logits (which the caller holds anyway) and per
+    Autograd over the unfused expression keeps ``x - m`` and ``exp(x - m)`` ([tokens, V] float32) for the
+    backward and builds three more such tensors in it. This keeps only the logits (which the caller holds anyway) and per
     row ``m`` and ``sum``, upcasts and exponentiates ``CHUNK_ELEMENTS`` at a time, and recomputes
     ``exp(x - m)`` chunk by chunk in the backward. The arithmetic is the unfused expression's, element for
     element, forward and backward: ``grad = exp(x - m) * (-g / sum)``, plus ``g`` at the label. When the
