@@ -83,12 +83,12 @@ class _TokenLogProbs(torch.autograd.Function):
     """``log p(label)`` of each row of ``logits [..., V]``, in chunks of rows, with a hand-written backward.
 
     Autograd over the unfused expression keeps ``x - m`` and ``exp(x - m)`` ([tokens, V] float32) for the
-    backward and builds three more such tensors in it. This keeps only the logits (which the caller holds anyway) and per
-    row ``m`` and ``sum``, upcasts and exponentiates ``CHUNK_ELEMENTS`` at a time, and recomputes
-    ``exp(x - m)`` chunk by chunk in the backward. The arithmetic is the unfused expression's, element for
-    element, forward and backward: ``grad = exp(x - m) * (-g / sum)``, plus ``g`` at the label. When the
-    logits are an intermediate result (a model's output, not a leaf tensor or a view of one), the gradient
-    is written into their memory, as Megatron's kernel does: nothing may read them after the backward
+    backward and builds three more such tensors in it. This keeps only the logits (which the caller holds
+    anyway) and per row ``m`` and ``sum``, upcasts and exponentiates ``CHUNK_ELEMENTS`` at a time, and
+    recomputes ``exp(x - m)`` chunk by chunk in the backward. The arithmetic is the unfused expression's,
+    element for element, forward and backward: ``grad = exp(x - m) * (-g / sum)``, plus ``g`` at the label.
+    When the logits are an intermediate result (a model's output, not a leaf tensor or a view of one), the
+    gradient is written into their memory, as Megatron's kernel does: nothing may read them after the backward
     (autograd refuses a second backward through them).
 
     Columns ``>= vocab`` hold no token: they are left out of the softmax, and their gradient is 0. With a
