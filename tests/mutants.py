@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 LOOP = "backends/mca/trainer/loop.py"
 LOSS = "backends/mca/trainer/loss.py"
+ROLL_LOSS = "roll/loss.py"
 HF_ARGS = "backends/standard/hf_args.py"
 TRAINERS = "backends/standard/trainers.py"
 
 MCA_UNIT = "tests/unit/test_mca_trainer.py"
+LOSS_UNIT = "tests/unit/test_loss.py"
 STD_UNIT = "tests/unit/test_standard_train.py"
 PARITY_TP1 = "tests/distributed/test_parity_tool.py::test_tp1_on_one_process_matches_the_standard_backend"
 DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
@@ -48,9 +50,10 @@ STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
-    Mutant("padded_vocab_rank_check", "padded-vocab columns masked only when a TP slice starts past the vocab",
-           LOSS, "if first + partition <= vocab_size:", "if first <= vocab_size:",
-           (f"{MCA_UNIT}::test_padded_vocabulary_columns_are_minus_infinity",), fast=True),
+    Mutant("padded_vocab_unmasked", "padded-vocab columns (TP1 or the last TP rank) enter the softmax",
+           ROLL_LOSS, "width = max(0, min(flat.shape[1], vocab - first))", "width = flat.shape[1]",
+           (f"{LOSS_UNIT}::test_kernel_gradcheck_in_float64_ignored_labels_padded_vocab",),
+           fast=True),
     Mutant("data_order_swap_mca", "mca: samples B-1 and B of the shared order swapped (crosses steps 1 and 2)",
            "backends/mca/trainer/data.py", "for i in range(first, first + self.micro_batch_size)])",
            "for i in ({self.global_batch_size - 1: self.global_batch_size, self.global_batch_size: "
@@ -135,9 +138,12 @@ MUTANTS: list[Mutant] = [
            HF_ARGS, 'kwargs["remove_unused_columns"] = False',
            'kwargs["remove_unused_columns"] = False\n    kwargs["ignore_data_skip"] = True',
            ("tests/distributed/test_streaming.py::test_streaming_same_losses_on_both_backends_and_across_a_resume",)),
-    Mutant("padded_vocab_unmasked_mca", "mca: padded-vocab logits enter the softmax",
-           LOSS, "logits = mask_padded_vocab(logits.float(), vocab_size)", "logits = logits.float()",
-           (f"{MCA_DPO}::test_reference_stays_frozen_and_log_probs_match_hf",)),
+    Mutant("padded_vocab_rank_offset", "TP: a rank's vocabulary slice read as starting at token 0",
+           ROLL_LOSS, "width = max(0, min(flat.shape[1], vocab - first))",
+           "width = max(0, min(flat.shape[1], vocab))",
+           ("tests/distributed/test_loss_vocab_parallel.py::"
+            "test_vocab_split_over_two_ranks_with_padding_matches_float64_log_softmax",
+            f"{MCA_DPO}::test_reference_stays_frozen_and_log_probs_match_hf")),
     Mutant("dpo_reference_is_policy_mca", "mca: DPO reference log-probs taken from the policy",
            "backends/mca/backend.py", "return DPOObjective(vocab_size, settings, models.ref)",
            "return DPOObjective(vocab_size, settings, models.policy if models.ref is not None else None)",

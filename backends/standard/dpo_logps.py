@@ -38,9 +38,12 @@ def use_roll_log_probs(model: torch.nn.Module, record: list | None = None) -> No
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
         outputs = trl_forward(*args, **kwargs)  # TRL's unfused path: the model's forward, no labels, no loss
-        logits = outputs.logits if shift_labels is not None else outputs.logits[:, :-1]
-        labels = shift_labels if shift_labels is not None else labels[:, 1:]
-        log_probs, mask = roll_loss.token_log_probs(logits, labels)
+        logits = outputs.logits
+        if shift_labels is not None:
+            labels, (log_probs, mask) = shift_labels, roll_loss.token_log_probs(logits, shift_labels)
+        else:  # the labels shift, not the logits (a slice would be copied); the last logits predict nothing
+            log_probs, mask = roll_loss.causal_log_probs(logits, labels)
+            logits, labels = logits[:, :-1], labels[:, 1:]
         log_probs = log_probs.double()
         if record is not None:
             record.append((log_probs, mask))

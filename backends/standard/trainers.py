@@ -159,7 +159,7 @@ class TokenMeanEvalMixin:
 def token_loss_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[rows, 2] float64: each row's summed causal-LM token loss (roll.loss; labels shifted once, as HF's
     loss shifts them) and its number of trainable tokens (labels other than -100)."""
-    log_probs, mask = roll_loss.token_log_probs(logits[:, :-1], labels[:, 1:])
+    log_probs, mask = roll_loss.causal_log_probs(logits, labels)
     return torch.stack([-log_probs.double().sum(dim=-1), mask.sum(dim=-1).double()], dim=-1)
 
 

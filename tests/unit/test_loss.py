@@ -67,8 +67,9 @@ def _tp1(monkeypatch):
 
 
 def test_both_backends_give_bit_identical_sft_losses(monkeypatch):
-    """The standard backend's training and eval loss and the mca backend's (TP1) on the same peaked logits:
-    equal to the last bit, because both are roll.loss (any other arithmetic on one side differs by ~1e-7)."""
+    """The standard backend's training and eval loss and the mca backend's (TP1, its vocabulary padded) on the
+    same peaked logits: equal to the last bit, because both are roll.loss (any other arithmetic on one side
+    differs by ~1e-7; the padding in the softmax, by far more)."""
     from backends.mca.trainer import loss as mca_loss
     from backends.standard.trainers import TokenMeanLossMixin, token_loss_rows
 
@@ -78,7 +79,8 @@ def test_both_backends_give_bit_identical_sft_losses(monkeypatch):
     labels[0, :5] = IGNORE_INDEX  # a masked prompt
     hf_labels = torch.cat([torch.full((2, 1), IGNORE_INDEX), labels], dim=1)  # HF-aligned: shifted by the loss
     hf_logits = torch.cat([logits, logits[:, :1]], dim=1)  # the last position predicts nothing
-    mca_sum, mca_tokens = mca_loss.lm_loss(logits.clone(), labels, vocab_size=logits.shape[-1])
+    padded = torch.cat([logits, torch.full((2, 24, 7), 50.0)], dim=-1)  # Megatron's padded vocabulary
+    mca_sum, mca_tokens = mca_loss.lm_loss(padded, labels, vocab_size=logits.shape[-1])
 
     trainer = SimpleNamespace(model=SimpleNamespace(training=False))
     standard = TokenMeanLossMixin._token_mean_loss(trainer, SimpleNamespace(logits=hf_logits), hf_labels,
@@ -180,3 +182,96 @@ def test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding():
     assert roll_loss.load_balancing_loss(layers, 2, None).item() != pytest.approx(expected, rel=1e-3)
     # a router that spreads every token evenly: 1 per layer
     assert roll_loss.load_balancing_loss([torch.zeros(8, 4)] * 3, 2, None).item() == pytest.approx(3.0)
+
+
+# ---- the kernel (roll.loss._TokenLogProbs): gradient, ignored labels, padded vocabulary, bf16, memory ----
+
+
+def _unfused(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The expression the kernel computes, under plain autograd (roll.loss before the kernel): the bitwise
+    reference of its forward and backward, and the memory it must not use."""
+    mask = labels != IGNORE_INDEX
+    logits = logits.float()
+    shifted = logits - logits.max(dim=-1, keepdim=True).values.detach()
+    predicted = shifted.gather(-1, labels.masked_fill(~mask, 0).unsqueeze(-1)).squeeze(-1)
+    return (predicted - shifted.exp().sum(dim=-1).log()).masked_fill(~mask, 0.0)
+
+
+def _batch(rows: int, vocab: int, padded: int = 0, dtype=torch.float32, seed: int = 0):
+    """Logits ``[2, rows, vocab + padded]`` (the padding huge: it must not count), labels with ignored
+    positions, and a weight per token for a non-uniform upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, rows, vocab + padded, generator=gen, dtype=torch.float64) * 3 + 20
+    logits[..., vocab:] = 1e4
+    labels = torch.randint(0, vocab, (2, rows), generator=gen)
+    labels[0, :3] = IGNORE_INDEX
+    return logits.to(dtype), labels, torch.randn(2, rows, generator=gen, dtype=torch.float64)
+
+
+def test_kernel_gradcheck_in_float64_ignored_labels_padded_vocab(monkeypatch):
+    monkeypatch.setattr(roll_loss, "CHUNK_ELEMENTS", 20)  # several chunks of rows, and a last short one
+    logits, labels, _ = _batch(rows=5, vocab=7, padded=3, dtype=torch.float64)
+    logits.requires_grad_()
+
+    def log_probs(x):
+        return roll_loss.token_log_probs(x, labels, vocab_size=7)[0]
+
+    assert torch.autograd.gradcheck(log_probs, (logits,), eps=1e-6, atol=1e-8)
+    out = log_probs(logits)
+    reference = torch.log_softmax(logits[..., :7], -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    assert torch.allclose(out, reference.masked_fill(labels == IGNORE_INDEX, 0), rtol=0, atol=1e-12)
+    out.sum().backward()
+    assert (logits.grad[..., 7:] == 0).all() and (logits.grad[0, :3] == 0).all()  # padding, ignored labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_unfused_expression_to_the_bit_and_float64_within_rounding(monkeypatch, dtype):
+    """Forward and gradient equal autograd's over the same expression bit for bit, with the gradient written
+    into intermediate logits (bf16 stays bf16); against float64 within float32 / bf16 rounding."""
+    monkeypatch.setattr(roll_loss, "CHUNK_ELEMENTS", 3000)
+    logits, labels, weight = _batch(rows=40, vocab=500, padded=12, dtype=dtype)
+    weight = weight.float()
+    leaf, reference_leaf, exact = (logits.clone().requires_grad_() for _ in range(3))
+    intermediate = leaf * 1  # a model's output: the kernel may overwrite it
+    seen = []
+    intermediate.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    ours, mask = roll_loss.token_log_probs(intermediate, labels, vocab_size=500)
+    assert ours.dtype == torch.float32 and mask.sum().item() == 77
+    (ours * weight).sum().backward()
+    unfused = _unfused(reference_leaf[..., :500], labels)
+    (unfused * weight).sum().backward()
+    assert torch.equal(ours, unfused) and torch.equal(leaf.grad, reference_leaf.grad)
+    assert leaf.grad.dtype == dtype
+    assert seen == [intermediate.data_ptr()]  # in place: no second [tokens, vocab] tensor for the gradient
+    exact64 = exact.double()
+    (_unfused(exact64[..., :500], labels).double() * weight.double()).sum().backward()
+    rounding = 1e-6 if dtype == torch.float32 else 8e-3  # float32 arithmetic; a bf16 gradient's 8 bits
+    assert torch.allclose(leaf.grad.double(), exact.grad.double(), rtol=rounding, atol=rounding * 1e-2)
+    assert torch.allclose(ours.double(), _unfused(exact64[..., :500], labels).double(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_saves_only_the_logits_and_per_row_numbers(dtype):
+    """What the autograd graph keeps for the backward: the logits themselves (no float32 copy of bf16 logits)
+    and per-row tensors; the unfused expression keeps its float32 ``exp`` too, which the second half
+    checks, so the count is sharp."""
+    logits, labels, _ = _batch(rows=16, vocab=300, dtype=dtype)
+    logits.requires_grad_()
+
+    def saved_bytes(fn) -> list[int]:
+        sizes = []
+
+        def pack(tensor):
+            sizes.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            fn()
+        return sorted(sizes, reverse=True)
+
+    rows = labels.numel()
+    ours = saved_bytes(lambda: roll_loss.token_log_probs(logits * 1, labels))
+    big = [size for size in ours if size > 8 * rows]
+    assert big == [logits.numel() * logits.element_size()], ours  # `logits * 1` saves nothing either
+    unfused = saved_bytes(lambda: _unfused(logits * 1, labels))
+    assert sum(size for size in unfused if size > 8 * rows) >= logits.numel() * 4 + sum(big), unfused

@@ -148,19 +148,6 @@ def test_model_inputs_thd_and_context_parallel_slices():
     assert model_inputs(padded, torch.device("cpu"))["padding_mask"] is None
 
 
-def test_padded_vocabulary_columns_are_minus_infinity(monkeypatch):
-    from megatron.core import parallel_state
-
-    from backends.mca.trainer.loss import mask_padded_vocab
-
-    logits = torch.zeros(2, 8)  # this rank's slice of a 16-column (padded) vocabulary of 10 tokens
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
-    masked = mask_padded_vocab(logits, vocab_size=10)
-    assert torch.isfinite(masked[:, :2]).all() and torch.isinf(masked[:, 2:]).all()
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
-    assert mask_padded_vocab(logits, vocab_size=10) is logits  # no padded column on rank 0
-
-
 def _adam_steps(base: torch.optim.Optimizer, grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     for step_grads in grads:
         for param, grad in zip(base.param_groups[0]["params"], step_grads):

@@ -8,14 +8,14 @@ dpo it returns the sum of per-pair losses and the number of pairs: the mean over
 global batch.
 
 Padded vocabulary columns (the embedding is padded to a multiple of
-``make_vocab_size_divisible_by * TP``) hold no token: their logits are set to -inf before the
-softmax, so they add nothing to its denominator (Megatron-LM #1754: a zero row adds ``exp(0 - max)``
+``make_vocab_size_divisible_by * TP``) hold no token: they are left out of the softmax (as if their
+logits were -inf), so they add nothing to its denominator (Megatron-LM #1754: a zero row adds ``exp(0 - max)``
 and the loss differs from Hugging Face's).
 
-The arithmetic is roll.loss's, the standard backend's too: at TP1 these functions call it on the logits
-(the padded columns sliced off), with TP > 1 Megatron's vocab-parallel kernel does the same steps
-(max-subtracted log-sum-exp in float32, max and sum all-reduced over the shards); token log-probs are
-summed in float64.
+The arithmetic is roll.loss's, the standard backend's too, at every TP size: its kernel takes this rank's
+slice of the (padded) vocabulary as it is, masks the padding without a masked copy of the logits, and with
+TP > 1 all-reduces the max and the sums over the TP group (max-subtracted log-sum-exp in float32, as
+Megatron's vocab-parallel kernel does); token log-probs are summed in float64.
 """
 
 from __future__ import annotations
@@ -25,38 +25,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from roll import IGNORE_INDEX
 from roll import loss as roll_loss
-
-
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``logits [..., V/tp]`` (this TP rank's vocabulary slice) with columns >= ``vocab_size`` at -inf."""
-    from megatron.core import parallel_state as ps
-
-    partition = logits.shape[-1]
-    first = partition * ps.get_tensor_model_parallel_rank()
-    if first + partition <= vocab_size:
-        return logits
-    padded = torch.arange(first, first + partition, device=logits.device) >= vocab_size
-    return logits.masked_fill(padded, float("-inf"))
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities of ``labels`` under vocab-parallel ``logits``, without gathering
     the vocabulary; 0 where the label is IGNORE_INDEX. Returns ``(log_probs [b, s], mask [b, s])``.
 
-    ``logits`` are ``[b, s, V/tp]`` (GPTModel's output on the last stage), ``labels`` ``[b, s]``.
+    ``logits`` are ``[b, s, V/tp]`` (GPTModel's output on the last stage), ``labels`` ``[b, s]``. roll.loss's
+    kernel on this rank's slice of the vocabulary: columns ``>= vocab_size`` (the padding) are left out of
+    the softmax, with TP > 1 the max and the sums are all-reduced over the TP group. Its backward writes the
+    gradient into the logits, as Megatron's own cross entropy does: they are not reused.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if ps.get_tensor_model_parallel_world_size() == 1:
-        return roll_loss.token_log_probs(logits[..., :vocab_size], labels)
-    mask = labels != IGNORE_INDEX
-    logits = mask_padded_vocab(logits.float(), vocab_size)
-    # Like Megatron's own loss, the kernel may normalise the logits in place: they are not reused.
-    losses = vocab_parallel_cross_entropy(logits, labels.masked_fill(~mask, 0))
-    return -losses * mask, mask
+        return roll_loss.token_log_probs(logits, labels, vocab_size)
+    first = logits.shape[-1] * ps.get_tensor_model_parallel_rank()
+    return roll_loss.token_log_probs(logits, labels, vocab_size, group=ps.get_tensor_model_parallel_group(),
+                                     first=first)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
