@@ -27,6 +27,10 @@ DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
 MCA_TRAIN = "tests/distributed/test_mca_train.py"
 MCA_DPO = "tests/distributed/test_mca_dpo.py"
 ONE_PROCESS = f"{MCA_TRAIN}::test_export_accumulation_and_resume_on_one_process"
+BACKGROUND = "tests/unit/test_background_save.py"
+ASYNC_KILL = ("tests/distributed/test_reliability.py::"
+              "test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does")
+ASYNC_KILL_STD, ASYNC_KILL_MCA = f"{ASYNC_KILL}[standard]", f"{ASYNC_KILL}[mca]"
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,16 @@ MUTANTS: list[Mutant] = [
            HF_ARGS, 'kwargs["remove_unused_columns"] = False',
            'kwargs["remove_unused_columns"] = False\n    kwargs["ignore_data_skip"] = True',
            (f"{STD_UNIT}::test_resume_reproduces_the_uninterrupted_run",)),
+    Mutant("async_save_without_host_copy", "save_async: the background writer writes the live tensors, which "
+           "training changes in place, instead of a copy taken at the save", "roll/background_save.py",
+           'copies[key] = value.detach().to("cpu", copy=True)', "copies[key] = value.detach()",
+           (f"{BACKGROUND}::test_host_copy_is_a_snapshot_that_keeps_ties_and_frozen_tensors", ASYNC_KILL_STD),
+           fast=True),
+    Mutant("async_save_published_while_writing", "save_async: checkpoint-N published before every rank's "
+           "writer finished (a kill then leaves an incomplete latest checkpoint)", "roll/background_save.py",
+           "if any_rank(not pending.done.is_set()):", "if False:",
+           (f"{BACKGROUND}::test_published_only_after_the_writer_finished_and_older_ones_rotated",
+            ASYNC_KILL_STD), fast=True),
     # ---- one or two torchrun / roll-parity launches --------------------------------------------------
     Mutant("padded_vocab_unmasked_mca", "mca: padded-vocab logits enter the softmax",
            LOSS, "logits = mask_padded_vocab(logits.float(), vocab_size)", "logits = logits.float()",
@@ -134,4 +148,7 @@ MUTANTS: list[Mutant] = [
            LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
            "        pass  # the final eval and the HF export",
            ("tests/distributed/test_mca_export.py::test_the_export_equals_the_trained_model_at_tp2_pp2_dp2",)),
+    Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
+           "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
+           "        finally:", (ASYNC_KILL_MCA,)),
 ]
