@@ -163,7 +163,10 @@ def fsync_tree(path: str) -> None:
     without ``os.sync``, which would wait for every write on the machine)."""
     for root, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:  # renamed by another rank's writer, which fsyncs it under its new name
+                continue
             try:
                 os.fsync(fd)
             finally:
