@@ -103,6 +103,7 @@ def test_time_lost_per_save_is_the_difference_to_the_run_without_saves_per_save_
     assert saves.saves_in_span() == 2  # after steps 3 and 6; the one after the last step is outside
     assert saves.training_seconds(records) == 8 + 3 + 5  # steps 2..9; step 1's start-up left out
     assert saves.training_seconds(records[:-1]) is None  # a step missing: no number rather than a wrong one
+    assert saves.save_step_excess(records) == (3 + 5) / 2  # steps 4 and 7 against the others' median (1.0)
     rows = [{"runner": "mca", "mode": m, "train_s": t} for m, t in (("none", 8.0), ("sync", 16.0), ("async", 9.0))]
     rows = {r["mode"]: r for r in saves.lost_per_save(rows)}
     assert rows["sync"]["lost_per_save_s"] == 4.0 and rows["async"]["lost_per_save_s"] == 0.5
