@@ -30,7 +30,7 @@ ONE_PROCESS = f"{MCA_TRAIN}::test_export_accumulation_and_resume_on_one_process"
 BACKGROUND = "tests/unit/test_background_save.py"
 ASYNC_KILL = ("tests/distributed/test_reliability.py::"
               "test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does")
-ASYNC_KILL_STD, ASYNC_KILL_MCA = f"{ASYNC_KILL}[standard]", f"{ASYNC_KILL}[mca]"
+ASYNC_KILL_MCA = f"{ASYNC_KILL}[mca]"
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,12 @@ MUTANTS: list[Mutant] = [
     Mutant("async_save_without_host_copy", "save_async: the background writer writes the live tensors, which "
            "training changes in place, instead of a copy taken at the save", "roll/background_save.py",
            'copies[key] = value.detach().to("cpu", copy=True)', "copies[key] = value.detach()",
-           (f"{BACKGROUND}::test_host_copy_is_a_snapshot_that_keeps_ties_and_frozen_tensors", ASYNC_KILL_STD),
+           (f"{BACKGROUND}::test_host_copy_is_a_snapshot_that_keeps_ties_and_frozen_tensors",),
            fast=True),
     Mutant("async_save_published_while_writing", "save_async: checkpoint-N published before every rank's "
            "writer finished (a kill then leaves an incomplete latest checkpoint)", "roll/background_save.py",
            "if any_rank(not pending.done.is_set()):", "if False:",
-           (f"{BACKGROUND}::test_published_only_after_the_writer_finished_and_older_ones_rotated",
-            ASYNC_KILL_STD), fast=True),
+           (f"{BACKGROUND}::test_published_only_after_the_writer_finished_and_older_ones_rotated",), fast=True),
     # ---- one or two torchrun / roll-parity launches --------------------------------------------------
     Mutant("padded_vocab_unmasked_mca", "mca: padded-vocab logits enter the softmax",
            LOSS, "logits = mask_padded_vocab(logits.float(), vocab_size)", "logits = logits.float()",
