@@ -4,9 +4,10 @@ Checkpoints are ``OUTPUT_DIR/checkpoint-N`` (N = optimizer steps done). A backen
 temporary name (``checkpoint-N.tmp``), flushes it to disk on every rank, and renames it into place when
 complete (``publish``), so a directory with this exact name is a whole checkpoint and a save killed at any
 moment leaves the previous one as the latest. Both backends save through ``publishing``, the one copy of
-that sequence. Old checkpoints are renamed to ``*.old`` before they are
-deleted, so a half-deleted one is never picked either. ``clean_stale`` removes both kinds of leftovers at
-the next start.
+that sequence (a save in the background, ``save_async``, calls its two halves, ``open_staging`` and
+``complete``, with the writing in between: ``roll.background_save``). Old checkpoints are renamed to
+``*.old`` before they are deleted, so a half-deleted one is never picked either. ``clean_stale`` removes both
+kinds of leftovers at the next start.
 """
 
 from __future__ import annotations
@@ -110,25 +111,42 @@ def publishing(output_dir: str, step: int, *, is_writer: bool, keep: int | None 
                nested: bool = False) -> Iterator[str]:
     """Save ``OUTPUT_DIR/checkpoint-<step>`` crash-safely; every rank enters it (it is collective).
 
-    Yields the staging directory ``checkpoint-<step>.tmp``, created empty by the writer (a save that died
-    earlier is removed first) before any rank writes. The body writes the checkpoint there (``nested``:
-    into ``staging/checkpoint-<step>``, where HF's Trainer puts it itself). After the body: every rank
-    flushes its writes to disk, all meet at a barrier, the writer renames the checkpoint into place
-    (``publish``: rename, then fsync of output_dir) and deletes the oldest beyond ``keep`` (``rotate``),
-    and all meet again, so no rank goes on before the checkpoint exists. ``is_writer``: global rank 0 (or
-    each node's first rank when every node saves its own copy).
+    Yields the staging directory ``checkpoint-<step>.tmp`` (``open_staging``). The body writes the checkpoint
+    there (``nested``: into ``staging/checkpoint-<step>``, where HF's Trainer puts it itself); then
+    ``complete`` flushes, publishes and rotates. A save in the background (``roll.background_save``) calls
+    the two halves itself, with the writing in between done by a thread or process.
 
     If the body raises, nothing is published: the exception propagates, the previous checkpoint stays the
     latest, and the staging directory is left for ``clean_stale`` at the next start (removing it here
     could pull files from under a rank still writing)."""
-    final = os.path.join(output_dir, f"{PREFIX}{step}")
-    staging = final + ".tmp"
+    staging = open_staging(output_dir, step, is_writer=is_writer)
+    yield staging
+    complete(output_dir, step, is_writer=is_writer, keep=keep, nested=nested)
+
+
+def open_staging(output_dir: str, step: int, *, is_writer: bool) -> str:
+    """Collective: the writer creates ``checkpoint-<step>.tmp`` empty (a save that died earlier is removed
+    first) and all meet, so no rank writes before it exists; returns its path. ``is_writer``: global rank 0
+    (or each node's first rank when every node saves its own copy)."""
+    staging = os.path.join(output_dir, f"{PREFIX}{step}.tmp")
     if is_writer:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging, exist_ok=True)  # empty: Megatron's dist_checkpointing refuses a non-empty one
     barrier()
-    yield staging
-    flush_to_disk()
+    return staging
+
+
+def complete(output_dir: str, step: int, *, is_writer: bool, keep: int | None = None, nested: bool = False,
+             flush: bool = True) -> str:
+    """Collective, after every rank wrote its part of ``checkpoint-<step>.tmp``: every rank flushes its
+    writes to disk (``flush``: false when the writer already fsynced every file, as background saves do),
+    all meet at a barrier, the writer renames the checkpoint into place (``publish``: rename, then fsync of
+    output_dir) and deletes the oldest beyond ``keep`` (``rotate``), and all meet again, so no rank goes on
+    before the checkpoint exists. Returns its path."""
+    final = os.path.join(output_dir, f"{PREFIX}{step}")
+    staging = final + ".tmp"
+    if flush:
+        flush_to_disk()
     barrier()  # every rank's files are on disk
     if is_writer:
         publish(os.path.join(staging, os.path.basename(final)) if nested else staging, final)
@@ -137,6 +155,23 @@ def publishing(output_dir: str, step: int, *, is_writer: bool, keep: int | None 
         for path in rotate(output_dir, keep):
             logger.info("deleted old checkpoint %s (save_total_limit %s)", path, keep)
     barrier()
+    return final
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and directory under ``path`` (this rank's share of making a checkpoint durable
+    without ``os.sync``, which would wait for every write on the machine)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:  # renamed by another rank's writer, which fsyncs it under its new name
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
 
 
 def clean_stale(output_dir: str) -> list[str]:

@@ -30,6 +30,10 @@ MCA_TRAIN = "tests/distributed/test_mca_train.py"
 MCA_DPO = "tests/distributed/test_mca_dpo.py"
 ONE_PROCESS = f"{MCA_TRAIN}::test_export_accumulation_and_resume_on_one_process"
 SWEEP = "tests/parity/test_sweep.py"
+BACKGROUND = "tests/unit/test_background_save.py"
+ASYNC_KILL = ("tests/distributed/test_reliability.py::"
+              "test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does")
+ASYNC_KILL_MCA = f"{ASYNC_KILL}[mca]"
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,15 @@ MUTANTS: list[Mutant] = [
     Mutant("mix_ignored_in_memory", "mix_strategy ignored without streaming (datasets concatenated)",
            "roll/data/mixing.py", 'if data_args.mix_strategy == "concat":', "if True:",
            (f"{STREAM_UNIT}::test_mixing_is_the_same_in_memory_and_streamed",)),
+    Mutant("async_save_without_host_copy", "save_async: the background writer writes the live tensors, which "
+           "training changes in place, instead of a copy taken at the save", "roll/background_save.py",
+           'copies[key] = value.detach().to("cpu", copy=True)', "copies[key] = value.detach()",
+           (f"{BACKGROUND}::test_host_copy_is_a_snapshot_that_keeps_ties_and_frozen_tensors",),
+           fast=True),
+    Mutant("async_save_published_while_writing", "save_async: checkpoint-N published before every rank's "
+           "writer finished (a kill then leaves an incomplete latest checkpoint)", "roll/background_save.py",
+           "if any_rank(not pending.done.is_set()):", "if False:",
+           (f"{BACKGROUND}::test_published_only_after_the_writer_finished_and_older_ones_rotated",), fast=True),
     # ---- one or two torchrun / roll-parity launches --------------------------------------------------
     Mutant("stream_resume_restarts_standard", "standard, streaming: a resumed run reads the stream from its start",
            HF_ARGS, 'kwargs["remove_unused_columns"] = False',
@@ -202,4 +215,7 @@ MUTANTS: list[Mutant] = [
            "reduced in fp32)", "backends/mca/trainer/optim.py",
            "grad_reduce_in_fp32=megatron_args.grad_reduce_in_fp32,", "grad_reduce_in_fp32=True,",
            (f"{MCA_TRAIN}::test_layouts_give_the_same_losses",)),
+    Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
+           "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
+           "        finally:", (ASYNC_KILL_MCA,)),
 ]

@@ -140,6 +140,10 @@ class StandardBackend(Backend):
                                                           job.stage)
         trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
         trainer.roll_dataset, trainer.roll_dataset_spec = job.train_dataset, self.config.data.dataset
+        if self.config.training.save_async:
+            from roll.background_save import BackgroundSaves
+
+            trainer.roll_saves = BackgroundSaves()
         return trainer
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:
@@ -161,6 +165,7 @@ class StandardBackend(Backend):
         try:
             try:
                 metrics = dict(self._trainer.train(resume_from_checkpoint=resume).metrics)
+                self._finish_saves()
             except RunComplete:
                 log_rank0(logger, "%s already holds all %d steps: nothing left to train", resume,
                           self._trainer.state.max_steps)
@@ -172,6 +177,8 @@ class StandardBackend(Backend):
                                                    training.save_on_preemption))
         except TrainingStopped as exc:  # every rank stops at the same step: leave together (teardown)
             self._planned_stop = exc.exit_code
+            if not isinstance(exc, Preempted):  # preempted: finished above, after HF's last save
+                self._finish_saves()
             raise
         self._succeeded = True
         history = list(self._trainer.state.log_history)
@@ -180,6 +187,15 @@ class StandardBackend(Backend):
             log_rank0(logger, "training loss: %.4f at the first log -> %.4f at the last (%d steps); "
                       "logs in %s", losses[0], losses[-1], self._trainer.state.global_step, log_file.path)
         return TrainResult(log_history=history, output_dir=self._hf_args.output_dir, metrics=metrics)
+
+    def _finish_saves(self) -> None:
+        """Publish the checkpoint still being written (``save_async``) before the export or the exit.
+        Collective: every rank gets here at the same step."""
+        if self._trainer.roll_saves is not None:
+            from roll import reliability
+
+            reliability.set_activity("finishing the checkpoint written in the background")
+            self._trainer.roll_saves.wait()
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         if job.eval_dataset is None:

@@ -5,7 +5,9 @@
   DeepSpeed the engine steps inside the last backward; ZeRO stages 1-3 skip a non-finite step
   themselves (fp32 and fp16; HF then logs an inf grad norm), and roll counts it.
 - ``SafeCheckpointMixin``: ``checkpoint-N`` is written as ``checkpoint-N.tmp/checkpoint-N`` by HF (and
-  DeepSpeed), flushed on every rank and renamed into place by rank 0 (``roll.checkpoints.publishing``).
+  DeepSpeed), flushed on every rank and renamed into place by rank 0 (``roll.checkpoints.publishing``);
+  with ``save_async`` the weights and optimizer state are written by a thread from a host copy and the
+  checkpoint is published after a later step (``roll.background_save``).
 - ``ReliabilityCallback``: counts skipped steps (``max_consecutive_skipped_steps`` in a row raise
   ``Diverged``) and, after every step, asks all ranks whether one got SIGTERM / SIGINT; then HF saves
   (``save_on_preemption``) and stops, and the backend raises ``Preempted``.
@@ -13,13 +15,23 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
+import time
+import warnings
+from collections.abc import Callable
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from roll import checkpoints, reliability, resume_record
+from roll.background_save import BackgroundSaves, host_copy
+from roll.logging import log_rank0, warn_once
+
+logger = logging.getLogger(__name__)
 
 
 class SafeStepMixin:
@@ -53,9 +65,15 @@ class SafeStepMixin:
 
 
 class SafeCheckpointMixin:
-    """Write ``checkpoint-N`` under a temporary name and publish it once every rank finished."""
+    """Write ``checkpoint-N`` under a temporary name and publish it once every rank finished; with
+    ``roll_saves`` (``save_async``) the weights and optimizer state are copied to host memory and written by
+    a thread (``roll.background_save``) while training goes on."""
 
     _roll_staging: str | None = None
+    _roll_deferred: list[Callable[[], None]] | None = None
+    """While a background save is being prepared: the writes its thread will do."""
+    roll_saves: BackgroundSaves | None = None
+    """Set by the backend when ``save_async`` is on."""
     roll_dataset = None
     roll_dataset_spec: str | None = None
     """The router's training set and the recipe's ``dataset``, recorded in each checkpoint
@@ -68,23 +86,86 @@ class SafeCheckpointMixin:
         run_dir, step, args = super()._get_output_dir(trial), self.state.global_step, self.args
         reliability.set_activity(f"saving checkpoint-{step}")
         # should_save: global rank 0 (or every node's local 0 with save_on_each_node)
-        with checkpoints.publishing(run_dir, step, is_writer=args.should_save, keep=args.save_total_limit,
-                                    nested=True) as staging:
-            self._roll_staging = staging
-            try:
-                super()._save_checkpoint(model, trial)  # writes STAGING/checkpoint-N (HF names it)
-            finally:
-                self._roll_staging = None
-            if args.should_save:
-                staged = os.path.join(staging, f"{checkpoints.PREFIX}{step}")
-                checkpoints.write_batch_record(staged, per_device=args.per_device_train_batch_size,
-                                               grad_accum=args.gradient_accumulation_steps,
-                                               world_size=args.world_size)
-                if self.roll_dataset is not None:  # a trainer the backend built (not a bare one in a test)
-                    resume_record.write(staged, self.roll_dataset, dataset_spec=self.roll_dataset_spec,
-                                        global_step=step, skipped_steps=self.roll_skipped_total,
-                                        global_batch_size=args.per_device_train_batch_size
-                                        * args.gradient_accumulation_steps * args.world_size)
+        if not self._roll_saves_in_background():
+            with checkpoints.publishing(run_dir, step, is_writer=args.should_save, keep=args.save_total_limit,
+                                        nested=True) as staging:
+                self._roll_write_checkpoint(model, trial, staging)
+            return
+        started = time.perf_counter()
+        self.roll_saves.wait()  # one host copy at a time
+        staging = checkpoints.open_staging(run_dir, step, is_writer=args.should_save)
+        self._roll_deferred = []
+        try:
+            self._roll_write_checkpoint(model, trial, staging)
+            writes = self._roll_deferred
+        finally:
+            self._roll_deferred = None
+        self.roll_saves.start(run_dir, step, writes, is_writer=args.should_save, keep=args.save_total_limit,
+                              nested=True, started=started)
+        log_rank0(logger, "writing checkpoint-%d in the background (training waited %.1fs)", step,
+                  time.perf_counter() - started)
+
+    def _roll_write_checkpoint(self, model, trial, staging: str) -> None:
+        step, args = self.state.global_step, self.args
+        self._roll_staging = staging
+        try:
+            super()._save_checkpoint(model, trial)  # writes STAGING/checkpoint-N (HF names it)
+        finally:
+            self._roll_staging = None
+        if args.should_save:
+            staged = os.path.join(staging, f"{checkpoints.PREFIX}{step}")
+            checkpoints.write_batch_record(staged, per_device=args.per_device_train_batch_size,
+                                           grad_accum=args.gradient_accumulation_steps,
+                                           world_size=args.world_size)
+            if self.roll_dataset is not None:  # a trainer the backend built (not a bare one in a test)
+                resume_record.write(staged, self.roll_dataset, dataset_spec=self.roll_dataset_spec,
+                                    global_step=step, skipped_steps=self.roll_skipped_total,
+                                    global_batch_size=args.per_device_train_batch_size
+                                    * args.gradient_accumulation_steps * args.world_size)
+
+    def _roll_saves_in_background(self) -> bool:
+        if self.roll_saves is None:
+            return False
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            warn_once(logger, "save_async: DeepSpeed and FSDP write their own checkpoint files; checkpoints "
+                              "are saved synchronously.")
+            return False
+        return True
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """HF's, but while a background save is prepared the model's ``save_pretrained`` only records a
+        write of a host copy of the weights (frozen ones are not copied: they do not change)."""
+        if self._roll_deferred is None or not self.args.should_save:
+            return super()._save(output_dir, state_dict)
+        model, deferred = self.model, self._roll_deferred
+        write_weights = model.save_pretrained
+        frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+
+        def save_later(save_directory, state_dict=None, **kwargs):
+            weights = host_copy(model.state_dict() if state_dict is None else state_dict,
+                                keep=lambda tensor: tensor.data_ptr() in frozen)
+            deferred.append(functools.partial(write_weights, save_directory, state_dict=weights, **kwargs))
+
+        model.save_pretrained = save_later  # on this instance, for this call: HF's _save writes through it
+        try:
+            return super()._save(output_dir, state_dict)
+        finally:
+            del model.save_pretrained
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """HF's (plain / DDP: ``optimizer.pt``, ``scheduler.pt`` by the writer), with the optimizer state
+        copied to host memory and written by the background thread while one is prepared."""
+        if self._roll_deferred is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if not self.args.should_save:
+            return None
+        state = host_copy(self.optimizer.state_dict())
+        path = os.path.join(output_dir, OPTIMIZER_NAME)
+        self._roll_deferred.append(functools.partial(torch.save, state, path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's reminder to save the optimizer too: it is, above
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        return None
 
 
 class RunComplete(Exception):
@@ -117,6 +198,8 @@ class ReliabilityCallback(TrainerCallback):
         else:
             self.skips.record(False, state.global_step)
         self.trainer.roll_skipped_total = self.skips.total
+        if self.trainer.roll_saves is not None:
+            self.trainer.roll_saves.poll()  # publishes the pending checkpoint once every rank wrote it
         if reliability.STOP.requested():
             self.stopped_at = state.global_step
             control.should_training_stop = True

@@ -191,7 +191,7 @@ def summarize_log(records: list[dict], warmup: int) -> dict:
     return out
 
 
-def _read_log(output_dir: str) -> list[dict]:
+def read_log(output_dir: str) -> list[dict]:
     path = os.path.join(output_dir, "train_log.jsonl")
     if not os.path.isfile(path):
         return []
@@ -218,36 +218,46 @@ class CaseResult:
 
 def run_case(case: Case, options: BenchOptions, model_dir: str, data_path: str, root: str) -> CaseResult:
     output_dir = os.path.join(root, case.name)
-    os.makedirs(output_dir, exist_ok=True)
     recipe = case_recipe(case, options, model_dir, data_path, output_dir)
-    recipe_path = os.path.join(root, f"{case.name}.yaml")
+    result = CaseResult(case, "ok", rows_per_step=rows_per_step(case, options))
+    result.status, wall, peak = run_process(case, options, recipe, root, case.name)
+    result.command = " ".join(case_command(case, os.path.join(root, f"{case.name}.yaml"), output_dir))
+    result.peak_rss_gb = round(peak / 2**30, 3)
+    result.wall_s = round(wall, 1)
+    result.metrics = summarize_log(read_log(output_dir), options.warmup)
+    if result.status != "ok" or "tokens_per_second" not in result.metrics:
+        with open(os.path.join(root, f"{case.name}.log"), encoding="utf-8", errors="replace") as fh:
+            result.log_tail = fh.read()[-LOG_TAIL_CHARS:]
+        if result.status == "ok":
+            result.status = "failed (no timed steps in train_log.jsonl)"
+    return result
+
+
+def run_process(case: Case, options: BenchOptions, recipe: dict, root: str,
+                name: str) -> tuple[str, float, int]:
+    """Run ``recipe`` as ``case``'s runner (``ROOT/NAME.yaml``, log ``ROOT/NAME.log``): (status, wall seconds,
+    peak resident bytes of its process tree)."""
+    os.makedirs(recipe["output_dir"], exist_ok=True)
+    recipe_path = os.path.join(root, f"{name}.yaml")
     with open(recipe_path, "w", encoding="utf-8") as fh:
         json.dump(recipe, fh, indent=1)  # JSON is YAML
-    command = case_command(case, recipe_path, output_dir)
-    result = CaseResult(case, "ok", rows_per_step=rows_per_step(case, options), command=" ".join(command))
-    log_path = os.path.join(root, f"{case.name}.log")
+    command = case_command(case, recipe_path, recipe["output_dir"])
+    status = "ok"
     start = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(os.path.join(root, f"{name}.log"), "w", encoding="utf-8") as log:
         proc = subprocess.Popen(command, env=case_env(case, options), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         sampler = MemorySampler(proc.pid)
         try:
             code = proc.wait(timeout=options.timeout)
             if code != 0:
-                result.status = f"failed (exit {code})"
+                status = f"failed (exit {code})"
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)  # the case's own process group (torchrun and its ranks included)
             proc.wait()
-            result.status = f"timeout ({options.timeout:.0f} s)"
-        result.peak_rss_gb = round(sampler.stop() / 2**30, 3)
-    result.wall_s = round(time.perf_counter() - start, 1)
-    result.metrics = summarize_log(_read_log(output_dir), options.warmup)
-    if result.status != "ok" or "tokens_per_second" not in result.metrics:
-        with open(log_path, encoding="utf-8", errors="replace") as fh:
-            result.log_tail = fh.read()[-LOG_TAIL_CHARS:]
-        if result.status == "ok":
-            result.status = "failed (no timed steps in train_log.jsonl)"
-    return result
+            status = f"timeout ({options.timeout:.0f} s)"
+        peak = sampler.stop()
+    return status, time.perf_counter() - start, peak
 
 
 # ---- the whole run --------------------------------------------------------------------------------
@@ -257,6 +267,7 @@ def run_bench(options: BenchOptions) -> dict:
     """Prepare the model and data once, run every case and the conversion timings; returns the report."""
     from roll.bench import report as bench_report
     from roll.bench.convert import time_conversion
+    from roll.bench.saves import time_saves
 
     root = os.path.abspath(options.work_dir)
     os.makedirs(root, exist_ok=True)
@@ -281,6 +292,8 @@ def run_bench(options: BenchOptions) -> dict:
         peak["probes"] = [peak["flops"], end_peaks[name]["flops"]]
         peak["flops"] = max(peak["probes"])
     report["cases"] = bench_report.case_rows(results, model_config, report["peak_flops"])
+    runs = os.path.join(root, "runs")
+    report["saves"] = [] if options.no_saves else time_saves(options, model_dir, data_path, runs)
     report["conversion"] = [] if options.no_convert else time_conversion(model_dir, root, options.timeout)
     report["load_end"] = [round(x, 2) for x in os.getloadavg()]
     report["total_wall_s"] = round(time.perf_counter() - started, 1)

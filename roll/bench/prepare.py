@@ -57,6 +57,7 @@ class BenchOptions:
     json_out: str = ""
     markdown_out: str = ""
     no_convert: bool = False
+    no_saves: bool = False
     command: str = ""
 
 
@@ -87,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json-out", help="default: WORK_DIR/bench.json")
     p.add_argument("--markdown-out", help="default: docs/performance.md (WORK_DIR/bench.md with --quick)")
     p.add_argument("--no-convert", action="store_true", help="skip the conversion timings")
+    p.add_argument("--no-saves", action="store_true", help="skip the checkpoint-save timings (sync vs async)")
     return p
 
 
@@ -95,7 +97,8 @@ def parse_options(argv: list[str]) -> BenchOptions:
     opts = BenchOptions(quick=args.quick, full=args.full, device_kind=args.device_kind, data=args.data,
                         threads=args.threads, timeout=args.timeout,
                         dataloader_workers=args.dataloader_workers,
-                        work_dir=args.work_dir, no_convert=args.no_convert, only=args.only or (),
+                        work_dir=args.work_dir, no_convert=args.no_convert, no_saves=args.no_saves,
+                        only=args.only or (),
                         command=" ".join(["roll-bench", *argv]))
     if args.quick:
         opts.steps, opts.warmup, opts.seqs, opts.dtypes, opts.tokens_per_step = 2, 1, (64,), ("fp32",), 128

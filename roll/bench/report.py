@@ -151,6 +151,21 @@ def conversion_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def saves_table(rows: list[dict]) -> list[str]:
+    """Training time lost per checkpoint save, synchronous against asynchronous (``roll.bench.saves``)."""
+    if not rows:
+        return ["(saves not timed: --no-saves)"]
+    lines = ["| backend | saves | training s (steps 2-N) | lost per save s | async / sync "
+             "| step after a save, excess s | wall s | status |", "|" + "---|" * 8]
+    labels = {"none": "no saves", "sync": "save_async: false", "async": "save_async: true"}
+    for r in rows:
+        lines.append(f"| {r['runner']} ({labels[r['mode']]}) | {r['saves']} | {_num(r['train_s'], '.2f')} "
+                     f"| {_num(r.get('lost_per_save_s'), '.2f')} | {_num(r.get('vs_sync'), '.2f')} "
+                     f"| {_num(r.get('save_step_excess_s'), '.2f')} | {r['wall_s']:.0f} "
+                     f"| {r['status'][:80]} |")
+    return lines
+
+
 def render(report: dict) -> str:
     m, p = report["machine"], report.get("peak_flops", {})
     peaks = ", ".join(f"{k} {v['flops'] / 1e9:.0f} GFLOP/s ({v['source']})" for k, v in p.items())
@@ -167,6 +182,7 @@ def render(report: dict) -> str:
         f"- bf16: {'runs' if report['bf16']['supported'] else 'skipped'} ({report['bf16']['reason']})",
         f"- MFU peak: {peaks or '-'}", "",
         "#### Training", "", *cases_table(report["cases"]), "",
+        "#### Checkpoint saves", "", *saves_table(report.get("saves", [])), "",
         "#### Conversion", "", *conversion_table(report.get("conversion", [])), "", END]
     return "\n".join(lines) + "\n"
 

@@ -81,6 +81,8 @@ SCHEDULE = ("tests/distributed/test_mca_param_groups.py::"
             "test_weight_decay_and_an_hf_schedule_match_the_standard_backend")
 RESUME_MCA = "tests/distributed/test_mca_train.py::test_resume_reproduces_the_uninterrupted_run"
 RESUME_STD = "tests/unit/test_standard_train.py::test_resume_reproduces_the_uninterrupted_run"
+SAVE_ASYNC = ("tests/distributed/test_reliability.py::"
+              "test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does")
 MID_EVAL = "tests/distributed/test_mca_train.py::test_mid_run_eval_at_the_same_steps_with_the_same_eval_loss"
 LAYOUTS = "tests/distributed/test_mca_train.py::test_layouts_give_the_same_losses"
 LORA = "tests/distributed/test_mca_train.py::test_lora_trajectories_across_layouts_and_backends"
@@ -332,6 +334,8 @@ TRAINING_ROWS: tuple[Row, ...] = (
     _row("gpu_memory_gb", both=NoEffect("read by the planner (--plan) only")),
     _row("save_on_preemption", both=Honoured(
         "tests/distributed/test_reliability.py::test_sigterm_saves_a_checkpoint_exits_75_and_resumes")),
+    _row("save_async", standard=Honoured(SAVE_ASYNC, "synchronous under DeepSpeed / FSDP, which write their "
+                                                     "own files (warned once)"), mca=Honoured(SAVE_ASYNC)),
     _row("max_consecutive_skipped_steps", both=Honoured(
         "tests/distributed/test_reliability.py::test_nan_steps_are_skipped_counted_then_stop_the_run")),
 )

@@ -107,6 +107,14 @@ class TrainingArguments(HFTrainingFields):
     """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
     code 75 (EXIT_PREEMPTED); resume_from_checkpoint: true then continues. False: stop without saving."""
 
+    save_async: bool = True
+    """Write checkpoints in the background: the state is copied to host memory and training goes on while
+    the files are written (the mca backend: Megatron's asynchronous dist-checkpointing; the standard backend:
+    a writer thread). checkpoint-N becomes the latest only once complete, so a kill mid-write resumes from the
+    previous one. One copy at a time: a save, the final export and the end of training first finish the
+    pending one. Under DeepSpeed or FSDP (which write their own checkpoint files) saves stay synchronous.
+    False: every save blocks training until it is on disk."""
+
     max_consecutive_skipped_steps: int = 10
     """A step whose loss or grad norm is not finite is skipped (no update) and counted; after this many skips in
     a row the run stops with exit code 3, naming the step and its samples. 0: never stop."""

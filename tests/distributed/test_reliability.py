@@ -3,6 +3,9 @@
 - SIGKILL of every process at seeded random moments inside checkpoint saves (10 trials): each restart with
   ``resume_from_checkpoint: true`` finds a complete checkpoint, and the per-step losses of the whole
   chain equal an uninterrupted run's;
+- SIGKILL inside an asynchronous save (``save_async``, held open by a test hook): the run resumes from the
+  previous checkpoint, and resuming from a background-written or a synchronous checkpoint gives the same
+  losses;
 - SIGTERM to roll-train: every rank finishes its step, a checkpoint is written, exit code 75; resuming
   gives the uninterrupted run's losses;
 - a model whose loss is NaN: every step skipped and counted, then exit code 3 naming the step and samples;
@@ -45,10 +48,10 @@ def _args(model_dir: str, out: str, use_mca: bool, **extra) -> list[str]:
     return [f"{key}={value}" for key, value in keys.items()]
 
 
-def _start(args: list[str], log_path: str) -> subprocess.Popen:
+def _start(args: list[str], log_path: str, **env: str) -> subprocess.Popen:
     log = open(log_path, "a", encoding="utf-8")
-    return subprocess.Popen([sys.executable, "-m", "roll.cli", *args], cwd=REPO, env=clean_env(), stdout=log,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-m", "roll.cli", *args], cwd=REPO, env=clean_env(**env),
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 def _finish(proc: subprocess.Popen, log_path: str, timeout: float = TIMEOUT) -> tuple[int, str]:
@@ -119,6 +122,13 @@ def _losses(out: str) -> dict[int, float]:
             if "loss" in entry:
                 losses[entry["step"]] = entry["loss"]
     return losses
+
+
+def _records_per_step(out: str) -> dict[int, int]:
+    """step -> how many training records train_log.jsonl holds for it (a step after a resume: two)."""
+    with open(os.path.join(out, "train_log.jsonl"), encoding="utf-8") as fh:
+        steps = [entry["step"] for entry in map(json.loads, fh) if "loss" in entry]
+    return {step: steps.count(step) for step in set(steps)}
 
 
 STEPS = 40
@@ -221,6 +231,52 @@ def _kill_inside_the_first_save(start, out: str, log: str, attempts: int = 5) ->
         if inside:
             return
     raise AssertionError(f"no kill of {attempts} landed inside the first save")
+
+
+WRITE_DELAY = "4"
+"""Seconds every background checkpoint write is held (``roll.background_save``'s test hook) in the async test:
+longer than the tiny model's few steps between two saves, so the kill lands inside a write every time."""
+
+
+@pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])
+def test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does(tiny_model_dir, tmp_path, use_mca,
+                                                                   reference):
+    """``save_async`` (on by default), each background write held WRITE_DELAY s after its files are written:
+    training goes on while checkpoint-4.tmp is written (step 5 is logged before checkpoint-4 exists; a save
+    that blocked training could not do that), and a SIGKILL then leaves checkpoint-2 the latest. A chain of
+    the same command with ``resume_from_checkpoint: auto``: run 2 resumes from the background-written
+    checkpoint-2 and saves synchronously (``save_async: false``) at steps 4 and 6; run 3 resumes from that
+    synchronous checkpoint-6 to step 10. Every step's loss equals the uninterrupted run's: a checkpoint
+    written in the background holds what a synchronous one holds."""
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+
+    def args(max_steps: int, **extra) -> list[str]:
+        return _args(tiny_model_dir, out, use_mca, max_steps=max_steps, save_strategy="steps", save_steps=2,
+                     resume_from_checkpoint="auto", **extra)
+
+    def ckpt(name: str) -> bool:
+        return os.path.isdir(os.path.join(out, name))
+
+    def inside_the_second_save() -> bool:
+        return ckpt("checkpoint-4.tmp") and not ckpt("checkpoint-4") and _steps_logged(out) >= 5
+
+    proc = _start(args(10_000), log, ROLL_TEST_CHECKPOINT_WRITE_DELAY=WRITE_DELAY)
+    try:
+        assert wait_until(inside_the_second_save, TIMEOUT, 0.02), open(log).read()[-4000:]
+        for p in _tree(proc):
+            p.suspend()  # frozen, so what is on disk is what the kill leaves
+        assert ckpt("checkpoint-2") and not ckpt("checkpoint-4"), os.listdir(out)
+    finally:
+        _kill_tree(proc)
+    code, text = _finish(_start(args(6, save_async="false"), log), log)
+    assert code == 0, text[-4000:]
+    assert "checkpoint-4.tmp, left by a save that did not finish" in text
+    logged = _records_per_step(out)  # a resumed run appends to train_log.jsonl, a fresh one empties it
+    assert (logged[2], logged[3]) == (1, 2), f"run 2 did not continue from checkpoint-2: {logged}"
+    code, text = _finish(_start(args(10), log), log)
+    assert code == 0, text[-4000:]
+    assert ckpt("checkpoint-10") and not glob.glob(os.path.join(out, "checkpoint-*.tmp")), os.listdir(out)
+    _assert_same_losses(_losses(out), {step: loss for step, loss in reference(use_mca).items() if step <= 10})
 
 
 @pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])

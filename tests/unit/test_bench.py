@@ -97,6 +97,22 @@ def _report(status: str = "ok") -> dict:
             "cases": bench_report.case_rows([result], {}, {}), "conversion": []}
 
 
+def test_time_lost_per_save_is_the_difference_to_the_run_without_saves_per_save_in_the_span():
+    from roll.bench import saves
+
+    records = [{"step": s, "loss": 1.0, "step_time": 1.0 + (s == 4) * 3 + (s == 7) * 5} for s in range(1, 10)]
+    assert saves.saves_in_span() == 2  # after steps 3 and 6; the one after the last step is outside
+    assert saves.training_seconds(records) == 8 + 3 + 5  # steps 2..9; step 1's start-up left out
+    assert saves.training_seconds(records[:-1]) is None  # a step missing: no number rather than a wrong one
+    assert saves.save_step_excess(records) == (3 + 5) / 2  # steps 4 and 7 against the others' median (1.0)
+    rows = [{"runner": "mca", "mode": m, "train_s": t} for m, t in (("none", 8.0), ("sync", 16.0), ("async", 9.0))]
+    rows = {r["mode"]: r for r in saves.lost_per_save(rows)}
+    assert rows["sync"]["lost_per_save_s"] == 4.0 and rows["async"]["lost_per_save_s"] == 0.5
+    assert rows["async"]["vs_sync"] == 0.12 and "lost_per_save_s" not in rows["none"]
+    recipe = saves.save_recipe({"max_steps": 5, "save_strategy": "no"}, "async")
+    assert (recipe["max_steps"], recipe["save_steps"], recipe["save_async"]) == (9, 3, True)
+
+
 def test_rerun_replaces_its_block_and_keeps_the_rest_of_the_page(tmp_path):
     page = tmp_path / "performance.md"
     page.write_text("# Performance\n\n## Metrics in every log line\n\nkept\n")
@@ -113,8 +129,8 @@ def test_rerun_replaces_its_block_and_keeps_the_rest_of_the_page(tmp_path):
 def test_roll_bench_quick_runs_two_cases_and_writes_both_files(tmp_path):
     """The plain-HF baseline and the standard backend train the same model on the same rows: same losses."""
     cases = "hf-1p-fp32-s64-nopack,standard-1p-fp32-s64-nopack"
-    cmd = [sys.executable, "-m", "roll.bench.cli", "--quick", "--only", cases, "--no-convert", "--threads", "1",
-           "--work-dir", str(tmp_path / "w"), "--markdown-out", str(tmp_path / "perf.md")]
+    cmd = [sys.executable, "-m", "roll.bench.cli", "--quick", "--only", cases, "--no-convert", "--no-saves",
+           "--threads", "1", "--work-dir", str(tmp_path / "w"), "--markdown-out", str(tmp_path / "perf.md")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

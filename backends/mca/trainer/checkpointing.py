@@ -36,7 +36,7 @@ from backends.mca.checkpoint import sharded_model_state_dict, user_errors_of
 from backends.mca.models.config import MCA_CONFIG_NAME
 from backends.mca.models.unwrap import unwrap_model
 from backends.mca.trainer.optim import use_fast_adam
-from roll import checkpoints, redact, resume_record, unpickle
+from roll import background_save, checkpoints, redact, resume_record, unpickle
 from roll.errors import ConfigError, ModelError
 from roll.logging import log_rank0
 
@@ -63,33 +63,101 @@ class TrainerState:
 
 
 def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: TrainerState, model_config,
-         keep: int | None = None, arguments: dict | None = None, dataset=None) -> str:
+         keep: int | None = None, arguments: dict | None = None, dataset=None,
+         background: AsyncSaves | None = None) -> str:
     """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``.
     ``arguments``: the run's, written as training_args.json with secrets redacted (``roll.redact``);
-    ``dataset``: the training set, recorded with the position for the resume check (``roll.resume_record``)."""
+    ``dataset``: the training set, recorded with the position for the resume check (``roll.resume_record``).
+    ``background`` (``save_async``): the weights and optimizer state are written by Megatron's forked writer
+    while training goes on, and the checkpoint is published by ``background.poll`` / ``wait`` once every
+    rank's writer finished; the returned path exists from then on."""
     from megatron.core import dist_checkpointing
 
     start = time.perf_counter()
-    with checkpoints.publishing(output_dir, state.global_step, is_writer=dist.get_rank() == 0,
-                                keep=keep) as tmp:
-        dist_checkpointing.save(_sharded_state(chunks, optimizer, state.lora, is_loading=False), tmp)
-        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
-        if dist.get_rank() == 0:
-            with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
-                json.dump(dataclasses.asdict(state), fh, indent=2)
-            model_config.save_pretrained(tmp)
-            if arguments is not None:
-                redact.save_arguments(arguments, tmp)
-            if dataset is not None:
-                resume_record.write(tmp, dataset, dataset_spec=(arguments or {}).get("data", {}).get("dataset"),
-                                    global_step=state.global_step, global_batch_size=state.global_batch_size,
-                                    skipped_steps=state.skipped_steps, consumed=state.consumed_samples)
-            if state.lora:
-                _write_adapter_config(chunks, tmp)
-    final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
-    log_rank0(logger, "saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
+    is_writer = dist.get_rank() == 0
+    sharded = _sharded_state(chunks, optimizer, state.lora, is_loading=False)
+    if background is None:
+        with checkpoints.publishing(output_dir, state.global_step, is_writer=is_writer, keep=keep) as tmp:
+            dist_checkpointing.save(sharded, tmp)
+            _write_small_files(tmp, chunks, state, model_config, arguments, dataset)
+        final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
+        log_rank0(logger, "saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
+        return final
+    background.wait()  # one host copy at a time
+    tmp = checkpoints.open_staging(output_dir, state.global_step, is_writer=is_writer)
+    request = dist_checkpointing.save(sharded, tmp, async_sharded_save=True)
+    _write_small_files(tmp, chunks, state, model_config, arguments, dataset)
+    final = background.schedule(request, output_dir, state.global_step, keep=keep, started=start)
+    log_rank0(logger, "writing checkpoint %s in the background (training waited %.1fs)", final,
+              time.perf_counter() - start)
     return final
+
+
+def _write_small_files(tmp: str, chunks, state: TrainerState, model_config, arguments: dict | None,
+                       dataset) -> None:
+    """Everything of a checkpoint but the sharded weights and optimizer state: RNG (each rank), and on rank 0
+    the trainer state, model config, arguments, resume record and (LoRA) adapter config."""
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{dist.get_rank()}.pt"))
+    if dist.get_rank() != 0:
+        return
+    with open(os.path.join(tmp, STATE_FILE), "w", encoding="utf-8") as fh:
+        json.dump(dataclasses.asdict(state), fh, indent=2)
+    model_config.save_pretrained(tmp)
+    if arguments is not None:
+        redact.save_arguments(arguments, tmp)
+    if dataset is not None:
+        resume_record.write(tmp, dataset, dataset_spec=(arguments or {}).get("data", {}).get("dataset"),
+                            global_step=state.global_step, global_batch_size=state.global_batch_size,
+                            skipped_steps=state.skipped_steps, consumed=state.consumed_samples)
+    if state.lora:
+        _write_adapter_config(chunks, tmp)
+
+
+class AsyncSaves:
+    """``save_async`` on the mca backend: Megatron's ``AsyncCallsQueue`` (megatron.core 0.16.1) runs each
+    save's write in a forked process (the fork is the host snapshot on CPU; on a GPU the tensors are copied
+    to host memory first) and, once every rank's writer finished, its finalize steps on the main thread:
+    Megatron's metadata, then roll's publish (``roll.checkpoints.complete``). At most one save is pending."""
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._queue = AsyncCallsQueue(persistent=False)
+
+    def schedule(self, request, output_dir: str, step: int, keep: int | None, started: float) -> str:
+        """Start ``request`` (``dist_checkpointing.save(..., async_sharded_save=True)``'s); returns the path
+        the checkpoint will have once published."""
+        if request.async_fn is not None and os.environ.get(background_save.TEST_WRITE_DELAY_ENV):
+            request = request._replace(async_fn=_after_test_delay(request.async_fn))
+        tmp = os.path.join(output_dir, f"{checkpoints.PREFIX}{step}.tmp")
+
+        def publish() -> None:
+            checkpoints.fsync_tree(tmp)  # the writer fsynced its files; these are the main thread's
+            final = checkpoints.complete(output_dir, step, is_writer=dist.get_rank() == 0, keep=keep,
+                                         flush=False)
+            log_rank0(logger, "saved checkpoint %s in the background in %.1fs", final,
+                      time.perf_counter() - started)
+
+        request.add_finalize_fn(publish)
+        self._queue.schedule_async_request(request)
+        return os.path.join(output_dir, f"{checkpoints.PREFIX}{step}")
+
+    def poll(self) -> None:
+        """Collective, after every step: publish the pending checkpoint if every rank's writer finished."""
+        self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Collective: finish and publish the pending checkpoint (before a save, the export, the end)."""
+        self._queue.maybe_finalize_async_calls(blocking=True)
+
+
+def _after_test_delay(write):
+    def delayed(*args, **kwargs):
+        background_save.test_write_delay()
+        write(*args, **kwargs)
+
+    return delayed
 
 
 def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: TrainerState) -> TrainerState:

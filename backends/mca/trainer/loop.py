@@ -92,6 +92,8 @@ class MegatronTrainer:
                                                 layout=self._layout_dict(),
                                                 distributed_optimizer=megatron_args.use_distributed_optimizer,
                                                 lora=getattr(chunks[0], "lora_spec", None) is not None)
+        self._background = checkpointing.AsyncSaves() if training.save_async else None
+        """``save_async``: the pending checkpoint write, polled after every step."""
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -126,6 +128,8 @@ class MegatronTrainer:
                                   self.plan.step_samples(self.state.global_step - 1, len(dataset)))
                 window.append(stats)
                 writer.step_done()
+                if self._background is not None:
+                    self._background.poll()  # publishes the pending checkpoint once every rank wrote it
                 step = self.state.global_step
                 if step % every(t.logging_steps, total) == 0 or step == total:
                     writer.log(step, self._log_record(window, len(dataset)))
@@ -136,6 +140,7 @@ class MegatronTrainer:
                     self.evaluate(eval_dataset, collator, writer)
                 if self._should_save(step, total, len(dataset)):
                     self._save()
+            self._finish_saves()
         finally:
             writer.close()
         sync_params(self.chunks)  # the final eval and the HF export read the last update's weights
@@ -151,7 +156,15 @@ class MegatronTrainer:
         sync_params(self.chunks)
         return checkpointing.save(self.training.output_dir, self.chunks, self.optimizer, self.state,
                                   self.model_config, keep=self.training.save_total_limit,
-                                  arguments=getattr(self, "arguments", None), dataset=self._train_dataset)
+                                  arguments=getattr(self, "arguments", None), dataset=self._train_dataset,
+                                  background=self._background)
+
+    def _finish_saves(self) -> None:
+        """Publish the checkpoint still being written (``save_async``): at the end of training, before the
+        export, and before a preempted run exits. Collective."""
+        if self._background is not None:
+            reliability.set_activity("finishing the checkpoint written in the background")
+            self._background.wait()
 
     def _stop_on_signal(self, window: list[StepStats], writer: MetricsWriter, num_samples: int) -> None:
         """Log the steps since the last log, save (``save_on_preemption``), raise ``Preempted``."""
@@ -162,6 +175,7 @@ class MegatronTrainer:
         where = "no checkpoint written (save_on_preemption is false)"
         if self.training.save_on_preemption:
             where = f"checkpoint written to {self._save()}; resume_from_checkpoint: true continues from it"
+        self._finish_saves()
         raise Preempted(f"stopped by {reliability.STOP.name} after step {step}: {where}.")
 
     def _train_step(self, dataset, collator, schedule: LRSchedule) -> StepStats:
