@@ -43,7 +43,7 @@ time the copy is written (a writer that read them instead of the copy would writ
 set in real runs (a warning says so when it is); it only delays, it changes nothing that is written."""
 
 
-def test_write_delay() -> None:
+def delay_writes_for_tests() -> None:
     """Sleep ``ROLL_TEST_CHECKPOINT_WRITE_DELAY`` seconds when the variable is set (see its docstring)."""
     value = os.environ.get(TEST_WRITE_DELAY_ENV)
     if value:
@@ -110,7 +110,7 @@ class BackgroundSaves:
 
         def run() -> None:
             try:
-                test_write_delay()
+                delay_writes_for_tests()
                 for write in writes:
                     write()
                 checkpoints.fsync_tree(staging)

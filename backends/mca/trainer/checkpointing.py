@@ -154,7 +154,7 @@ class AsyncSaves:
 
 def _after_test_delay(write):
     def delayed(*args, **kwargs):
-        background_save.test_write_delay()
+        background_save.delay_writes_for_tests()
         write(*args, **kwargs)
 
     return delayed
