@@ -117,7 +117,8 @@ def batch_major_logits(model: torch.nn.Module) -> None:
     logits' size inside its matmul), it returns ``[b, s, V/tp]`` memory, handed back as the ``[s, b, V/tp]``
     view GPTModel expects. Left as built where the layout matters to the layer: sequence parallelism
     (it gathers along s), deferred embedding wgrad (it keeps the layer's inputs), multi-token prediction
-    (it reads the logits in ``[s, b]`` order).
+    (it reads the logits in ``[s, b]`` order). A forward given ``labels`` (Megatron's own loss, which views
+    the logits as ``[s * b, V]``) gets them copied to ``[s, b]`` memory first, as before.
     """
     layer = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
     config = model.config
@@ -132,6 +133,13 @@ def batch_major_logits(model: torch.nn.Module) -> None:
         return logits.transpose(0, 1), bias  # [s, b, V/tp], a view of [b, s, V/tp]
 
     layer.forward = forward_batch_major
+    loss = model.compute_language_model_loss
+
+    def loss_of_contiguous_logits(labels, logits):
+        # Megatron's own loss (a forward given labels) views the logits as [s * b, V/tp]: give it [s, b] memory
+        return loss(labels, logits.contiguous())
+
+    model.compute_language_model_loss = loss_of_contiguous_logits
 
 
 def _check_offset(model: torch.nn.Module, place: Placement, stage: int) -> None:
