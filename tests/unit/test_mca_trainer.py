@@ -142,10 +142,11 @@ def test_model_inputs_thd_and_context_parallel_slices():
     assert plain["padding_mask"] is None  # no attention_mask: every token counts in the MoE balancing loss
     padded = {"input_ids": torch.arange(8).reshape(1, 8), "labels": torch.zeros(1, 8),
               "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])}
-    cp = model_inputs(padded, torch.device("cpu"), cp_size=2, cp_rank=0)
+    cp = model_inputs(padded, torch.device("cpu"), cp_size=2, cp_rank=0, moe=True)
     assert cp["padding_mask"].tolist() == [[False, False, True, True]]  # true at padding, sliced like the tokens
+    assert model_inputs(padded, torch.device("cpu"))["padding_mask"] is None  # a dense model reads no mask
     padded["attention_mask"][:] = 0  # a filler micro-batch: no mask, Megatron's loss would divide by 0
-    assert model_inputs(padded, torch.device("cpu"))["padding_mask"] is None
+    assert model_inputs(padded, torch.device("cpu"), moe=True)["padding_mask"] is None
 
 
 def _adam_steps(base: torch.optim.Optimizer, grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:

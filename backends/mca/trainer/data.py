@@ -126,7 +126,7 @@ def pad_to_length(batch: dict[str, torch.Tensor], length: int, pad_token_id: int
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: int = 1,
-                 cp_rank: int = 0) -> dict[str, Any]:
+                 cp_rank: int = 0, *, moe: bool = False) -> dict[str, Any]:
     """A collated (shifted) batch -> GPTModel keyword inputs for this context-parallel rank.
 
     - plain rows ``[B, L]``: causal attention needs no mask (right padding is never attended to by
@@ -135,15 +135,17 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
       ``PackedSeqParams`` (every packed sample its own causal segment);
     - context parallelism: every sequence (every packed segment) is cut into ``2 * cp`` chunks and
       this rank keeps chunks ``cp_rank`` and ``2*cp-1-cp_rank`` (Megatron's load balancing);
-    - ``padding_mask`` (true at padding, from ``attention_mask``): MoE routers leave those tokens out of the
-      load-balancing loss, as the standard backend does (``roll.loss.load_balancing_loss``). Not given for a
-      micro-batch of padding only (a filler one at an uneven end), where Megatron's loss would divide by 0.
+    - ``padding_mask`` (true at padding, from ``attention_mask``), for an MoE model (``moe``): its routers leave
+      those tokens out of the load-balancing loss, as the standard backend does
+      (``roll.loss.load_balancing_loss``). Not given for a micro-batch of padding only (a filler one at an
+      uneven end), where Megatron's loss would divide by 0, nor to a dense model (nothing reads it; finding
+      a filler batch is a host read).
     """
     from backends.mca.attention import cp_token_index
 
     input_ids, labels = batch["input_ids"], batch["labels"]
     padding = batch.get("attention_mask")
-    padding = None if padding is None or not padding.any() else padding == 0
+    padding = None if padding is None or not moe or not padding.any() else padding == 0
     params = None
     if "cu_seqlens" in batch:
         from megatron.core.packed_seq_params import PackedSeqParams

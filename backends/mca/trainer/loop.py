@@ -211,7 +211,8 @@ class MegatronTrainer:
         if self.layout.pp > 1:  # the pipeline sends one activation shape per step
             length = max(batch["input_ids"].shape[-1] for batch in batches)
             batches = [pad_to_length(batch, length, self.pad_token_id) for batch in batches]
-        micro = [model_inputs(batch, self.device, self.cp_size, self.cp_rank) for batch in batches]
+        moe = bool(self.model_config.num_moe_experts)
+        micro = [model_inputs(batch, self.device, self.cp_size, self.cp_rank, moe=moe) for batch in batches]
         seq_length = micro[0]["input_ids"].shape[1] * self.cp_size
         self.objective.prepare(micro, seq_length)
         return run_schedule(self.chunks, micro, self._forward_step, forward_only=forward_only, seq_length=seq_length)
