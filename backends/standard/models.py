@@ -197,7 +197,8 @@ def moe_aux_coefficient(model: nn.Module, recipe_coeff: float | None, stage: str
     ``moe_aux_loss_coeff``, else the model config's ``router_aux_loss_coef`` (Megatron's default too); 0 for a
     dense model. DPO trains without it here (one warning when it would apply): see docs/mca-training.md."""
     config = model.config.get_text_config()
-    if not hasattr(config, "router_aux_loss_coef") or not hasattr(config, "output_router_logits"):
+    if not hasattr(config, "router_aux_loss_coef") or not hasattr(config, "output_router_logits") or \
+            not _has_routers(model):
         return 0.0
     coeff = float(config.router_aux_loss_coef if recipe_coeff is None else recipe_coeff)
     if stage == "dpo" and coeff:
@@ -206,3 +207,17 @@ def moe_aux_coefficient(model: nn.Module, recipe_coeff: float | None, stage: str
                           "on both backends.")
         return 0.0
     return coeff
+
+
+def _has_routers(model: nn.Module) -> bool:
+    """Whether the model holds a router whose logits transformers records (``_can_record_outputs``). A config
+    can name MoE keys for a model whose layers are all dense (e.g. a shallow Flint or DeepSeek-V4: the first
+    layers are dense), and asking such a model for ``output_router_logits`` fails inside transformers on the
+    empty tuple. Model code that declares no recorder (older or remote code) is trusted to have routers."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    recorder = (getattr(base, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", recorder)
+    if not isinstance(target, type):
+        return True
+    return any(isinstance(module, target) for module in base.modules())
+
