@@ -1,8 +1,10 @@
 """Core attention for the local (non-TE) spec that also handles packed sequences and CP.
 
 Megatron's ``DotProductAttention`` asserts on both: context parallelism ("only supported by
-TEDotProductAttention") and packed THD sequences. ``LocalCoreAttention`` keeps its exact code path
-for plain batches and otherwise runs SDPA with an explicit mask built from *global token indices*:
+TEDotProductAttention") and packed THD sequences. ``LocalCoreAttention`` runs PyTorch's SDPA: with its
+fused causal kernel for roll's plain batches (causal, no mask: right padding cannot reach a real token),
+the parent's code for any other plain-batch mask, and with an explicit mask built from *global token
+indices* for packed sequences and CP:
 
 - every local token has an index into the full (unsplit) sequence or pack. With CP, rank ``r``
   holds Megatron's load-balanced chunks ``r`` and ``2*cp-1-r`` of each sequence (of the whole
@@ -97,7 +99,14 @@ class LocalCoreAttention(DotProductAttention):
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None,
                 packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if packed_seq_params is None and self.cp_group is None:
+            if (attention_mask is None and attention_bias is None and self.softmax_offset is None
+                    and mask_type == AttnMaskType.causal):
+                # roll's batches (right-padded, causal): SDPA's fused causal kernel instead of the parent's
+                # baddbmm + masked softmax + bmm over a materialised [b, h, s, s] score tensor.
+                out = self._sdpa(query, key, value, allowed=None)
+                return out.reshape(out.shape[0], out.shape[1], -1)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if attention_bias is not None or self.softmax_offset is not None:
             raise ValueError("LocalCoreAttention supports neither attention_bias nor softmax offsets with packed "
@@ -107,7 +116,6 @@ class LocalCoreAttention(DotProductAttention):
             raise ValueError(f"packed sequences must use qkv_format 'thd', got {packed_seq_params.qkv_format!r}.")
         if packed:  # [t, h, d] -> [t, 1, h, d]: one code path for both layouts
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"LocalCoreAttention handles causal attention only with packed sequences or context "
                              f"parallelism; got attn_mask_type {mask_type.name}.")
@@ -145,7 +153,8 @@ class LocalCoreAttention(DotProductAttention):
         return allowed
 
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              allowed: torch.Tensor) -> torch.Tensor:
+              allowed: Optional[torch.Tensor]) -> torch.Tensor:
+        """SDPA over [s, b, h, d] inputs; ``allowed`` None means plain causal attention."""
         rep = query.shape[2] // key.shape[2]
         if rep > 1:  # GQA: [sk, b, ng, d] -> [sk, b, np, d]
             key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
@@ -155,5 +164,5 @@ class LocalCoreAttention(DotProductAttention):
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if not self.config.sequence_parallel else nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
-                                                 scale=self.sdpa_scale)
+                                                 is_causal=allowed is None, scale=self.sdpa_scale)
         return out.permute(2, 0, 1, 3)  # [sq, b, h, dv]
