@@ -104,7 +104,7 @@ def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
 def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         return model.eval()(input_ids=input_ids).logits
 
