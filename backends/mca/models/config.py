@@ -97,6 +97,11 @@ class McaModelConfig(TransformerConfig):
             raise ConfigError(f"expert_model_parallel_size({ep}) > 1 but the model has no experts. Set it to 1.")
         if experts and experts % ep:
             raise ConfigError(f"expert_model_parallel_size({ep}) does not divide num_moe_experts({experts}).")
+        if experts and self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff:
+            raise ConfigError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}: model_type {self.hf_model_type!r} has no "
+                              "load-balancing loss (it balances its experts with the router's score-correction "
+                              "bias, and its HF implementation computes none). Set moe_aux_loss_coeff: 0 (or leave "
+                              "it out).")
         # The sequence-parallel rule is applied once, by ParallelLayout (parallel_overrides passes the
         # resolved value); here a config built by hand must already obey it.
         if self.sequence_parallel and tp == 1:
@@ -110,6 +115,14 @@ class McaModelConfig(TransformerConfig):
         """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by * TP``."""
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global decoder layer ``layer`` (from 0) has experts (``moe_layer_freq``: every N-th layer, or
+        a 0/1 list such as DeepSeek's and GLM's dense first layers)."""
+        if not self.num_moe_experts:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
 
     @property
     def num_layers_per_chunk(self) -> int:
