@@ -65,10 +65,11 @@ MUTANTS: list[Mutant] = [
            "self.global_batch_size - 1}.get(j, j) for j in range(first, first + self.micro_batch_size))])",
            (f"{MCA_UNIT}::test_batch_plan_docstring_example",), fast=True),
     Mutant("moe_aux_coeff_times_tp", "MoE aux-loss coefficient multiplied by the TP size",
-           "backends/mca/models/config.py", "        kwargs.update(overrides)\n        return cls(**kwargs)",
+           "backends/mca/models/config.py",
+           "        kwargs.update(overrides)\n        return _CONFIG_CLASSES[template.config_class](**kwargs)",
            "        kwargs.update(overrides)\n        if kwargs.get('moe_aux_loss_coeff'):\n"
            "            kwargs['moe_aux_loss_coeff'] *= kwargs.get('tensor_model_parallel_size', 1)\n"
-           "        return cls(**kwargs)",
+           "        return _CONFIG_CLASSES[template.config_class](**kwargs)",
            ("tests/unit/test_mca_models.py::test_moe_aux_loss_coefficient_is_hf_router_aux_loss_coef_at_any_tp",),
            fast=True),
     Mutant("dense_stage_refuses_moe_weights", "mca: a pipeline stage of dense first layers only (GLM-4.5, DeepSeek-V3 "
@@ -82,6 +83,12 @@ MUTANTS: list[Mutant] = [
            'value = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor"))',
            'value = hf.get("partial_rotary_factor")',
            (f"{GLM_UNIT}::test_config_maps_partial_rotary_dense_first_layers_and_sigmoid_routing",), fast=True),
+    Mutant("yarn_mscale_all_dim_dropped", "deepseek_v3: YaRN's mscale_all_dim not passed to Megatron (its softmax "
+           "scale and RoPE magnitude then differ from HF's)", "backends/mca/models/templates/deepseek_v3.py",
+           "out.update(mscale=float(mscale), mscale_all_dim=float(all_dim))",
+           "out.update(mscale=float(mscale), mscale_all_dim=0.0)",
+           ("tests/unit/test_mca_deepseek_v3.py::test_config_maps_latent_attention_yarn_groups_and_dense_first_layers",),
+           fast=True),
     Mutant("lora_scaling_sqrt_rank_mca", "mca LoRA scaled by alpha/sqrt(r) (rsLoRA) instead of alpha/r",
            "backends/mca/lora/layers.py", "alpha / rank, rank, True", "alpha / rank ** 0.5, rank, True",
            ("tests/unit/test_mca_lora_utils.py::test_lora_output_is_base_plus_alpha_over_rank_times_b_a",),

@@ -276,6 +276,22 @@ def _patch_expert_bias_padding_mask() -> None:
     TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
+def _mla_sees_mock_te() -> bool:
+    """megatron-core 0.16.1 imports TE's classes for multi-latent attention inside a ``try`` that succeeds without
+    TE, with mocks in their place; it then sets ``HAVE_TE`` and calls ``isinstance(..., TELinear)`` on a mock."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    return mla.HAVE_TE and not isinstance(mla.TELinear, type)
+
+
+def _patch_mla_without_te() -> None:
+    """Multi-latent attention (DeepSeek-V3) without Transformer Engine: ``HAVE_TE`` false in its module, so it
+    builds with the local spec instead of raising ``TypeError`` from ``isinstance`` on the mock."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 class _NoOpEvent:
     def wait(self, *args, **kwargs) -> None: ...
     def synchronize(self) -> None: ...
@@ -404,6 +420,9 @@ _PATCHES: tuple[_Patch, ...] = (
            "megatron-core's local multi_tensor_scale scales in place (not as of 0.16.1)", uses_local_multi_tensor_scale),
     _Patch("expert_bias_padding_mask", _patch_expert_bias_padding_mask,
            "TopKRouter._apply_expert_bias broadcasts the padding mask per token (not as of 0.16.1)", _always),
+    _Patch("mla_without_te", _patch_mla_without_te,
+           "multi_latent_attention imports TE's classes only when TE is installed (not as of 0.16.1)",
+           _mla_sees_mock_te),
     _Patch("restricted_checkpoint_reads", patch_restricted_checkpoint_reads,
            "torch.distributed.checkpoint unpickles .metadata and bytes entries with an allow-list", _always),
 )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from roll.config.layout import check_num_layers
 from roll.errors import ConfigError, ModelError
@@ -154,8 +155,10 @@ class McaModelConfig(TransformerConfig):
         data = {**data, **overrides}
         config_class = data.pop("config_class", cls.__name__)
         if config_class != cls.__name__:
+            if cls is McaModelConfig and config_class in _CONFIG_CLASSES:
+                return _CONFIG_CLASSES[config_class].from_dict(data)
             raise ModelError(f"{MCA_CONFIG_NAME} was written for {config_class}; this version of roll only builds "
-                             f"{cls.__name__}.")
+                             f"{', '.join(_CONFIG_CLASSES)}.")
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(names))
         if unknown:
@@ -189,11 +192,22 @@ class McaModelConfig(TransformerConfig):
         model_type = hf_config.get("model_type")
         if not model_type:
             raise ModelError("the HF config has no 'model_type': cannot pick a conversion template.")
-        kwargs = get_template(model_type).mca_config_kwargs(hf_config)
+        template = get_template(model_type)
+        kwargs = template.mca_config_kwargs(hf_config)
         verbatim = json.loads(json.dumps(hf_config))  # JSON-normalised (e.g. int keys of id2label)
         kwargs.update(hf_model_type=model_type, hf_config=verbatim, use_cpu_initialization=True)
         kwargs.update(overrides)
-        return cls(**kwargs)
+        return _CONFIG_CLASSES[template.config_class](**kwargs)
+
+
+@dataclass
+class McaMLAModelConfig(McaModelConfig, MLATransformerConfig):
+    """``McaModelConfig`` of a multi-latent-attention model (DeepSeek-V3): Megatron's MLA fields too (q/kv LoRA
+    ranks, the RoPE and non-RoPE head parts, YaRN). Megatron builds MLA from the config's class."""
+
+
+_CONFIG_CLASSES = {cls.__name__: cls for cls in (McaModelConfig, McaMLAModelConfig)}
+"""The config classes a template may name (``Template.config_class``), by the name mca_config.json records."""
 
 
 def parallel_overrides(megatron: MegatronArguments | None = None, *, bf16: bool = False,
