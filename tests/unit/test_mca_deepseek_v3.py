@@ -55,3 +55,12 @@ def test_config_maps_latent_attention_yarn_groups_and_dense_first_layers():
 def test_configs_megatron_computes_differently_are_refused(overrides, field):
     with pytest.raises(ModelError, match=field):
         McaModelConfig.from_hf(_hf(**overrides))
+
+
+def test_transformer_engine_is_refused_naming_the_key():
+    """TE's MLA fuses the q/kv norms into the up-projections and duplicates the down-projections on every TP
+    rank: names and placements the loader does not map yet, so a clear error instead of a wrong load."""
+    from roll.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="transformer_impl: local"):
+        McaModelConfig.from_hf(_hf(), transformer_impl="transformer_engine")
