@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.mca
@@ -64,3 +65,23 @@ def test_transformer_engine_is_refused_naming_the_key():
 
     with pytest.raises(ConfigError, match="transformer_impl: local"):
         McaModelConfig.from_hf(_hf(), transformer_impl="transformer_engine")
+
+
+def test_lora_on_latent_attention_is_refused_on_mca():
+    """The MLA projections have no LoRA mapping yet: 'all' would adapt only o_proj and the MLPs on mca, all of
+    q_a/q_b/kv_a/kv_b too on the standard backend: refused, not trained differently."""
+    from backends.mca.lora.utils import resolve_lora_targets
+    from roll.errors import ConfigError
+
+    TELinear = type("TELinear", (torch.nn.Module,), {})  # a parallel linear, as lora.utils recognises TE's by name
+    attention = torch.nn.Module()
+    for name in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"):
+        attention.add_module(name, TELinear())
+    layer = torch.nn.Module()
+    layer.add_module("self_attention", attention)
+    model = torch.nn.Module()
+    model.add_module("decoder", torch.nn.Module())
+    model.decoder.add_module("layers", torch.nn.ModuleList([layer]))
+    for targets in ("all", ["o_proj"]):
+        with pytest.raises(ConfigError, match="linear_kv_down_proj.*finetuning_type: full"):
+            resolve_lora_targets(model, targets)
