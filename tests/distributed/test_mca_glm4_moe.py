@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from roll.launch import free_port
 from tests.bounds import assert_within
 from tests.distributed.test_mca_conversion import (_assert_exported_like, _read_weights, logit_comparisons,
                                                    randomized, run_cases)
@@ -39,3 +40,19 @@ def test_glm4_moe_logits_tp1_tp2_pp2_ep2_and_round_trip(tiny_model_factory, tmp_
     _assert_exported_like(hf, out_pp2)
     _assert_exported_like(hf, out_tp2)
     assert_within(logit_comparisons(res))
+
+
+def test_bf16_training_keeps_the_fp32_correction_bias(tiny_model_factory, tmp_path):
+    """Float16Module casts every buffer to bf16; Megatron casts the expert bias back to fp32 in the forward, with
+    the rounding kept (1.6e-4 here): the mca trainer's wrap puts the loaded fp32 values back, as HF keeps them."""
+    import os
+    import sys
+
+    from tests.helpers import REPO, output_of, results, run
+
+    hf = randomized(tiny_model_factory("glm4_moe", num_layers=3), str(tmp_path / "glm4_moe"))
+    worker = os.path.join(REPO, "tests", "distributed", "_mca_workers", "bf16_expert_bias.py")
+    proc = run([sys.executable, worker, hf], timeout=180, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    assert proc.returncode == 0, output_of(proc)
+    assert results(proc.stdout) == [{"exact": True, "layers": [1, 2], "dtypes": ["torch.float32"]}], output_of(proc)
