@@ -21,6 +21,7 @@ HF_ARGS = "backends/standard/hf_args.py"
 TRAINERS = "backends/standard/trainers.py"
 
 MCA_UNIT = "tests/unit/test_mca_trainer.py"
+GLM_UNIT = "tests/unit/test_mca_glm4_moe.py"
 LOSS_UNIT = "tests/unit/test_loss.py"
 STD_UNIT = "tests/unit/test_standard_train.py"
 PARITY_TP1 = "tests/distributed/test_parity_tool.py::test_tp1_on_one_process_matches_the_standard_backend"
@@ -64,11 +65,29 @@ MUTANTS: list[Mutant] = [
            "self.global_batch_size - 1}.get(j, j) for j in range(first, first + self.micro_batch_size))])",
            (f"{MCA_UNIT}::test_batch_plan_docstring_example",), fast=True),
     Mutant("moe_aux_coeff_times_tp", "MoE aux-loss coefficient multiplied by the TP size",
-           "backends/mca/models/config.py", "        kwargs.update(overrides)\n        return cls(**kwargs)",
+           "backends/mca/models/config.py",
+           "        kwargs.update(overrides)\n        return _CONFIG_CLASSES[template.config_class](**kwargs)",
            "        kwargs.update(overrides)\n        if kwargs.get('moe_aux_loss_coeff'):\n"
            "            kwargs['moe_aux_loss_coeff'] *= kwargs.get('tensor_model_parallel_size', 1)\n"
-           "        return cls(**kwargs)",
+           "        return _CONFIG_CLASSES[template.config_class](**kwargs)",
            ("tests/unit/test_mca_models.py::test_moe_aux_loss_coefficient_is_hf_router_aux_loss_coef_at_any_tp",),
+           fast=True),
+    Mutant("dense_stage_refuses_moe_weights", "mca: a pipeline stage of dense first layers only (GLM-4.5, DeepSeek-V3 "
+           "at PP > 1) calls the MoE layers' checkpoint tensors unused and refuses to load",
+           "backends/mca/models/loader.py",
+           "return kind == moe if kind is not None else pattern in layer_patterns[not moe]", "return False",
+           (f"{GLM_UNIT}::test_a_stage_of_dense_layers_only_loads_and_mtp_layers_are_left_out_saying_so",), fast=True),
+    Mutant("partial_rotary_from_rope_parameters_ignored", "glm4_moe: a transformers-5 config's partial_rotary_factor "
+           "(inside rope_parameters) ignored, the default 0.5 rotated instead",
+           "backends/mca/models/templates/_common.py",
+           'value = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor"))',
+           'value = hf.get("partial_rotary_factor")',
+           (f"{GLM_UNIT}::test_config_maps_partial_rotary_dense_first_layers_and_sigmoid_routing",), fast=True),
+    Mutant("yarn_mscale_all_dim_dropped", "deepseek_v3: YaRN's mscale_all_dim not passed to Megatron (its softmax "
+           "scale and RoPE magnitude then differ from HF's)", "backends/mca/models/templates/deepseek_v3.py",
+           "out.update(mscale=float(mscale), mscale_all_dim=float(all_dim))",
+           "out.update(mscale=float(mscale), mscale_all_dim=0.0)",
+           ("tests/unit/test_mca_deepseek_v3.py::test_config_maps_latent_attention_yarn_groups_and_dense_first_layers",),
            fast=True),
     Mutant("lora_scaling_sqrt_rank_mca", "mca LoRA scaled by alpha/sqrt(r) (rsLoRA) instead of alpha/r",
            "backends/mca/lora/layers.py", "alpha / rank, rank, True", "alpha / rank ** 0.5, rank, True",
@@ -207,6 +226,10 @@ MUTANTS: list[Mutant] = [
     Mutant("moe_aux_padding_counted_mca", "mca: padding tokens counted in the MoE load-balancing loss",
            "backends/mca/trainer/data.py", '"padding_mask": None if padding is None else padding.to(device)}',
            '"padding_mask": None}', (f"{SWEEP}::test_case[moe_default_aux_loss]",)),
+    Mutant("expert_bias_updated_mca", "mca: the sigmoid router's correction bias updated during training (Megatron's "
+           "default rate), which HF's GLM-4.5 never does", "backends/mca/models/templates/glm4_moe.py",
+           '"moe_router_bias_update_rate": 0.0', '"moe_router_bias_update_rate": 1.0e-3',
+           (f"{SWEEP}::test_case[glm4_moe_sft]",)),
     Mutant("export_stale_overlap_mca", "mca, overlap_param_gather: the export misses the last update's all-gather",
            LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
            "        pass  # the final eval and the HF export",

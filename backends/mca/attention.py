@@ -79,7 +79,14 @@ class LocalCoreAttention(DotProductAttention):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None, pg_collection=None):
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None, pg_collection=None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
+        # Multi-latent attention passes its q/k and v head sizes (megatron-core 0.16's DotProductAttention takes
+        # neither: Megatron-LM #1589). The matmuls follow the tensors' own head sizes; the parent sizes only its
+        # output, heads x kv_channels, which must then be the v head size (the MLA templates set it so).
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(f"LocalCoreAttention: v_channels ({v_channels}) must equal kv_channels "
+                             f"({config.kv_channels}), the width of each head's output.")
         if config.context_parallel_size > 1:
             # The parent asserts CP == 1 and uses nothing else CP-related; CP is handled in forward.
             parent_config = copy.copy(config)

@@ -4,7 +4,8 @@ megatron-core assumes CUDA in ~175 ``torch.cuda.current_device()`` call sites, ~
 ``device="cuda"`` tensors (optimizer, clip_grads, schedules, p2p), a CUDA-only RNG tracker, CUDA
 streams in the MoE alltoall dispatcher, and (0.16.x) a ``NameError`` in the MoE router when
 Transformer Engine is absent; without TE/Apex its torch norms also refuse sequence parallelism, and
-gloo refuses the uneven collectives MoE with expert-TP issues. One more is not about the platform: the
+gloo refuses the uneven collectives MoE with expert-TP issues; on any device its expert-bias token count does not
+broadcast its padding mask (``expert_bias_padding_mask``). One more is not about the platform: the
 checkpoint reader PyTorch and megatron use would unpickle anything a checkpoint holds
 (``restricted_checkpoint_reads``, applied everywhere; docs/reliability.md, "What roll trusts"). The patches
 to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``,
@@ -258,6 +259,39 @@ def _patch_moe_router_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_expert_bias_padding_mask() -> None:
+    """megatron-core 0.16.1's ``TopKRouter._apply_expert_bias`` (the token count behind the expert-bias update of
+    sigmoid routers: GLM-4.5, DeepSeek-V3) masks the ``[tokens, experts]`` routing map with the ``[tokens]``
+    padding mask, which does not broadcast: every training step of such a model given a padding mask (roll passes
+    one for MoE models) fails. The same count, with the mask as ``[tokens, 1]``, on any device."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)  # [tokens, 1]: True = padding
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
+def _mla_sees_mock_te() -> bool:
+    """megatron-core 0.16.1 imports TE's classes for multi-latent attention inside a ``try`` that succeeds without
+    TE, with mocks in their place; it then sets ``HAVE_TE`` and calls ``isinstance(..., TELinear)`` on a mock."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    return mla.HAVE_TE and not isinstance(mla.TELinear, type)
+
+
+def _patch_mla_without_te() -> None:
+    """Multi-latent attention (DeepSeek-V3) without Transformer Engine: ``HAVE_TE`` false in its module, so it
+    builds with the local spec instead of raising ``TypeError`` from ``isinstance`` on the mock."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 class _NoOpEvent:
     def wait(self, *args, **kwargs) -> None: ...
     def synchronize(self) -> None: ...
@@ -384,6 +418,11 @@ _PATCHES: tuple[_Patch, ...] = (
            _torch_adam_fallback),
     _Patch("foreach_multi_tensor_scale", patch_local_multi_tensor_scale,
            "megatron-core's local multi_tensor_scale scales in place (not as of 0.16.1)", uses_local_multi_tensor_scale),
+    _Patch("expert_bias_padding_mask", _patch_expert_bias_padding_mask,
+           "TopKRouter._apply_expert_bias broadcasts the padding mask per token (not as of 0.16.1)", _always),
+    _Patch("mla_without_te", _patch_mla_without_te,
+           "multi_latent_attention imports TE's classes only when TE is installed (not as of 0.16.1)",
+           _mla_sees_mock_te),
     _Patch("restricted_checkpoint_reads", patch_restricted_checkpoint_reads,
            "torch.distributed.checkpoint unpickles .metadata and bytes entries with an allow-list", _always),
 )

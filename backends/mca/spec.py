@@ -16,6 +16,7 @@ from roll.platform import current_platform
 
 if TYPE_CHECKING:
     from megatron.core.transformer import ModuleSpec, TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,30 @@ def gpt_layer_spec(config: "TransformerConfig", transformer_impl: str) -> "Modul
 
     spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
     return spec
+
+
+def decoder_spec(config: "TransformerConfig", transformer_impl: str, vp_stage: int | None,
+                 pp_rank: int) -> "ModuleSpec | TransformerBlockSubmodules":
+    """What ``GPTModel`` builds its decoder from: one layer spec when every layer is alike, else (dense layers
+    among MoE ones, ``moe_layer_freq`` other than 1) the block spec of this pipeline stage's layers, each with
+    the same attention as ``gpt_layer_spec``. A single layer spec would make every layer an MoE layer:
+    Megatron's ``TransformerBlock`` repeats it and reads ``moe_layer_freq`` only through the block spec."""
+    if not config.num_moe_experts or config.moe_layer_freq == 1:
+        return gpt_layer_spec(config, transformer_impl)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if transformer_impl == "local":
+        _check_local_supported(config)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=transformer_impl == "transformer_engine",
+                                       normalization=config.normalization,
+                                       qk_l2_norm=getattr(config, "qk_l2_norm", False), vp_stage=vp_stage,
+                                       pp_rank=pp_rank)
+    if transformer_impl == "local":
+        from backends.mca.attention import LocalCoreAttention
+
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = LocalCoreAttention
+    return block
 
 
 def _check_local_supported(config: "TransformerConfig") -> None:

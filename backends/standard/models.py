@@ -197,6 +197,11 @@ def moe_aux_coefficient(model: nn.Module, recipe_coeff: float | None, stage: str
     ``moe_aux_loss_coeff``, else the model config's ``router_aux_loss_coef`` (Megatron's default too); 0 for a
     dense model. DPO trains without it here (one warning when it would apply): see docs/mca-training.md."""
     config = model.config.get_text_config()
+    if recipe_coeff and not hasattr(config, "router_aux_loss_coef") and hasattr(config, "output_router_logits") \
+            and _has_routers(model):
+        raise ConfigError(f"moe_aux_loss_coeff={recipe_coeff}: model_type {config.model_type!r} has no "
+                          "load-balancing loss (it balances its experts with the router's score-correction bias, "
+                          "and its HF implementation computes none). Set moe_aux_loss_coeff: 0 (or leave it out).")
     if not hasattr(config, "router_aux_loss_coef") or not hasattr(config, "output_router_logits") or \
             not _has_routers(model):
         return 0.0

@@ -21,7 +21,7 @@ CHATML_TEMPLATE = (
 """Qwen-style ChatML; the {% generation %} markers let HF compute assistant-token masks."""
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-KINDS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral")
+KINDS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral", "glm4_moe", "deepseek_v3")
 
 _WORDS = ("the a cat dog bird fish model train token data loss step grad stage red green blue small large "
           "fast slow learns runs sees eats jumps writes reads one two three four five six seven eight nine "
@@ -70,6 +70,25 @@ def load_qwen_tokenizer():
     return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
 
 
+_GLM4_MOE = dict(
+    head_dim=16, attention_bias=True, partial_rotary_factor=0.25, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0)
+"""GLM-4.5's shape, tiny: hidden 48 with 4 heads of 16 (heads x head_dim != hidden, as in GLM-4.5), a quarter of
+each head rotated (GLM-4.5: half, the default: a test must see the factor arrive), q/k/v bias, the first layer
+dense, a shared expert, sigmoid routing scaled by 2.5."""
+
+_DEEPSEEK_V3 = dict(
+    q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+    topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
+"""DeepSeek-V3's shape, tiny: multi-latent attention (q LoRA rank 16, kv LoRA rank 16, 8 + 8 q/k head dims, v
+heads of 12), YaRN as in the real config (factor 4 here), the first layer dense, a shared expert, 2 expert groups
+of which each token's top 2 come from 1, sigmoid routing scaled by 2.5."""
+
+
 def tiny_config(kind: str, vocab_size: int, *, num_layers: int = 2, tie_word_embeddings: bool = True, **overrides):
     """A Hugging Face config for a tiny model of family ``kind`` (hidden 64, 4 heads / 2 KV groups)."""
     import transformers as T
@@ -87,6 +106,9 @@ def tiny_config(kind: str, vocab_size: int, *, num_layers: int = 2, tie_word_emb
         "qwen3_moe": lambda: T.Qwen3MoeConfig(head_dim=16, **moe, **common),
         "llama": lambda: T.LlamaConfig(**common),
         "mistral": lambda: T.MistralConfig(sliding_window=None, **common),
+        "glm4_moe": lambda: T.Glm4MoeConfig(**_GLM4_MOE, **{**common, "hidden_size": 48}),
+        "deepseek_v3": lambda: T.DeepseekV3Config(**_DEEPSEEK_V3, **{**common, "hidden_size": 48,
+                                                                      "num_key_value_heads": 4}),
     }
     config = builders[kind]()
     for key, value in overrides.items():
@@ -108,6 +130,10 @@ def make_tiny_model(out_dir: str, kind: str = "qwen2", tokenizer: str = "bpe", s
     config.bos_token_id = None
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # a trained router's score-correction bias is not 0 (HF initialises it to 0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)

@@ -23,9 +23,13 @@ MODELS = {
     "qwen2": {"kind": "qwen2"},
     "qwen2_4l": {"kind": "qwen2", "num_layers": 4},
     "moe": {"kind": "qwen3_moe"},
+    "glm4_moe": {"kind": "glm4_moe", "tie_word_embeddings": False},
+    "deepseek_v3": {"kind": "deepseek_v3", "tie_word_embeddings": False},
 }
 """Tiny models (``roll.demo.tiny_model.make_tiny_model`` keyword arguments): hidden 64, a 512-token BPE tokenizer.
-qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts."""
+qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts; glm4_moe a
+GLM-4.5 (hidden 48, a dense first layer, sigmoid routing with a correction bias, a shared expert, partial RoPE);
+deepseek_v3 a DeepSeek-V3 (multi-latent attention with a q LoRA rank and YaRN, expert groups, GLM-4.5's router)."""
 
 _COMMON = {"cutoff_len": 64, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
            "learning_rate": 1.0e-3, "seed": 0}
@@ -216,6 +220,16 @@ CASES = (
     # the load-balancing loss on, at the model's coefficient; samples of uneven length: padding left out
     Case("moe_default_aux_loss", "sft", {"dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128},
          model="moe", measured=M(8.5e-9, 8.5e-9, None, 2.9e-6)),
+    # GLM-4.5's routing (sigmoid scores, correction bias, scaled), its dense first layer and partial RoPE
+    Case("glm4_moe_sft", "sft", {}, model="glm4_moe", steps=10,
+         measured=M(2.7e-9, 8.5e-9, None, 2.6e-5)),
+    Case("ep2_glm4_moe_sft", "sft", {}, layout="ep2", model="glm4_moe", steps=10,
+         measured=M(2.7e-9, 8.5e-9, None, 2.4e-5)),
+    # DeepSeek-V3's multi-latent attention (q LoRA rank, decoupled RoPE part, YaRN) and group-limited routing
+    Case("deepseek_v3_sft", "sft", {}, model="deepseek_v3", steps=10,
+         measured=M(5.3e-9, 1.0e-8, None, 3.0e-6)),
+    Case("ep2_deepseek_v3_sft", "sft", {}, layout="ep2", model="deepseek_v3", steps=10,
+         measured=M(5.3e-9, 1.1e-8, None, 2.9e-6)),
     Case("tp2_dpo_ipo", "dpo", {"pref_loss": "ipo"}, layout="tp2",
          measured=M(0, 2.3e-7, None, 1.1e-4)),
     Case("cp2_dpo_sigmoid_ftx", "dpo", {"pref_ftx": 0.5}, layout="cp2",

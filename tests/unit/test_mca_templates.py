@@ -17,7 +17,7 @@ from backends.mca.models.config import McaModelConfig  # noqa: E402
 from backends.mca.models.template import get_template  # noqa: E402
 from roll.errors import ModelError  # noqa: E402
 
-KINDS = ["qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe"]
+KINDS = ["qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3"]
 
 
 def _hf_checkpoint(model_dir: str, seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -51,6 +51,10 @@ MCA_TO_HF: dict[str, tuple[str, ...]] = {
 """Megatron layer pattern -> its HF projections, in the order HF registers them (the order PEFT
 creates, and seeds, their adapters)."""
 
+MLA_MODULES = ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj",
+               "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj")
+"""Multi-latent attention's projections (DeepSeek-V3): LoRA on them is refused until they are mapped."""
+
 HF_PARENT: dict[str, str] = {"self_attention": "self_attn", "mlp": "mlp"}
 """Megatron sub-module of a decoder layer -> the HF one (``model.layers.N.<parent>.<proj>``)."""
 
@@ -129,6 +133,12 @@ def resolve_lora_targets(model: nn.Module, targets: list[str] | str) -> dict[str
     projections (``q_proj,v_proj``) or Megatron modules (``linear_qkv`` = q, k and v).
     """
     present = set(find_all_linear_modules(model))
+    latent = sorted(present & set(MLA_MODULES))
+    if latent:
+        raise ConfigError(f"finetuning_type lora: this model's multi-latent attention ({', '.join(latent)}) has no "
+                          "LoRA mapping on the mca backend yet, so it would adapt other modules than the standard "
+                          "backend's PEFT. Train it with finetuning_type: full, or LoRA on the standard backend "
+                          "(use_mca: false).")
     if targets == "all":
         skipped = sorted(p for p in present if p not in MCA_TO_HF)
         if skipped:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from roll.config.layout import check_num_layers
 from roll.errors import ConfigError, ModelError
@@ -97,6 +98,16 @@ class McaModelConfig(TransformerConfig):
             raise ConfigError(f"expert_model_parallel_size({ep}) > 1 but the model has no experts. Set it to 1.")
         if experts and experts % ep:
             raise ConfigError(f"expert_model_parallel_size({ep}) does not divide num_moe_experts({experts}).")
+        if self.multi_latent_attention and self.transformer_impl == "transformer_engine":
+            raise ConfigError(f"model_type {self.hf_model_type!r} (multi-latent attention) converts with the local layer "
+                              "implementation only: Transformer Engine fuses its norms into other weights and keeps "
+                              "its down-projections whole on every TP rank, which roll does not map yet. Set "
+                              "transformer_impl: local.")
+        if experts and self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff:
+            raise ConfigError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}: model_type {self.hf_model_type!r} has no "
+                              "load-balancing loss (it balances its experts with the router's score-correction "
+                              "bias, and its HF implementation computes none). Set moe_aux_loss_coeff: 0 (or leave "
+                              "it out).")
         # The sequence-parallel rule is applied once, by ParallelLayout (parallel_overrides passes the
         # resolved value); here a config built by hand must already obey it.
         if self.sequence_parallel and tp == 1:
@@ -110,6 +121,14 @@ class McaModelConfig(TransformerConfig):
         """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by * TP``."""
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global decoder layer ``layer`` (from 0) has experts (``moe_layer_freq``: every N-th layer, or
+        a 0/1 list such as DeepSeek's and GLM's dense first layers)."""
+        if not self.num_moe_experts:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
 
     @property
     def num_layers_per_chunk(self) -> int:
@@ -141,8 +160,10 @@ class McaModelConfig(TransformerConfig):
         data = {**data, **overrides}
         config_class = data.pop("config_class", cls.__name__)
         if config_class != cls.__name__:
+            if cls is McaModelConfig and config_class in _CONFIG_CLASSES:
+                return _CONFIG_CLASSES[config_class].from_dict(data)
             raise ModelError(f"{MCA_CONFIG_NAME} was written for {config_class}; this version of roll only builds "
-                             f"{cls.__name__}.")
+                             f"{', '.join(_CONFIG_CLASSES)}.")
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(names))
         if unknown:
@@ -176,11 +197,22 @@ class McaModelConfig(TransformerConfig):
         model_type = hf_config.get("model_type")
         if not model_type:
             raise ModelError("the HF config has no 'model_type': cannot pick a conversion template.")
-        kwargs = get_template(model_type).mca_config_kwargs(hf_config)
+        template = get_template(model_type)
+        kwargs = template.mca_config_kwargs(hf_config)
         verbatim = json.loads(json.dumps(hf_config))  # JSON-normalised (e.g. int keys of id2label)
         kwargs.update(hf_model_type=model_type, hf_config=verbatim, use_cpu_initialization=True)
         kwargs.update(overrides)
-        return cls(**kwargs)
+        return _CONFIG_CLASSES[template.config_class](**kwargs)
+
+
+@dataclass
+class McaMLAModelConfig(McaModelConfig, MLATransformerConfig):
+    """``McaModelConfig`` of a multi-latent-attention model (DeepSeek-V3): Megatron's MLA fields too (q/kv LoRA
+    ranks, the RoPE and non-RoPE head parts, YaRN). Megatron builds MLA from the config's class."""
+
+
+_CONFIG_CLASSES = {cls.__name__: cls for cls in (McaModelConfig, McaMLAModelConfig)}
+"""The config classes a template may name (``Template.config_class``), by the name mca_config.json records."""
 
 
 def parallel_overrides(megatron: MegatronArguments | None = None, *, bf16: bool = False,

@@ -86,13 +86,14 @@ def build_model_chunks(config: McaModelConfig) -> list[torch.nn.Module]:
     """
     from megatron.core.models.gpt import GPTModel
 
-    from backends.mca.spec import gpt_layer_spec
+    from backends.mca.spec import decoder_spec
 
     ensure_initialized(config)
-    spec = gpt_layer_spec(config, config.transformer_impl)
     chunks: list[torch.nn.Module] = []
     vpp = config.virtual_pipeline_model_parallel_size
+    pp_rank = rank_coordinates()["pp_rank"]
     for stage, place in enumerate(chunk_placements(config)):
+        spec = decoder_spec(config, config.transformer_impl, stage if vpp else None, pp_rank)
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=config.padded_vocab_size,
             max_sequence_length=config.max_sequence_length, pre_process=place.pre_process,

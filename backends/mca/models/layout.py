@@ -26,9 +26,32 @@ _TE_DENSE_RENAMES = ((".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_w
                      (".pre_mlp_layernorm.bias", ".mlp.linear_fc1.layer_norm_bias"))
 
 
-def _te_renames(config: McaModelConfig) -> tuple[tuple[str, str], ...]:
-    # MoE layers keep a separate pre-MLP norm under TE (there is no single fc1 to fuse it into).
-    return _TE_RENAMES if config.num_moe_experts else _TE_RENAMES + _TE_DENSE_RENAMES
+def _te_renames(config: McaModelConfig, name: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The TE renames of canonical ``name`` (global layer index); None: those of any layer, which is safe
+    from TE names back (a TE name is unambiguous). MoE layers keep a separate pre-MLP norm under TE (there
+    is no single fc1 to fuse it into); dense layers, also those of an MoE model, fuse it."""
+    layer = _LAYER.match(name) if name is not None else None
+    if layer is not None and config.is_moe_layer(int(layer.group(1))):
+        return _TE_RENAMES
+    if name is not None and layer is None:
+        return _TE_RENAMES
+    return _TE_RENAMES + _TE_DENSE_RENAMES
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int:
+    """The layer index of the Megatron decoder-layer name ``name``."""
+    match = _LAYER.match(name)
+    assert match is not None, name
+    return int(match.group(1))
+
+
+def hf_layer_index(name: str) -> int | None:
+    """The layer index of an HF ``model.layers.{i}.*`` name; None for anything else."""
+    match = _HF_LAYER.match(name)
+    return int(match.group(1)) if match else None
 
 
 def grouped_experts(config: McaModelConfig) -> bool:
@@ -36,9 +59,10 @@ def grouped_experts(config: McaModelConfig) -> bool:
 
 
 def to_impl_name(name: str, config: McaModelConfig) -> str:
-    """Canonical local-spec name -> the name under ``config.transformer_impl`` (and grouped GEMM)."""
+    """Canonical local-spec name (global layer index) -> the name under ``config.transformer_impl`` (and
+    grouped GEMM)."""
     if config.transformer_impl == "transformer_engine":
-        for local, te in _te_renames(config):
+        for local, te in _te_renames(config, name):
             if name.endswith(local):
                 name = name[: -len(local)] + te
     if grouped_experts(config):

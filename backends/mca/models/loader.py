@@ -82,8 +82,13 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     weight_map = hf_weight_map(hf_dir)
     targets = _targets(chunks, placements, config, template)
     missing = {n for t in targets.values() for n in t.hf_names} - set(weight_map)
-    layer_patterns = {t.convert.mca for t in targets.values() if "{layer}" in t.convert.mca}
-    unused = [name for name in weight_map if not _used_by_model(template, name, config, layer_patterns)]
+    layer_patterns: dict[bool, set[str]] = {True: set(), False: set()}  # by layer kind: MoE or dense
+    for canonical, target in targets.items():
+        if "{layer}" in target.convert.mca:
+            layer_patterns[config.is_moe_layer(layout.layer_index(canonical))].add(target.convert.mca)
+    mtp = _multi_token_prediction(weight_map, config)
+    unused = [name for name in weight_map
+              if name not in mtp and not _used_by_model(template, name, config, layer_patterns)]
     check_weights_match(hf_dir, missing=missing, unexpected=unused, model_type=config.hf_model_type,
                         checkpoint_size=len(weight_map))  # strict both ways, the standard backend's message
     report = LoadReport(tensors_in_checkpoint=len(weight_map))
@@ -91,13 +96,16 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     return report
 
 
-def _used_by_model(template: Template, hf_name: str, config: McaModelConfig, layer_patterns: set[str]) -> bool:
+def _used_by_model(template: Template, hf_name: str, config: McaModelConfig,
+                   layer_patterns: dict[bool, set[str]]) -> bool:
     """Whether the whole model (every rank's part) reads ``hf_name``. A rank reads only its own layers and
-    experts, but every rank holds at least one layer and all layers have the same parameters, so a layer
-    tensor is read by some rank when the template maps it, its layer / expert index exists in this config
-    and its Megatron parameter is one of this rank's layers' (``layer_patterns``: e.g. no q/k/v bias in a
-    model without one). Tensors outside layers (embedding, final norm, head) live on the first or last
-    pipeline stage only: mapped is enough."""
+    experts, but every rank holds at least one layer and all layers of a kind (MoE or dense) have the same
+    parameters, so a layer tensor is read by some rank when the template maps it, its layer / expert index
+    exists in this config and its Megatron parameter is one of this rank's layers of that kind
+    (``layer_patterns``: e.g. no q/k/v bias in a model without one). A rank without a layer of that kind
+    (a pipeline stage of dense first layers only) checks the MLP rows by their kind and the others against
+    its layers of the other kind. Tensors outside layers (embedding, final norm, head) live on the first or
+    last pipeline stage only: mapped is enough."""
     try:
         match, _ = template.match_hf(hf_name)
     except ModelError:
@@ -105,8 +113,37 @@ def _used_by_model(template: Template, hf_name: str, config: McaModelConfig, lay
     layer, expert = match.index.get("layer"), match.index.get("expert")
     if layer is None:
         return True
-    return (layer < config.num_layers and match.mapping.mca in layer_patterns
-            and (expert is None or expert < (config.num_moe_experts or 0)))
+    if layer >= config.num_layers or (expert is not None and expert >= (config.num_moe_experts or 0)):
+        return False
+    moe, pattern = config.is_moe_layer(layer), match.mapping.mca
+    if layer_patterns[moe]:
+        return pattern in layer_patterns[moe]
+    kind = _mlp_kind(pattern)
+    return kind == moe if kind is not None else pattern in layer_patterns[not moe]
+
+
+def _mlp_kind(pattern: str) -> bool | None:
+    """True for a Megatron MoE layer's MLP parameter, False for a dense layer's, None outside the MLP."""
+    if any(part in pattern for part in (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")):
+        return True
+    return False if ".mlp." in pattern else None
+
+
+def _multi_token_prediction(weight_map: dict[str, str], config: McaModelConfig) -> set[str]:
+    """The tensors of the multi-token-prediction layers a DeepSeek-V3 / GLM-4.5 checkpoint stores after its
+    decoder layers (``model.layers.{num_hidden_layers + i}.*``, ``num_nextn_predict_layers`` of them). They
+    are not part of HF's model (transformers ignores them too) and roll does not train them: they are left
+    out, saying so once, and an exported model does not have them."""
+    first, count = config.num_layers, int(config.hf_config.get("num_nextn_predict_layers") or 0)
+    mtp = {name for name in weight_map if (layer := layout.hf_layer_index(name)) is not None
+           and first <= layer < first + count}
+    if mtp:
+        log_rank0(logger, "%d tensors of the %d multi-token-prediction layer(s) model.layers.%s.* of the "
+                  "checkpoint are not loaded: they are not part of the HF model, roll does not train them, "
+                  "and the exported model will not have them (copy them from the original checkpoint for "
+                  "MTP speculative decoding).", len(mtp), count,
+                  first if count == 1 else f"{{{first}..{first + count - 1}}}", level=logging.WARNING)
+    return mtp
 
 
 def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement] | None, config: McaModelConfig,

@@ -27,7 +27,10 @@ Kind = Literal["column", "row", "swiglu", "replicated"]
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 """The tensors whose vocab dim is padded (to a multiple of make_vocab_size_divisible_by x TP)."""
 _VOCAB = VOCAB_TENSORS
-_COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.bias")
+_COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.bias",
+           # multi-latent attention (local spec: every projection column-parallel, down-projections gathered)
+           ".linear_q_proj.weight", ".linear_q_down_proj.weight", ".linear_q_up_proj.weight",
+           ".linear_kv_down_proj.weight", ".linear_kv_up_proj.weight")
 _SWIGLU = ".linear_fc1.weight"
 _ROW = (".linear_proj.weight", ".linear_fc2.weight")
 _REPLICATED = ("layernorm.weight", "layernorm.bias", ".mlp.router.weight", ".mlp.router.expert_bias",

@@ -20,7 +20,7 @@ from backends.mca.models.mapping import Mapping, Match, compile_pattern
 from roll.errors import ModelError
 
 _TEMPLATES: dict[str, Template] = {}
-FAMILY_MODULES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe")
+FAMILY_MODULES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class Template:
     weights: list[Mapping]
     config_hook: Callable[[dict, dict], None] | None = None
     """Family-specific HF -> Megatron config logic (e.g. RoPE scaling) that a key table cannot express."""
+    config_class: str = "McaModelConfig"
+    """The ``backends.mca.models.config`` class the family's config is (McaMLAModelConfig: multi-latent attention)."""
     _hf_regex: list[tuple[re.Pattern, Mapping, int]] = field(default_factory=list, repr=False)
     _mca_regex: list[tuple[re.Pattern, Mapping]] = field(default_factory=list, repr=False)
 

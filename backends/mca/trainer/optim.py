@@ -166,12 +166,24 @@ def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: 
 
     config = chunks[0].config
     if fp16 or bf16:
+        # Float16Module casts every floating buffer, the routers' fp32 expert bias too (HF keeps
+        # e_score_correction_bias in fp32): Megatron casts it back to fp32 but the rounding stays, so the
+        # loaded values are put back after the wrap.
+        kept = [[b.detach().clone() for b in _expert_biases(chunk)] for chunk in chunks]
         chunks = [Float16Module(config, chunk) for chunk in chunks]
+        for chunk, values in zip(chunks, kept):
+            for buffer, value in zip(_expert_biases(chunk), values, strict=True):
+                buffer.data = value
     wrapped = [DistributedDataParallel(config, ddp_config(megatron_args), chunk,
                                        disable_bucketing=index > 0) for index, chunk in enumerate(chunks)]
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped
+
+
+def _expert_biases(chunk: torch.nn.Module) -> list[torch.Tensor]:
+    """The sigmoid routers' expert-bias buffers of ``chunk``, in module order."""
+    return [buffer for name, buffer in chunk.named_buffers() if name.endswith("router.expert_bias")]
 
 
 def build_optimizer(chunks: list[torch.nn.Module], training, megatron_args):

@@ -114,3 +114,42 @@ def default_rope_only(hf: dict, out: dict) -> None:
 def fill_head_dim(hf: dict, out: dict) -> None:
     if out.get("kv_channels") is None:
         out["kv_channels"] = hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def partial_rotary_factor(hf: dict, default: float) -> float:
+    """The fraction of each head RoPE rotates: top level in hub configs, inside ``rope_parameters`` in
+    transformers 5 saves; ``default`` is the config class's own (transformers does not write it)."""
+    rope, _ = rope_config(hf)
+    value = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    return float(default if value is None else value)
+
+
+def sigmoid_router(hf: dict, out: dict) -> None:
+    """DeepSeek-V3-style routing (sigmoid scores, correction bias, group-limited top-k) in Megatron's terms,
+    refusing what Megatron's router computes differently: it always renormalises the chosen scores (when
+    top-k > 1, and never when top-k is 1) and picks groups by the sum of their top ``topk / topk_group``
+    scores, where HF always sums the top 2."""
+    model_type, topk = hf.get("model_type"), hf["num_experts_per_tok"]
+    if not hf.get("norm_topk_prob", True) or topk < 2:
+        raise ModelError(f"{model_type}: norm_topk_prob={hf.get('norm_topk_prob')} with num_experts_per_tok={topk} "
+                         "is not supported by the Megatron conversion: Megatron's sigmoid router divides the "
+                         "chosen scores by their sum exactly when num_experts_per_tok > 1 (HF: when "
+                         "norm_topk_prob). Use norm_topk_prob: true and num_experts_per_tok >= 2.")
+    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if groups > 1:
+        if topk != 2 * group_topk:
+            raise ModelError(f"{model_type}: n_group={groups} with topk_group={group_topk} and num_experts_per_tok="
+                             f"{topk} is not supported by the Megatron conversion: HF ranks groups by their top 2 "
+                             f"scores, Megatron by their top num_experts_per_tok / topk_group ({topk // group_topk}"
+                             "). Set n_group: 1 (no group limit) or num_experts_per_tok = 2 x topk_group.")
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    shared = hf.get("n_shared_experts") or 0
+    if shared:
+        out["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
+
+
+def dense_first_layers(hf: dict, out: dict) -> None:
+    """``first_k_dense_replace`` dense layers, then MoE layers: Megatron's per-layer ``moe_layer_freq`` list."""
+    layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace") or 0
+    if dense:
+        out["moe_layer_freq"] = [0] * min(dense, layers) + [1] * max(layers - dense, 0)
