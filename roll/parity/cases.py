@@ -23,9 +23,13 @@ MODELS = {
     "qwen2": {"kind": "qwen2"},
     "qwen2_4l": {"kind": "qwen2", "num_layers": 4},
     "moe": {"kind": "qwen3_moe"},
+    "mixtral": {"kind": "mixtral", "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2,
+                "head_dim": 8, "intermediate_size": 24, "vocab_size": 513, "tie_word_embeddings": False},
 }
 """Tiny models (``roll.demo.tiny_model.make_tiny_model`` keyword arguments): hidden 64, a 512-token BPE tokenizer.
-qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts."""
+qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts; mixtral
+has odd shapes (hidden 48, 6 heads over 2 KV groups, 4 experts of 24, top-2, 513 vocabulary rows: padded
+under TP2)."""
 
 _COMMON = {"cutoff_len": 64, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
            "learning_rate": 1.0e-3, "seed": 0}
@@ -132,6 +136,8 @@ def _lora(**keys) -> dict:
 
 
 _WARMUP = {"warmup_steps": 3}
+_MOE_LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01,
+               "dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128}
 _EVAL = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 3, "eval_on_start": True,
          "per_device_eval_batch_size": 4}
 
@@ -216,6 +222,19 @@ CASES = (
     # the load-balancing loss on, at the model's coefficient; samples of uneven length: padding left out
     Case("moe_default_aux_loss", "sft", {"dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128},
          model="moe", measured=M(8.5e-9, 8.5e-9, None, 2.9e-6)),
+    # Mixtral with both MoE losses at large coefficients, so that a mismatch shows, 10 steps on samples of
+    # uneven length; the same key set at EP2, TP2 (experts split by ETP2, a padded vocabulary) and
+    # accumulating 8 micro-batches of one sample. At TP2 the z-loss trained at half its coefficient before
+    # backends/mca/moe_loss_scale.py (losses 2.7e-4 apart, weights 1.1e-1)
+    Case("mixtral_moe_losses", "sft", _MOE_LOSSES, model="mixtral", steps=10,
+         measured=M(0, 1.9e-8, None, 5.8e-6)),
+    Case("ep2_mixtral_moe_losses", "sft", _MOE_LOSSES, layout="ep2", model="mixtral", steps=10,
+         measured=M(0, 2.0e-8, None, 5.9e-6)),
+    Case("tp2_mixtral_moe_losses", "sft", _MOE_LOSSES, layout="tp2", model="mixtral", steps=10,
+         measured=M(1.9e-9, 1.9e-8, None, 6.6e-6)),
+    Case("ep2_mixtral_moe_losses_ga8", "sft", {**_MOE_LOSSES, "per_device_train_batch_size": 1,
+                                               "gradient_accumulation_steps": 8},
+         layout="ep2", model="mixtral", steps=10, measured=M(1.9e-9, 4.0e-9, None, 1.8e-6)),
     Case("tp2_dpo_ipo", "dpo", {"pref_loss": "ipo"}, layout="tp2",
          measured=M(0, 2.3e-7, None, 1.1e-4)),
     Case("cp2_dpo_sigmoid_ftx", "dpo", {"pref_ftx": 0.5}, layout="cp2",

@@ -170,15 +170,18 @@ def test_real_patch_conditions_on_this_machine(monkeypatch):
     assert set(needed) == {"rng_tracker", "current_device", "default_causal_mask", "hardcoded_cuda",
                            "moe_router_without_te", "cuda_streams", "moe_split_sizes",
                            "torch_norm_sequence_parallel", "gloo_uneven_first_dim", "distopt_step_on_load",
-                           "foreach_multi_tensor_scale", "restricted_checkpoint_reads"}
+                           "foreach_multi_tensor_scale", "restricted_checkpoint_reads",
+                           "moe_z_loss_scale_per_token"}
     # this CPU machine has no accelerator, no TE and no Apex, and its collectives run on gloo
     assert all(condition() for condition in needed.values())
     monkeypatch.setattr(platform, "current_platform", lambda: Platform("cuda", "nccl"))
     on_gpu = {name for name, condition in needed.items() if condition()}
     # a GPU without TE/Apex still needs the MoE-router, torch-norm, torch-AdamW and multi-tensor fixes, none of
-    # the CPU ones; checkpoint reads are restricted everywhere
+    # the CPU ones; checkpoint reads are restricted everywhere, and the z-loss's scale is megatron's bug on
+    # any device
     assert on_gpu == {"moe_router_without_te", "torch_norm_sequence_parallel", "distopt_step_on_load",
-                      "foreach_multi_tensor_scale", "restricted_checkpoint_reads"}
+                      "foreach_multi_tensor_scale", "restricted_checkpoint_reads",
+                      "moe_z_loss_scale_per_token"}
 
 
 # -- initialize_megatron (one process, no launcher) ---------------------------------------------------
