@@ -184,3 +184,19 @@ def _shifted(x: torch.Tensor, row_max: torch.Tensor, out: torch.Tensor | None) -
 def _row_chunks(flat: torch.Tensor) -> list[slice]:
     step = max(1, CHUNK_ELEMENTS // flat.shape[1])
     return [slice(start, start + step) for start in range(0, flat.shape[0], step)]
+
+
+def router_z_loss(router_logits: list[torch.Tensor], valid: torch.Tensor | None) -> torch.Tensor:
+    """The MoE router z-loss of one micro-batch, before its coefficient: Megatron-Core's ``z_loss_func``
+    (ST-MoE) of each MoE layer, summed over the layers, float32.
+
+    For each layer's router logits ``[tokens, E]``: the mean of ``logsumexp(logits)^2`` over the tokens where
+    ``valid [tokens]`` is true (None: all); a micro-batch of padding only gives 0."""
+    total = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
+    for logits in router_logits:
+        values = torch.logsumexp(logits.float(), dim=-1).square()
+        if valid is None:
+            total = total + values.mean()
+        else:
+            total = total + (values * valid).sum() / valid.sum().clamp(min=1)
+    return total

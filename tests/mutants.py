@@ -23,6 +23,7 @@ TRAINERS = "backends/standard/trainers.py"
 MCA_UNIT = "tests/unit/test_mca_trainer.py"
 GLM_UNIT = "tests/unit/test_mca_glm4_moe.py"
 LOSS_UNIT = "tests/unit/test_loss.py"
+MCA_MODELS = "tests/unit/test_mca_models.py"
 STD_UNIT = "tests/unit/test_standard_train.py"
 PARITY_TP1 = "tests/distributed/test_parity_tool.py::test_tp1_on_one_process_matches_the_standard_backend"
 DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
@@ -101,6 +102,13 @@ MUTANTS: list[Mutant] = [
            "roll/loss.py", "routed, probs = routed * valid.unsqueeze(-1), probs * valid.unsqueeze(-1)", "pass",
            ("tests/unit/test_loss.py::test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding",),
            fast=True),
+    Mutant("z_loss_padding_counted", "the MoE router z-loss averages over padding tokens too (standard)",
+           ROLL_LOSS, "total = total + (values * valid).sum() / valid.sum().clamp(min=1)",
+           "total = total + values.mean()",
+           (f"{LOSS_UNIT}::test_router_z_loss_is_megatrons_summed_over_layers_without_padding",), fast=True),
+    Mutant("moe_z_loss_coeff_ignored_mca", "mca: the recipe's moe_z_loss_coeff never reaches Megatron",
+           "backends/mca/models/config.py", 'out["moe_z_loss_coeff"] = m.moe_z_loss_coeff', "pass",
+           (f"{MCA_MODELS}::test_moe_aux_loss_coefficient_is_hf_router_aux_loss_coef_at_any_tp",), fast=True),
     Mutant("pref_ftx_per_token_not_per_pair", "pref_ftx's SFT term averaged over the batch's chosen tokens "
            "(TRL's sft) instead of each pair's mean", "roll/loss.py",
            "return -chosen_logps / chosen_tokens.clamp(min=1).to(chosen_logps.dtype)",
@@ -230,6 +238,13 @@ MUTANTS: list[Mutant] = [
            "default rate), which HF's GLM-4.5 never does", "backends/mca/models/templates/glm4_moe.py",
            '"moe_router_bias_update_rate": 0.0', '"moe_router_bias_update_rate": 1.0e-3',
            (f"{SWEEP}::test_case[glm4_moe_sft]",)),
+    Mutant("moe_z_loss_halved_by_tp_mca", "mca at TP2: the router z-loss trains at half its coefficient "
+           "(megatron-core 0.16's per-token scale, unpatched)", "backends/mca/moe_loss_scale.py",
+           "config.moe_z_loss_coeff = coeff * size", "config.moe_z_loss_coeff = coeff",
+           (f"{SWEEP}::test_case[tp2_mixtral_moe_losses]",)),
+    Mutant("moe_z_loss_dropped_standard", "standard: moe_z_loss_coeff trains without the router z-loss",
+           TRAINERS, '("moe_z_loss", self.moe_z_coeff,', '("moe_z_loss", 0.0,',
+           (f"{SWEEP}::test_case[mixtral_moe_losses]",)),
     Mutant("export_stale_overlap_mca", "mca, overlap_param_gather: the export misses the last update's all-gather",
            LOOP, "        sync_params(self.chunks)  # the final eval and the HF export",
            "        pass  # the final eval and the HF export",

@@ -9,8 +9,9 @@ broadcast its padding mask (``expert_bias_padding_mask``). One more is not about
 checkpoint reader PyTorch and megatron use would unpickle anything a checkpoint holds
 (``restricted_checkpoint_reads``, applied everywhere; docs/reliability.md, "What roll trusts"). The patches
 to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``,
-the multi-tensor scale without extra copies (``foreach_multi_tensor_scale``) in ``backends.mca.multi_tensor``;
-this module's table and ``apply_patches`` are the one entry point for all.
+the multi-tensor scale without extra copies (``foreach_multi_tensor_scale``) in ``backends.mca.multi_tensor``,
+and one about the objective, the router z-loss's scale under TP / CP (``moe_z_loss_scale_per_token``), in
+``backends.mca.moe_loss_scale``; this module's table and ``apply_patches`` are the one entry point for all.
 
 Each patch says what it fixes, when it can go, and is applied exactly when the condition it fixes
 holds (``_Patch.needed``): the CUDA ones only without an accelerator, the MoE-router one whenever
@@ -35,6 +36,7 @@ import torch
 from packaging.version import Version
 
 from backends.mca.checkpoint_reads import patch_distopt_step_on_load, patch_restricted_checkpoint_reads
+from backends.mca.moe_loss_scale import patch_moe_z_loss_scale_per_token
 from backends.mca.multi_tensor import patch_local_multi_tensor_scale, uses_local_multi_tensor_scale
 from roll.logging import log_rank0, warn_once
 from roll.platform import current_platform
@@ -425,4 +427,7 @@ _PATCHES: tuple[_Patch, ...] = (
            _mla_sees_mock_te),
     _Patch("restricted_checkpoint_reads", patch_restricted_checkpoint_reads,
            "torch.distributed.checkpoint unpickles .metadata and bytes entries with an allow-list", _always),
+    _Patch("moe_z_loss_scale_per_token", patch_moe_z_loss_scale_per_token,
+           "megatron-core's router keeps the z-loss at its coefficient under TP / CP with the per-token loss "
+           "(not in 0.16.1; tp2_mixtral_moe_losses fails once it is scaled twice)", _always),
 )

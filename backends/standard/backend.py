@@ -133,11 +133,11 @@ class StandardBackend(Backend):
             trainer = dpo_trainer(model=models.policy, ref_model=models.ref,
                                   pref_ftx=self.config.finetuning.pref_ftx,
                                   data_collator=PreferenceBatch(job.collator), **common)
-            M.moe_aux_coefficient(models.policy, self.config.megatron.moe_aux_loss_coeff, job.stage)  # warns
+            M.moe_loss_coefficients(models.policy, self.config.megatron, job.stage)  # warns
         else:
             trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)
-            trainer.moe_aux_coeff = M.moe_aux_coefficient(models.policy, self.config.megatron.moe_aux_loss_coeff,
-                                                          job.stage)
+            trainer.moe_aux_coeff, trainer.moe_z_coeff = M.moe_loss_coefficients(
+                models.policy, self.config.megatron, job.stage)
         trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
         trainer.roll_dataset, trainer.roll_dataset_spec = job.train_dataset, self.config.data.dataset
         if self.config.training.save_async:

@@ -192,26 +192,29 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return trainable, total
 
 
-def moe_aux_coefficient(model: nn.Module, recipe_coeff: float | None, stage: str) -> float:
-    """The load-balancing loss coefficient a pt/sft run adds (``TokenMeanLossMixin``): the recipe's
-    ``moe_aux_loss_coeff``, else the model config's ``router_aux_loss_coef`` (Megatron's default too); 0 for a
-    dense model. DPO trains without it here (one warning when it would apply): see docs/mca-training.md."""
+def moe_loss_coefficients(model: nn.Module, megatron, stage: str) -> tuple[float, float]:
+    """(load-balancing, router z-loss) coefficients a pt/sft run adds (``TokenMeanLossMixin``): the recipe's
+    ``moe_aux_loss_coeff``, else the model config's ``router_aux_loss_coef`` (Megatron's default too), and the
+    recipe's ``moe_z_loss_coeff`` (default off); (0, 0) for a dense model. DPO trains without them here (one
+    warning when one would apply): see docs/mca-training.md."""
     config = model.config.get_text_config()
-    if recipe_coeff and not hasattr(config, "router_aux_loss_coef") and hasattr(config, "output_router_logits") \
+    recipe_aux = megatron.moe_aux_loss_coeff
+    if recipe_aux and not hasattr(config, "router_aux_loss_coef") and hasattr(config, "output_router_logits") \
             and _has_routers(model):
-        raise ConfigError(f"moe_aux_loss_coeff={recipe_coeff}: model_type {config.model_type!r} has no "
+        raise ConfigError(f"moe_aux_loss_coeff={recipe_aux}: model_type {config.model_type!r} has no "
                           "load-balancing loss (it balances its experts with the router's score-correction bias, "
                           "and its HF implementation computes none). Set moe_aux_loss_coeff: 0 (or leave it out).")
     if not hasattr(config, "router_aux_loss_coef") or not hasattr(config, "output_router_logits") or \
             not _has_routers(model):
-        return 0.0
-    coeff = float(config.router_aux_loss_coef if recipe_coeff is None else recipe_coeff)
-    if stage == "dpo" and coeff:
+        return 0.0, 0.0
+    aux = float(config.router_aux_loss_coef if recipe_aux is None else recipe_aux)
+    z = float(megatron.moe_z_loss_coeff or 0.0)
+    if stage == "dpo" and (aux or z):
         warn_once(logger, "stage dpo on the standard backend trains this MoE model without the load-balancing "
-                          "loss (the mca backend adds it): set moe_aux_loss_coeff: 0 for the same objective "
-                          "on both backends.")
-        return 0.0
-    return coeff
+                          "loss and the router z-loss (the mca backend adds them): set moe_aux_loss_coeff: 0 "
+                          "(and no moe_z_loss_coeff) for the same objective on both backends.")
+        return 0.0, 0.0
+    return aux, z
 
 
 def _has_routers(model: nn.Module) -> bool:

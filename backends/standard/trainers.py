@@ -171,25 +171,31 @@ class TokenMeanLossMixin:
     HF's logged loss adds those up in float32, so roll keeps a float64 sum beside it and logs that: the mean
     of the step losses since the last log, summed over ranks.
 
-    MoE models (``moe_aux_coeff`` > 0, the model returning its router logits): each training micro-batch adds
-    ``coeff * roll.loss.load_balancing_loss * T`` to its token-loss sum, ``T`` its tokens (non-padding
-    positions that predict a label), as Megatron-Core does with a per-token loss; ``loss`` is logged
-    without it, as on the mca backend (docs/mca-training.md)."""
+    MoE models (``moe_aux_coeff`` or ``moe_z_coeff`` > 0, the model returning its router logits): each
+    training micro-batch adds ``(aux_coeff * aux + z_coeff * z) * T`` to its token-loss sum (``aux``:
+    ``roll.loss.load_balancing_loss``, ``z``: ``roll.loss.router_z_loss``, ``T`` its tokens: non-padding
+    positions that predict a label), as Megatron-Core does with a per-token loss; ``loss`` is logged without
+    them, and ``moe_aux_loss`` / ``moe_z_loss`` beside it (before their coefficients, per layer, averaged over
+    the micro-batches), as on the mca backend (docs/mca-training.md)."""
 
     _roll_loss: torch.Tensor | None = None
     _roll_loss_from_step = 0
     moe_aux_coeff = 0.0
     """The load-balancing loss coefficient (the standard backend sets it for MoE models)."""
+    moe_z_coeff = 0.0
+    """The router z-loss coefficient (the standard backend sets it for MoE models)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.compute_loss_func = self._token_mean_loss
         self._roll_attention_mask = None
+        self._roll_moe_logs: dict[str, list] = {}
+        """Logged MoE loss name -> [sum over micro-batches since the last log, micro-batches]."""
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        if self.moe_aux_coeff and model.training:  # a forward argument: the saved config stays the model's
-            inputs = {**inputs, "output_router_logits": True}
-        self._roll_attention_mask = inputs.get("attention_mask")  # which tokens the load-balancing loss counts
+        if (self.moe_aux_coeff or self.moe_z_coeff) and model.training:  # a forward argument: the saved
+            inputs = {**inputs, "output_router_logits": True}              # config stays the model's
+        self._roll_attention_mask = inputs.get("attention_mask")  # which tokens the MoE losses count
         return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _token_mean_loss(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
@@ -197,14 +203,14 @@ class TokenMeanLossMixin:
         count = tokens.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         if self.model.training:
             self._roll_loss = (loss_sum / count).detach() + (0 if self._roll_loss is None else self._roll_loss)
-            loss_sum = loss_sum + self._moe_aux_sum(outputs, labels.shape)
+            loss_sum = loss_sum + self._moe_loss_sum(outputs, labels.shape)
         return (loss_sum / count).float()
 
-    def _moe_aux_sum(self, outputs, shape: torch.Size) -> torch.Tensor | float:
-        """``coeff * load_balancing_loss * T`` over the positions that predict a label (all but each row's last,
-        the positions the mca backend's shifted batch holds), padding excluded; 0 for a dense model."""
+    def _moe_loss_sum(self, outputs, shape: torch.Size) -> torch.Tensor | float:
+        """``(aux_coeff * aux + z_coeff * z) * T`` over the positions that predict a label (all but each row's
+        last, the positions the mca backend's shifted batch holds), padding excluded; 0 for a dense model."""
         router_logits = getattr(outputs, "router_logits", None)
-        if not self.moe_aux_coeff or not router_logits:
+        if not (self.moe_aux_coeff or self.moe_z_coeff) or not router_logits:
             return 0.0
         rows, length = shape
         mask = self._roll_attention_mask
@@ -212,7 +218,16 @@ class TokenMeanLossMixin:
         valid = valid.reshape(-1).to(torch.float32)
         layers = [logits.reshape(rows, length, -1)[:, :-1].reshape(valid.shape[0], -1) for logits in router_logits]
         top_k = self.model.config.get_text_config().num_experts_per_tok
-        return self.moe_aux_coeff * roll_loss.load_balancing_loss(layers, top_k, valid) * valid.sum()
+        total = 0.0
+        for name, coeff, loss in (
+            ("moe_aux_loss", self.moe_aux_coeff, lambda: roll_loss.load_balancing_loss(layers, top_k, valid)),
+            ("moe_z_loss", self.moe_z_coeff, lambda: roll_loss.router_z_loss(layers, valid))):
+            if coeff:
+                value = loss()
+                logged = self._roll_moe_logs.setdefault(name, [0.0, 0])
+                logged[0], logged[1] = logged[0] + value.detach() / len(layers), logged[1] + 1
+                total = total + coeff * value
+        return total * valid.sum()
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         self._roll_loss_from_step = self._globalstep_last_logged  # HF moves it on before it calls log()
@@ -228,7 +243,19 @@ class TokenMeanLossMixin:
             if math.isfinite(value):  # else HF's own (its logging_nan_inf_filter)
                 logs["loss"] = value
             self._roll_loss = None
+            logs.update(self._moe_logs())
         super().log(logs, start_time)
+
+    def _moe_logs(self) -> dict[str, float]:
+        """``moe_aux_loss`` / ``moe_z_loss`` since the last log: the mean over every rank's micro-batches."""
+        out = {}
+        for name, (total, count) in self._roll_moe_logs.items():
+            sums = torch.tensor([float(total), float(count)], dtype=torch.float64, device=self.args.device)
+            if self.args.world_size > 1:
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            out[name] = (sums[0] / sums[1].clamp(min=1)).item()
+        self._roll_moe_logs = {}
+        return out
 
 
 class RollTrainer(SafeCheckpointMixin, SafeStepMixin, TokenMeanLossMixin, TokenMeanEvalMixin, RollTrainerMixin,

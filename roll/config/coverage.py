@@ -90,6 +90,7 @@ DPO = "tests/distributed/test_mca_dpo.py::test_dpo_layouts_and_backend_parity"
 LAUNCH = "tests/unit/test_cli.py::test_launch_command_uses_torchrun_or_deepspeed"
 PIPELINE = "tests/unit/test_data_pipeline.py::test_max_samples_val_size_and_eval_dataset"
 MOE_AUX = "tests/unit/test_loss.py::test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding"
+MOE_Z = "tests/unit/test_loss.py::test_router_z_loss_is_megatrons_summed_over_layers_without_padding"
 
 LOGGING = NoEffect("logging only: what and where train_log.jsonl, the console and reporters show")
 SPEED = NoEffect("data-loading speed and memory only; the batches are the same")
@@ -170,6 +171,10 @@ ROWS: tuple[Row, ...] = (
     _row("moe_aux_loss_coeff moe_aux_loss_coef", standard=Honoured(
         MOE_AUX, "pt and sft; stage dpo trains without it, with one warning (docs/mca-training.md)",
         parity="moe_default_aux_loss"), mca=Honoured(MOE_AUX, parity="moe_default_aux_loss")),
+    _row("moe_z_loss_coeff", both=Honoured(MOE_Z, parity="mixtral_moe_losses")),
+    _row("moe_expert_capacity_factor", both=Refused(
+        "both backends route every token to its top-k experts (drop-less: Hugging Face's MoE models have no "
+        "capacity factor, so a dropping run could not match the standard backend); drop the key", 1.25)),
     _row("expert_model_parallel_size moe_token_dispatcher_type", standard=MEGATRON_ONLY,
          mca=Honoured("tests/distributed/test_mca_conversion.py::test_moe_logits_parity_ep2_tp2_and_export")),
     _row("expert_tensor_parallel_size", standard=MEGATRON_ONLY, mca=Honoured(

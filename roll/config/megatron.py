@@ -2,7 +2,7 @@
 
 Recipes stay flat (``tensor_model_parallel_size: 2`` next to ``learning_rate``); these fields form
 their own group only in code and in ``--help``. The standard backend ignores them with one warning, except
-``moe_aux_loss_coeff`` (``BOTH_BACKENDS``), which both backends honour.
+the MoE loss keys (``BOTH_BACKENDS``), which both backends honour (or both refuse).
 """
 
 from __future__ import annotations
@@ -80,6 +80,14 @@ class MegatronArguments:
     moe_aux_loss_coef: float | None = None
     """LLaMA-Factory's spelling of moe_aux_loss_coeff (give one of them)."""
 
+    moe_z_loss_coeff: float | None = None
+    """MoE router z-loss coefficient (ST-MoE: the squared logsumexp of each token's router logits), on both
+    backends; default null: off (docs/mca-training.md)."""
+
+    moe_expert_capacity_factor: float | None = None
+    """Not available: both backends route every token to its top-k experts (drop-less; Hugging Face's MoE
+    models have no capacity factor), so any value is refused."""
+
     make_vocab_size_divisible_by: int = 1
     """[mca] Pad the embedding/output vocabulary to a multiple of this times TP (Megatron-LM's key; 128 there). Padded rows never enter the loss."""
 
@@ -118,8 +126,10 @@ class MegatronArguments:
                               "Factory's spelling and Megatron's): give one of them.")
         self.moe_aux_loss_coeff = coeff if coeff is not None else coef
         self.moe_aux_loss_coef = None  # one field holds the value
-        if self.moe_aux_loss_coeff is not None and not 0 <= self.moe_aux_loss_coeff < math.inf:
-            raise ConfigError(f"moe_aux_loss_coeff must be a finite number >= 0, got {self.moe_aux_loss_coeff}.")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}.")
 
     def _check_recompute(self) -> None:
         """Megatron's rules for activation recomputation, named by recipe key (its own asserts fire later)."""
@@ -163,7 +173,7 @@ class MegatronArguments:
                 if getattr(self, f.name) != f.default and f.name not in BOTH_BACKENDS}
 
 
-BOTH_BACKENDS = frozenset({"moe_aux_loss_coeff"})
+BOTH_BACKENDS = frozenset({"moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor"})
 """Fields of this group the standard backend honours too."""
 
 

@@ -21,7 +21,8 @@ CHATML_TEMPLATE = (
 """Qwen-style ChatML; the {% generation %} markers let HF compute assistant-token masks."""
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-KINDS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral", "glm4_moe", "deepseek_v3")
+KINDS = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral", "glm4_moe", "deepseek_v3",
+         "mixtral")
 
 _WORDS = ("the a cat dog bird fish model train token data loss step grad stage red green blue small large "
           "fast slow learns runs sees eats jumps writes reads one two three four five six seven eight nine "
@@ -109,6 +110,9 @@ def tiny_config(kind: str, vocab_size: int, *, num_layers: int = 2, tie_word_emb
         "glm4_moe": lambda: T.Glm4MoeConfig(**_GLM4_MOE, **{**common, "hidden_size": 48}),
         "deepseek_v3": lambda: T.DeepseekV3Config(**_DEEPSEEK_V3, **{**common, "hidden_size": 48,
                                                                       "num_key_value_heads": 4}),
+        # every layer's MLP is 4 experts of intermediate_size
+        "mixtral": lambda: T.MixtralConfig(sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+                                           **{**common, "intermediate_size": 32}),
     }
     config = builders[kind]()
     for key, value in overrides.items():
@@ -125,7 +129,8 @@ def make_tiny_model(out_dir: str, kind: str = "qwen2", tokenizer: str = "bpe", s
     from transformers import AutoModelForCausalLM
 
     tok = build_bpe_tokenizer() if tokenizer == "bpe" else load_qwen_tokenizer()
-    config = tiny_config(kind, vocab_size=len(tok), **config_overrides)
+    # a vocab_size override gives the model rows the tokenizer never uses (an odd size pads under TP)
+    config = tiny_config(kind, vocab_size=config_overrides.pop("vocab_size", len(tok)), **config_overrides)
     config.pad_token_id, config.eos_token_id = tok.pad_token_id, tok.eos_token_id
     config.bos_token_id = None
     torch.manual_seed(seed)

@@ -25,11 +25,15 @@ MODELS = {
     "moe": {"kind": "qwen3_moe"},
     "glm4_moe": {"kind": "glm4_moe", "tie_word_embeddings": False},
     "deepseek_v3": {"kind": "deepseek_v3", "tie_word_embeddings": False},
+    "mixtral": {"kind": "mixtral", "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2,
+                "head_dim": 8, "intermediate_size": 24, "vocab_size": 513, "tie_word_embeddings": False},
 }
 """Tiny models (``roll.demo.tiny_model.make_tiny_model`` keyword arguments): hidden 64, a 512-token BPE tokenizer.
 qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts; glm4_moe a
 GLM-4.5 (hidden 48, a dense first layer, sigmoid routing with a correction bias, a shared expert, partial RoPE);
-deepseek_v3 a DeepSeek-V3 (multi-latent attention with a q LoRA rank and YaRN, expert groups, GLM-4.5's router)."""
+deepseek_v3 a DeepSeek-V3 (multi-latent attention with a q LoRA rank and YaRN, expert groups, GLM-4.5's router);
+mixtral has odd shapes (hidden 48, 6 heads over 2 KV groups, 4 experts of 24, top-2, 513 vocabulary rows: padded
+under TP2)."""
 
 _COMMON = {"cutoff_len": 64, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
            "learning_rate": 1.0e-3, "seed": 0}
@@ -136,6 +140,8 @@ def _lora(**keys) -> dict:
 
 
 _WARMUP = {"warmup_steps": 3}
+_MOE_LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01,
+               "dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128}
 _EVAL = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 3, "eval_on_start": True,
          "per_device_eval_batch_size": 4}
 
@@ -230,6 +236,19 @@ CASES = (
          measured=M(5.3e-9, 1.0e-8, None, 3.0e-6)),
     Case("ep2_deepseek_v3_sft", "sft", {}, layout="ep2", model="deepseek_v3", steps=10,
          measured=M(5.3e-9, 1.1e-8, None, 2.9e-6)),
+    # Mixtral with both MoE losses at large coefficients, so that a mismatch shows, 10 steps on samples of
+    # uneven length; the same key set at EP2, TP2 (experts split by ETP2, a padded vocabulary) and
+    # accumulating 8 micro-batches of one sample. At TP2 the z-loss trained at half its coefficient before
+    # backends/mca/moe_loss_scale.py (losses 2.7e-4 apart, weights 1.1e-1)
+    Case("mixtral_moe_losses", "sft", _MOE_LOSSES, model="mixtral", steps=10,
+         measured=M(0, 1.9e-8, None, 5.8e-6)),
+    Case("ep2_mixtral_moe_losses", "sft", _MOE_LOSSES, layout="ep2", model="mixtral", steps=10,
+         measured=M(0, 2.0e-8, None, 5.9e-6)),
+    Case("tp2_mixtral_moe_losses", "sft", _MOE_LOSSES, layout="tp2", model="mixtral", steps=10,
+         measured=M(1.9e-9, 1.9e-8, None, 6.6e-6)),
+    Case("ep2_mixtral_moe_losses_ga8", "sft", {**_MOE_LOSSES, "per_device_train_batch_size": 1,
+                                               "gradient_accumulation_steps": 8},
+         layout="ep2", model="mixtral", steps=10, measured=M(1.9e-9, 4.0e-9, None, 1.8e-6)),
     Case("tp2_dpo_ipo", "dpo", {"pref_loss": "ipo"}, layout="tp2",
          measured=M(0, 2.3e-7, None, 1.1e-4)),
     Case("cp2_dpo_sigmoid_ftx", "dpo", {"pref_ftx": 0.5}, layout="cp2",

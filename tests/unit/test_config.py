@@ -82,6 +82,10 @@ def test_optional_and_literal_values(recipe):
     (["moe_aux_loss_coef=0.01", "moe_aux_loss_coeff=0.02"], ["moe_aux_loss_coef=0.01 and moe_aux_loss_coeff=0.02",
                                                             "give one of them"]),
     (["moe_aux_loss_coef=-1"], ["moe_aux_loss_coeff must be a finite number >= 0, got -1.0"]),
+    (["moe_z_loss_coeff=-0.1"], ["moe_z_loss_coeff must be a finite number >= 0, got -0.1"]),
+    (["moe_expert_capacity_factor=1.25"], ["moe_expert_capacity_factor=1.25", "drop-less"]),
+    (["--use-mca", "moe_expert_capacity_factor=1.25"], ["moe_expert_capacity_factor=1.25", "mca backend",
+                                                        "drop-less"]),
     (["deepspeed=/no/such/ds.json"], ["/no/such/ds.json", "does not exist"]),
     (["--use-mca", "finetuning_type=freeze"], ["freeze", "mca backend"]),
     (["--max_steps"], ["--max_steps", "needs a value"]),
@@ -208,6 +212,8 @@ def test_moe_aux_loss_coefficient_in_either_spelling_applies_on_both_backends(re
         _, config = parse_args([recipe(moe_aux_loss_coef=0.05), *argv])
         assert (config.megatron.moe_aux_loss_coeff, config.megatron.moe_aux_loss_coef) == (0.05, None)
     assert "moe_aux_loss" not in roll_warnings.text
+    _, config = parse_args([recipe(moe_z_loss_coeff=0.01)])  # the router z-loss: both backends too
+    assert config.megatron.moe_z_loss_coeff == 0.01 and "moe_z_loss" not in roll_warnings.text
 
 
 SHIPPED = ("qwen_sft", "qwen_pt", "qwen_dpo", "qwen_lora_sft", "qwen3_moe_sft", "llama3_sft")

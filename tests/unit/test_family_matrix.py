@@ -130,4 +130,5 @@ def test_family_trains_plans_and_dry_runs(family, shared, tmp_path, monkeypatch,
         assert roll_train([*args, "--use-mca"]) == 2
         err = capsys.readouterr().err
         assert f"model_type {model_type!r} has no Megatron conversion template" in err, err
-        assert "Supported families: llama, mistral, qwen2" in err and "use_mca: false" in err, err
+        assert "Supported families: " in err and "llama, mistral, mixtral, qwen2" in err, err
+        assert "use_mca: false" in err, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -183,6 +184,26 @@ def test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding():
     # a router that spreads every token evenly: 1 per layer
     assert roll_loss.load_balancing_loss([torch.zeros(8, 4)] * 3, 2, None).item() == pytest.approx(3.0)
 
+
+
+def test_router_z_loss_is_megatrons_summed_over_layers_without_padding():
+    """roll.loss's router z-loss (the standard backend's) against Megatron-Core's ``z_loss_func`` (the mca
+    backend's) and against the formula by hand: per layer, padding left out, summed over the layers."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.moe.moe_utils import z_loss_func
+
+    gen = torch.Generator().manual_seed(6)
+    layers = [torch.randn(12, 4, generator=gen) * 3 for _ in range(3)]
+    padding = torch.tensor([False] * 9 + [True] * 3)
+    expected = sum(z_loss_func(logits, 1.0, padding_mask=padding).item() for logits in layers)
+    ours = roll_loss.router_z_loss(layers, (~padding).float())
+    assert ours.item() == pytest.approx(expected, rel=1e-6)
+    by_hand = sum(float(sum(math.log(sum(math.exp(x) for x in row)) ** 2 for row in logits[:9].tolist())) / 9
+                  for logits in layers)
+    assert ours.item() == pytest.approx(by_hand, rel=1e-5)
+    assert roll_loss.router_z_loss(layers, None).item() != pytest.approx(expected, rel=1e-3)  # padding in
+    even = roll_loss.router_z_loss([torch.zeros(8, 4)] * 2, None)  # logsumexp of 4 zero logits: ln 4
+    assert even.item() == pytest.approx(2 * math.log(4) ** 2)
 
 # ---- the kernel (roll.loss._TokenLogProbs): gradient, ignored labels, padded vocabulary, bf16, memory ----
 

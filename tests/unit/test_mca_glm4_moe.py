@@ -140,11 +140,15 @@ def test_a_stage_of_dense_layers_only_loads_and_mtp_layers_are_left_out_saying_s
 
 
 def test_the_standard_backend_refuses_a_load_balancing_loss_too():
+    from types import SimpleNamespace
+
     from transformers import AutoModelForCausalLM
 
-    from backends.standard.models import moe_aux_coefficient
+    from backends.standard.models import moe_loss_coefficients
 
     model = AutoModelForCausalLM.from_config(tiny_config("glm4_moe", 512))
-    assert moe_aux_coefficient(model, None, "sft") == 0.0 and moe_aux_coefficient(model, 0.0, "sft") == 0.0
+    recipe = lambda aux: SimpleNamespace(moe_aux_loss_coeff=aux, moe_z_loss_coeff=None)  # noqa: E731
+    assert moe_loss_coefficients(model, recipe(None), "sft") == (0.0, 0.0)
+    assert moe_loss_coefficients(model, recipe(0.0), "sft") == (0.0, 0.0)
     with pytest.raises(ConfigError, match="moe_aux_loss_coeff=0.01: model_type 'glm4_moe' has no load-balancing"):
-        moe_aux_coefficient(model, 0.01, "sft")
+        moe_loss_coefficients(model, recipe(0.01), "sft")

@@ -44,7 +44,8 @@ def test_unsupported_rope_type_is_an_error():
 def test_family_without_template_lists_supported_ones():
     hf = _hf("qwen2")
     hf["model_type"] = "gemma3"
-    with pytest.raises(ModelError, match=r"'gemma3'.*llama, mistral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    with pytest.raises(ModelError, match=r"'gemma3'.*llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, "
+                                         r"qwen3_moe"):
         McaModelConfig.from_hf(hf)
 
 
@@ -146,3 +147,8 @@ def test_moe_aux_loss_coefficient_is_hf_router_aux_loss_coef_at_any_tp():
         assert (config.tensor_model_parallel_size, config.moe_aux_loss_coeff) == (tp, 0.02)
         recipe = MegatronArguments(tensor_model_parallel_size=tp, moe_aux_loss_coeff=0.05)
         assert McaModelConfig.from_hf(hf, **parallel_overrides(recipe)).moe_aux_loss_coeff == 0.05
+    # the router z-loss only when the recipe asks (Megatron computes it for any coefficient but None); routing
+    # stays drop-less (no capacity factor: the standard backend's HF models have none)
+    assert McaModelConfig.from_hf(hf, **parallel_overrides(MegatronArguments())).moe_z_loss_coeff is None
+    config = McaModelConfig.from_hf(hf, **parallel_overrides(MegatronArguments(moe_z_loss_coeff=0.01)))
+    assert config.moe_z_loss_coeff == 0.01 and config.moe_expert_capacity_factor is None

@@ -17,7 +17,7 @@ from backends.mca.models.config import McaModelConfig  # noqa: E402
 from backends.mca.models.template import get_template  # noqa: E402
 from roll.errors import ModelError  # noqa: E402
 
-KINDS = ["qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3"]
+KINDS = ["qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "mixtral"]
 
 
 def _hf_checkpoint(model_dir: str, seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -91,6 +91,27 @@ def test_shared_expert_and_gate_are_mapped(tiny_model_factory):
                        hf_sd["model.layers.0.mlp.shared_expert_gate.weight"])
     gate = hf_sd["model.layers.0.mlp.shared_expert.gate_proj.weight"]
     assert torch.equal(mca_sd["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"][:64], gate)
+
+
+def test_mixtral_maps_its_router_and_experts_and_refuses_what_megatron_cannot_express(tiny_model_factory):
+    """block_sparse_moe.gate -> router; experts.{e}.[w1; w3] (gate; up) -> linear_fc1, w2 -> linear_fc2; HF's
+    softmax-top-k-renormalise router is Megatron's top-k-then-softmax; no shared expert."""
+    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("mixtral"))
+    config = McaModelConfig.from_hf(hf_config)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 32)
+    assert config.moe_router_score_function == "softmax" and not config.moe_router_pre_softmax
+    assert not config.moe_shared_expert_intermediate_size and not config.add_qkv_bias
+    mca_sd = get_template("mixtral").hf_to_mca(hf_sd, config)
+    moe = "model.layers.1.block_sparse_moe."
+    assert torch.equal(mca_sd["decoder.layers.1.mlp.router.weight"], hf_sd[moe + "gate.weight"])
+    expert = "decoder.layers.1.mlp.experts.local_experts.3."
+    assert torch.equal(mca_sd[expert + "linear_fc1.weight"],
+                       torch.cat([hf_sd[moe + "experts.3.w1.weight"], hf_sd[moe + "experts.3.w3.weight"]]))
+    assert torch.equal(mca_sd[expert + "linear_fc2.weight"], hf_sd[moe + "experts.3.w2.weight"])
+    for key, value, field in (("sliding_window", 4096, "sliding_window"),
+                              ("router_jitter_noise", 0.01, "router_jitter_noise")):
+        with pytest.raises(ModelError, match=f"mixtral: {field}={value}.*in config.json"):
+            McaModelConfig.from_hf({**hf_config, key: value})
 
 
 @pytest.mark.parametrize("kind,grouped", [("qwen2", False), ("qwen3_moe", False), ("qwen3_moe", True)])

@@ -235,6 +235,8 @@ def parallel_overrides(megatron: MegatronArguments | None = None, *, bf16: bool 
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_aux_loss_coeff"):
         if getattr(m, name) is not None:  # None: keep the model config's value
             out[name] = getattr(m, name)
+    if m.moe_z_loss_coeff:  # Megatron computes the z-loss whenever its coefficient is not None
+        out["moe_z_loss_coeff"] = m.moe_z_loss_coeff
     if bf16:
         out.update(bf16=True, params_dtype=torch.bfloat16)
     elif fp16:

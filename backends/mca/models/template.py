@@ -20,7 +20,8 @@ from backends.mca.models.mapping import Mapping, Match, compile_pattern
 from roll.errors import ModelError
 
 _TEMPLATES: dict[str, Template] = {}
-FAMILY_MODULES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+FAMILY_MODULES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
+                  "mixtral")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ class StepStats:
     grad_norm: float | None
     learning_rate: float
     skipped: bool
-    moe_aux_loss: float | None = None
+    moe_losses: dict[str, float]
+    """``moe_aux_loss`` / ``moe_z_loss`` of a MoE model (``moe_losses``), when computed."""
 
 
 class MegatronTrainer:
@@ -188,7 +189,7 @@ class MegatronTrainer:
         outputs = self._forward_backward(batches, forward_only=False)
         metrics, real, grad_norm = self._step_numbers(outputs, batches)
         loss = metrics.pop("loss")
-        aux_loss = moe_aux_loss(self.model_config, len(batches))
+        moe = moe_losses(self.model_config, len(batches))
         # All-reduced, so every rank decides alike: a non-finite loss or grad norm, or fp16's grad scaler
         # found inf/nan (no norm), skips the update.
         skipped = grad_norm is None or not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -202,7 +203,7 @@ class MegatronTrainer:
         self.state.global_step += 1
         # Logged as HF Trainer (transformers 5) logs it: the rate this step's update used, read before its
         # scheduler steps (Trainer._inner_training_loop, "get learning rate before update").
-        return StepStats(loss, metrics, real, grad_norm, lr, skipped, aux_loss)
+        return StepStats(loss, metrics, real, grad_norm, lr, skipped, moe)
 
     # ---- forward / backward ---------------------------------------------------------------------
 
@@ -306,9 +307,10 @@ class MegatronTrainer:
         record["learning_rate"] = window[-1].learning_rate
         record.update(self._speed.close(self.state.global_step))
         record["epoch"] = round(self.state.global_step / self.plan.steps_per_epoch(num_samples), 4)
-        aux = [s.moe_aux_loss for s in window if s.moe_aux_loss is not None]
-        if aux:
-            record["moe_aux_loss"] = sum(aux) / len(aux)
+        for name in ("moe_aux_loss", "moe_z_loss"):
+            values = [s.moe_losses[name] for s in window if name in s.moe_losses]
+            if values:
+                record[name] = sum(values) / len(values)
         if self.state.skipped_steps:
             record["skipped_steps"] = self.state.skipped_steps
         return record
@@ -357,20 +359,29 @@ def every(steps: float, total: int) -> int:
     return max(1, int(steps) if steps >= 1 else math.ceil(total * steps))
 
 
-def moe_aux_loss(config, num_microbatches: int) -> float | None:
-    """The MoE load-balancing loss of the last step as Megatron tracks it (before its coefficient),
-    averaged over MoE layers and micro-batches, all ranks reduced; None for dense models. Collective."""
+def moe_losses(config, num_microbatches: int) -> dict[str, float]:
+    """The MoE losses of the last step as Megatron tracks them (before their coefficients), each averaged over
+    MoE layers, micro-batches and ranks: ``moe_aux_loss`` (load balancing, reduced by Megatron's own rule)
+    and ``moe_z_loss`` (router z-loss, which Megatron tracks per rank: summed here over every rank, then
+    divided by the ranks that hold the same layers); {} for dense models and losses that are off.
+    Collective."""
     if not config.num_moe_experts:
-        return None
+        return {}
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker, reduce_aux_losses_tracker_across_ranks)
 
     tracker = get_moe_layer_wise_logging_tracker()
-    if "load_balancing_loss" not in tracker:  # moe_aux_loss_coeff 0: nothing computed
-        return None
-    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
     freq = config.moe_layer_freq
     moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, config.num_layers, freq))
-    value = tracker["load_balancing_loss"]["values"].sum().item() / (moe_layers * num_microbatches)
+    out = {}
+    if "load_balancing_loss" in tracker:  # moe_aux_loss_coeff 0: nothing computed
+        reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+        values = tracker["load_balancing_loss"]["values"]
+        out["moe_aux_loss"] = values.sum().item() / (moe_layers * num_microbatches)
+    if "z_loss" in tracker:
+        values = tracker["z_loss"]["values"]
+        dist.all_reduce(values)
+        ranks_per_layer = dist.get_world_size() // config.pipeline_model_parallel_size
+        out["moe_z_loss"] = values.sum().item() / (moe_layers * num_microbatches * ranks_per_layer)
     clear_aux_losses_tracker()
-    return value
+    return out
