@@ -1,7 +1,7 @@
 """Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
-research notes (W1-W8), so users and tests need no tricks of their own. Each says what it fixes
+research notes (W1-W9), so users and tests need no tricks of their own. Each says what it fixes
 and when it can go, and checks (``_verified``) that the installed packages are the versions it was
 verified with: outside that range it still runs, with one warning per package.
 """
@@ -9,10 +9,12 @@ verified with: outside that range it still runs, with one warning per package.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.metadata
 import logging
 import os
 import sys
+from contextlib import contextmanager
 
 from packaging.version import Version
 
@@ -26,7 +28,7 @@ VERIFIED_VERSIONS = {
     "torch": ("2.13", "2.14"),          # W2
     "transformers": ("5.23", "5.24"),   # W3, W4
     "accelerate": ("1.15", "1.16"),     # W1, W6
-    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8
+    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8, W9
 }
 """Per package, the [low, high) release range the workarounds below were verified on (constraints.txt pins)."""
 
@@ -257,4 +259,44 @@ def restrict_deepspeed_loads() -> None:
 
     load.roll_restricted = True
     TorchCheckpointEngine.load = load
+    _restrict_universal_loads()
+
+
+@contextmanager
+def restricted_torch_loads():
+    """W9: DeepSpeed's universal checkpoint (the conversion, ``deepspeed.checkpoint.ds_to_universal``, and
+    the ZeRO optimizers' universal load) calls ``torch.load(weights_only=False)`` itself, past its checkpoint
+    engine (W7). While this context is open ``torch.load`` is ``roll.unpickle``'s allow-listed load, for the
+    whole process: it is opened only where nothing but DeepSpeed loads (the conversion before training; the
+    ZeRO states' load inside the engine's resume). Can go when DeepSpeed loads with weights_only (not as of
+    0.19.8)."""
+    _verified("W9", "deepspeed")
+    import torch
+
+    from roll import unpickle
+
+    original = torch.load
+
+    def load(f, map_location=None, *, weights_only=None, **kwargs):
+        return unpickle.torch_load(f, map_location=map_location, loader=original, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def _restrict_universal_loads() -> None:
+    """W9 for the engine: its ZeRO-state load (universal or not) runs inside ``restricted_torch_loads``."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    load_zero_checkpoint = DeepSpeedEngine._load_zero_checkpoint
+
+    @functools.wraps(load_zero_checkpoint)
+    def restricted(self, *args, **kwargs):
+        with restricted_torch_loads():
+            return load_zero_checkpoint(self, *args, **kwargs)
+
+    DeepSpeedEngine._load_zero_checkpoint = restricted
 
