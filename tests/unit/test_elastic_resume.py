@@ -86,3 +86,26 @@ def test_nvme_offload_at_the_saved_size_and_stages_1_and_2_load_each_other(tmp_p
     nvme = _ds(2, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"})
     assert elastic.prepare_resume(nvme, ckpt, world_size=2, is_writer=True) is nvme
     assert elastic.prepare_resume(_ds(1), ckpt, world_size=2, is_writer=True).zero_stage == 1
+
+
+def test_w9_deepspeeds_own_torch_loads_go_through_the_allow_list(tmp_path):
+    """The conversion (ds_to_universal) and the universal load call ``torch.load(weights_only=False)`` directly:
+    inside ``restricted_torch_loads`` a payload is refused before it runs; plain states load; afterwards
+    ``torch.load`` is torch's again."""
+    import os
+
+    import torch
+
+    from backends.standard import _compat
+    from roll import unpickle
+    from tests.reliability import payloads
+
+    planted, marker, plain = str(tmp_path / "optim_states.pt"), str(tmp_path / "ran"), str(tmp_path / "fp32.pt")
+    payloads.plant_torch(planted, marker)
+    torch.save({"param": torch.ones(2), "cat_dim": 0}, plain)
+    original = torch.load
+    with _compat.restricted_torch_loads():
+        with pytest.raises(unpickle.UntrustedPickle, match="names io.open"):
+            torch.load(planted, map_location="cpu", weights_only=False)
+        assert torch.equal(torch.load(plain, weights_only=False)["param"], torch.ones(2))
+    assert not os.path.exists(marker) and torch.load is original
