@@ -131,6 +131,12 @@ def _check_loadable(ds: DeepSpeedSettings | None, ckpt: str, saved: SavedLayout 
                           f"that DeepSpeed cannot re-slice. Resume on {saved.dp_size} processes (nnodes x "
                           "nproc_per_node), or offload the optimizer to the CPU (device: cpu) in the run "
                           "that writes the checkpoint.")
+    converted = _read(os.path.join(ckpt, UNIVERSAL_TAG_FILE)) == universal_folder(saved)
+    if resized and not converted and not _writable(ckpt):
+        raise ConfigError(f"{where} holds ZeRO state of {saved.dp_size} ranks, this run has {world_size}: "
+                          "it is converted once to DeepSpeed's universal checkpoint, written into the "
+                          "checkpoint folder, which this run cannot write. Copy the checkpoint into "
+                          f"output_dir and resume from the copy, or resume on {saved.dp_size} processes.")
 
 
 def _example_file(family: str) -> str:
@@ -181,6 +187,10 @@ def convert_to_universal(ckpt: str, saved: SavedLayout) -> str:
     logger.info("converted in %.1fs (a later resume at another size reuses it)",
                 time.perf_counter() - started)
     return final
+
+
+def _writable(folder: str) -> bool:
+    return os.access(folder, os.W_OK)
 
 
 def _fsync_dir(path: str) -> None:

@@ -81,6 +81,17 @@ def test_refuses_what_cannot_load(tmp_path, files, ds, world, message):
         elastic.prepare_resume(ds, ckpt, world_size=world, is_writer=True)
 
 
+def test_a_checkpoint_it_cannot_write_converts_only_if_converted_before(tmp_path, monkeypatch):
+    monkeypatch.setattr(elastic, "_writable", lambda folder: False)
+    monkeypatch.setattr(elastic, "convert_to_universal", lambda ckpt, saved: None)
+    ckpt = _checkpoint(tmp_path, ZERO2_DP2)
+    assert elastic.prepare_resume(_ds(2), ckpt, world_size=2, is_writer=True).config == _ds(2).config
+    with pytest.raises(ConfigError, match="which this run cannot write. Copy the checkpoint into output_dir"):
+        elastic.prepare_resume(_ds(2), ckpt, world_size=1, is_writer=True)
+    (tmp_path / "checkpoint-2" / "latest_universal").write_text("global_step2_universal")
+    assert elastic.prepare_resume(_ds(2), ckpt, world_size=1, is_writer=True).config["checkpoint"]
+
+
 def test_nvme_offload_at_the_saved_size_and_stages_1_and_2_load_each_other(tmp_path):
     ckpt = _checkpoint(tmp_path, ZERO2_DP2)
     nvme = _ds(2, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"})
@@ -89,7 +100,7 @@ def test_nvme_offload_at_the_saved_size_and_stages_1_and_2_load_each_other(tmp_p
 
 
 def test_w9_deepspeeds_own_torch_loads_go_through_the_allow_list(tmp_path):
-    """The conversion (ds_to_universal) and the universal load call ``torch.load(weights_only=False)`` directly:
+    """The conversion (ds_to_universal) and the universal load call ``torch.load(weights_only=False)``:
     inside ``restricted_torch_loads`` a payload is refused before it runs; plain states load; afterwards
     ``torch.load`` is torch's again."""
     import os
@@ -100,7 +111,8 @@ def test_w9_deepspeeds_own_torch_loads_go_through_the_allow_list(tmp_path):
     from roll import unpickle
     from tests.reliability import payloads
 
-    planted, marker, plain = str(tmp_path / "optim_states.pt"), str(tmp_path / "ran"), str(tmp_path / "fp32.pt")
+    planted, marker = str(tmp_path / "optim_states.pt"), str(tmp_path / "ran")
+    plain = str(tmp_path / "fp32.pt")
     payloads.plant_torch(planted, marker)
     torch.save({"param": torch.ones(2), "cat_dim": 0}, plain)
     original = torch.load
