@@ -77,20 +77,22 @@ def allowed_globals(deepspeed: bool = True) -> list:
     return allowed + [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def torch_load(source: str | IO[bytes], path: str | None = None, **kwargs) -> Any:
-    """``torch.load`` of a file or buffer under the allow-list; ``path``: the file, for messages."""
+def torch_load(source: str | IO[bytes], path: str | None = None, *, loader=None, **kwargs) -> Any:
+    """``torch.load`` of a file or buffer under the allow-list; ``path``: the file, for messages. ``loader``:
+    the ``torch.load`` to call (a compat patch that stands in for ``torch.load`` passes the original)."""
     import torch
 
+    load = loader or torch.load
     path = path or str(source)
     if _trusted:
-        return torch.load(source, weights_only=False, **kwargs)
+        return load(source, weights_only=False, **kwargs)
     # DeepSpeed's classes join the allow-list only for a file that names them (or once DeepSpeed is
     # imported anyway): importing it to read a Megatron checkpoint's common.pt cost 3 s per load.
     with_deepspeed = "deepspeed" in sys.modules
     start = source.tell() if hasattr(source, "tell") else None
     try:
         with torch.serialization.safe_globals(allowed_globals(deepspeed=with_deepspeed)):
-            return torch.load(source, weights_only=True, **kwargs)
+            return load(source, weights_only=True, **kwargs)
     except pickle.UnpicklingError as exc:
         if with_deepspeed or "deepspeed." not in str(exc):
             raise refusal(path, exc) from None
@@ -98,7 +100,7 @@ def torch_load(source: str | IO[bytes], path: str | None = None, **kwargs) -> An
         source.seek(start)
     try:
         with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(source, weights_only=True, **kwargs)
+            return load(source, weights_only=True, **kwargs)
     except pickle.UnpicklingError as exc:
         raise refusal(path, exc) from None
 

@@ -75,9 +75,18 @@ def case_layouts(make, root: Path) -> list[Comparison]:
 
 
 def case_resume(make, root: Path) -> list[Comparison]:
-    from tests.distributed.test_mca_train import resume_comparisons, resume_runs
+    from tests.distributed.test_mca_train import resume_comparisons, resume_runs, shrunk_runs
 
-    return resume_comparisons(resume_runs(make("qwen2"), root))
+    model = make("qwen2")
+    return resume_comparisons(resume_runs(model, root), shrunk_runs(model, root))
+
+
+def case_elastic_resume(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_elastic_resume import elastic_comparisons
+
+    model = make("qwen2")
+    return [comparison for ds_file in ("ds_z2.json", "ds_z3.json")
+            for comparison in elastic_comparisons(model, root / ds_file, ds_file)]
 
 
 def case_eval(make, root: Path) -> list[Comparison]:

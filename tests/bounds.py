@@ -113,7 +113,14 @@ LAYOUT = {
                                 "eval_loss in eval micro-batches of 1 vs 4 (sums regrouped)"),
     "resume_pp2": Bound(1e-6, 3.6e-8, DATE, "a TP2 checkpoint resumed at PP2"),
     "resume_dp2": Bound(1e-6, 0.0, DATE, "a TP2 checkpoint resumed at TP1 x DP2"),
+    "resume_dp1": Bound(1e-6, 6.6e-9, DATE, "a DP2 checkpoint resumed on 1 process with "
+                        "gradient_accumulation_steps 2: the distributed optimizer's (6.6e-9, its gradients "
+                        "summed over micro-batches, not ranks), without it (0.0)"),
 }
+ELASTIC_RESUME = Bound(1e-6, 1.6e-16, DATE, "standard backend, ZeRO-2 / ZeRO-3: a DP2 checkpoint resumed "
+                       "on 1 process with gradient_accumulation_steps 2 (and ZeRO-2 back on 2) through "
+                       "DeepSpeed's universal checkpoint: the same sums, one fp64 rounding of the logged loss; "
+                       "the bound is the 1e-6 floor (a wrong Adam step count moved it 1.3e-5)")
 LORA_LAYOUT = Bound(1e-6, 9.6e-8, DATE, "LoRA at TP2, TP2+SP, PP2 and EP2, " + SUMS)
 DPO_LAYOUT = Bound(4e-6, 3.7e-7, DATE,
                    "DPO (loss, logps) at TP2, PP2, PP2 x VPP2, CP2, EP2 and the distributed "

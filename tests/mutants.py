@@ -54,12 +54,25 @@ class Mutant:
 STREAM_UNIT = "tests/unit/test_data_streaming.py"
 STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows"
 
+ELASTIC = "backends/standard/elastic.py"
+ELASTIC_UNIT = "tests/unit/test_elastic_resume.py::test_converts_only_when_the_data_parallel_size_changed"
+ELASTIC_RUN = ("tests/distributed/test_elastic_resume.py::"
+               "test_zero_checkpoint_resumes_on_another_number_of_processes[ds_z2.json]")
+
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
     Mutant("padded_vocab_unmasked", "padded-vocab columns (TP1 or the last TP rank) enter the softmax",
            ROLL_LOSS, "width = max(0, min(flat.shape[1], vocab - first))", "width = flat.shape[1]",
            (f"{LOSS_UNIT}::test_kernel_gradcheck_in_float64_ignored_labels_padded_vocab",),
            fast=True),
+    Mutant("elastic_converts_at_the_same_size_standard", "standard: every ZeRO resume pays the universal "
+           "conversion, at the size the checkpoint was saved at too", ELASTIC,
+           'saved.zero_family == "0" or saved.dp_size == world_size:', 'saved.zero_family == "0":',
+           (ELASTIC_UNIT,), fast=True),
+    Mutant("elastic_universal_not_loaded_standard", "standard: a ZeRO checkpoint resumed on another number of "
+           "processes is converted but loaded DeepSpeed's own way (it refuses: traceback)", ELASTIC,
+           'config["checkpoint"] = {**(config.get("checkpoint") or {}), "load_universal": True}',
+           'config["checkpoint"] = config.get("checkpoint") or {}', (ELASTIC_UNIT,), fast=True),
     Mutant("data_order_swap_mca", "mca: samples B-1 and B of the shared order swapped (crosses steps 1 and 2)",
            "backends/mca/trainer/data.py", "for i in range(first, first + self.micro_batch_size)])",
            "for i in ({self.global_batch_size - 1: self.global_batch_size, self.global_batch_size: "
@@ -253,6 +266,13 @@ MUTANTS: list[Mutant] = [
            "reduced in fp32)", "backends/mca/trainer/optim.py",
            "grad_reduce_in_fp32=megatron_args.grad_reduce_in_fp32,", "grad_reduce_in_fp32=True,",
            (f"{MCA_TRAIN}::test_layouts_give_the_same_losses",)),
+    Mutant("elastic_resume_not_prepared_standard", "standard: a ZeRO checkpoint resumed on another number "
+           "of processes goes to DeepSpeed's own load, which refuses it (traceback)", "backends/standard/backend.py",
+           "self._deepspeed = self._for_resume(self._deepspeed)", "pass", (ELASTIC_RUN,)),
+    Mutant("zero3_universal_step_shared_standard", "standard, ZeRO-3 resumed on another number of processes: "
+           "both parameter groups count Adam steps on one tensor (DeepSpeed 0.19.8, W10)",
+           "backends/standard/_compat.py", '                state["step"] = state["step"].clone()',
+           "                pass", (ELASTIC_RUN.replace("ds_z2", "ds_z3"),)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),

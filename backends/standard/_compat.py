@@ -1,7 +1,7 @@
 """Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
-research notes (W1-W8), so users and tests need no tricks of their own. Each says what it fixes
+research notes (W1-W10), so users and tests need no tricks of their own. Each says what it fixes
 and when it can go, and checks (``_verified``) that the installed packages are the versions it was
 verified with: outside that range it still runs, with one warning per package.
 """
@@ -9,10 +9,12 @@ verified with: outside that range it still runs, with one warning per package.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.metadata
 import logging
 import os
 import sys
+from contextlib import contextmanager
 
 from packaging.version import Version
 
@@ -26,7 +28,7 @@ VERIFIED_VERSIONS = {
     "torch": ("2.13", "2.14"),          # W2
     "transformers": ("5.23", "5.24"),   # W3, W4
     "accelerate": ("1.15", "1.16"),     # W1, W6
-    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8
+    "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8, W9, W10
 }
 """Per package, the [low, high) release range the workarounds below were verified on (constraints.txt pins)."""
 
@@ -257,4 +259,69 @@ def restrict_deepspeed_loads() -> None:
 
     load.roll_restricted = True
     TorchCheckpointEngine.load = load
+    _restrict_universal_loads()
+
+
+@contextmanager
+def restricted_torch_loads():
+    """W9: DeepSpeed's universal checkpoint (the conversion, ``deepspeed.checkpoint.ds_to_universal``, and
+    the ZeRO optimizers' universal load) calls ``torch.load(weights_only=False)`` itself, past its checkpoint
+    engine (W7). While this context is open ``torch.load`` is ``roll.unpickle``'s allow-listed load, for the
+    whole process: it is opened only where nothing but DeepSpeed loads (the conversion before training; the
+    ZeRO states' load inside the engine's resume). Can go when DeepSpeed loads with weights_only (not as of
+    0.19.8)."""
+    _verified("W9", "deepspeed")
+    import torch
+
+    from roll import unpickle
+
+    original = torch.load
+
+    def load(f, map_location=None, *, weights_only=None, **kwargs):
+        return unpickle.torch_load(f, map_location=map_location, loader=original, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def _restrict_universal_loads() -> None:
+    """W9 for the engine: its ZeRO-state load (universal or not) runs inside ``restricted_torch_loads``."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    load_zero_checkpoint = DeepSpeedEngine._load_zero_checkpoint
+
+    @functools.wraps(load_zero_checkpoint)
+    def restricted(self, *args, **kwargs):
+        with restricted_torch_loads():
+            return load_zero_checkpoint(self, *args, **kwargs)
+
+    DeepSpeedEngine._load_zero_checkpoint = restricted
+    _separate_zero3_universal_steps()
+
+
+def _separate_zero3_universal_steps() -> None:
+    """W10: ZeRO-3's universal load gives every parameter group's Adam state the *same* ``step`` tensor
+    (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``), and torch's Adam increments it in place once
+    per group: after the first resumed step the second group (biases and norms, no weight decay) counts 2
+    steps a step, and its bias correction drifts (the loss 1.3e-5 off the uninterrupted run's at the second
+    resumed step). Each group gets its own copy after the load. Seen with DeepSpeed 0.19.8; can go when the
+    ZeRO-3 elastic resume test (tests/distributed/test_elastic_resume.py) passes without it."""
+    _verified("W10", "deepspeed")
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    load = Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+
+    @functools.wraps(load)
+    def load_with_own_steps(self, checkpoint_dir):
+        load(self, checkpoint_dir)
+        for flat in self.fp32_partitioned_groups_flat:
+            state = self.optimizer.state.get(flat, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = load_with_own_steps
 

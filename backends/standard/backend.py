@@ -71,10 +71,26 @@ class StandardBackend(Backend):
             elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
                 dist.init_process_group(backend=current_platform().dist_backend,
                                         timeout=timedelta(seconds=training.ddp_timeout))
+            self._deepspeed = self._for_resume(self._deepspeed)
             self._hf_args = build_hf_args(self.config, self._deepspeed)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         return DistributedInfo(rank=rank, world_size=world, local_rank=local_rank(),
                                dp_rank=rank, dp_size=world)
+
+    def _for_resume(self, deepspeed: DeepSpeedSettings | None) -> DeepSpeedSettings | None:
+        """The DeepSpeed settings that load the resumed checkpoint at this run's data-parallel size
+        (``backends.standard.elastic``: converted once to DeepSpeed's universal checkpoint when it
+        changed)."""
+        import torch.distributed as dist
+
+        from backends.standard import elastic
+
+        training = self.config.training
+        ckpt = resolve_resume(training.resume_from_checkpoint, training.output_dir)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        writer = rank == 0 or (training.save_on_each_node and local_rank() == 0)
+        return elastic.prepare_resume(deepspeed, ckpt, world_size=world, is_writer=writer)
 
     # ---- models ---------------------------------------------------------------------------------
 

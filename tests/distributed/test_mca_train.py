@@ -207,7 +207,8 @@ def resume_runs(model_dir: str, tmp_path) -> dict:
         {"name": "same_layout", "overrides": {**resume, "output_dir": str(tmp_path / "same")}},
         {"name": "pp2", "overrides": {**resume, "output_dir": str(tmp_path / "pp2"), "tensor_model_parallel_size": 1,
                                       "pipeline_model_parallel_size": 2}},
-        {"name": "dp2", "overrides": {**resume, **dp2, "output_dir": str(tmp_path / "dp2")}},
+        {"name": "dp2", "overrides": {**resume, **dp2, "output_dir": str(tmp_path / "dp2"),
+                                      "save_strategy": "steps", "save_steps": 2}},
         {"name": "dist_opt", "overrides": {**dp2, "use_distributed_optimizer": True, "output_dir": str(dist_opt),
                                            "save_strategy": "steps", "save_steps": 2, "save_total_limit": 2}},
         {"name": "dist_opt_resumed", "overrides": {**dp2, "use_distributed_optimizer": True,
@@ -217,9 +218,31 @@ def resume_runs(model_dir: str, tmp_path) -> dict:
     return result
 
 
-def resume_comparisons(result: dict) -> list[Comparison]:
-    return [Comparison(f"resumed at {name}", result[name]["losses"], result["full"]["losses"][3:],
-                       LAYOUT[f"resume_{name}"]) for name in ("pp2", "dp2")]
+def shrunk_runs(model_dir: str, tmp_path) -> dict:
+    """The DP2 checkpoints of ``resume_runs`` (step 4, with and without the distributed optimizer) resumed
+    on one process with gradient_accumulation_steps 2: the same global batch of 8 (a requeued job on fewer
+    nodes). One torchrun job of one process."""
+    base = {**SFT, "model_name_or_path": model_dir, "max_steps": 6, "gradient_accumulation_steps": 2}
+    (tmp_path / "dp1").mkdir(exist_ok=True)
+    dist_opt, plain = str(tmp_path / "dist_opt" / "checkpoint-4"), str(tmp_path / "dp2" / "checkpoint-4")
+    return train_runs(tmp_path / "dp1", base, [
+        {"name": "dist_opt_dp1", "overrides": {"use_distributed_optimizer": True,
+                                               "resume_from_checkpoint": dist_opt,
+                                               "output_dir": str(tmp_path / "dist_opt_dp1")}},
+        {"name": "plain_dp1", "overrides": {"resume_from_checkpoint": plain,
+                                            "output_dir": str(tmp_path / "plain_dp1")}},
+    ], nproc=1)
+
+
+def resume_comparisons(result: dict, shrunk: dict | None = None) -> list[Comparison]:
+    compared = [Comparison(f"resumed at {name}", result[name]["losses"], result["full"]["losses"][3:],
+                           LAYOUT[f"resume_{name}"]) for name in ("pp2", "dp2")]
+    if shrunk is not None:
+        compared += [Comparison("DP2 -> DP1, distributed optimizer", shrunk["dist_opt_dp1"]["losses"],
+                                result["dist_opt"]["losses"][4:], LAYOUT["resume_dp1"]),
+                     Comparison("DP2 -> DP1", shrunk["plain_dp1"]["losses"], result["dp2"]["losses"][1:],
+                                LAYOUT["resume_dp1"])]
+    return compared
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
@@ -230,7 +253,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     result = resume_runs(tiny_model_dir, tmp_path)
     uninterrupted = result["full"]["losses"]
     assert result["same_layout"]["losses"] == uninterrupted[3:]
-    assert_within(resume_comparisons(result))
+    shrunk = shrunk_runs(tiny_model_dir, tmp_path)
+    assert_within(resume_comparisons(result, shrunk))
     assert result["dist_opt_resumed"]["losses"] == result["dist_opt"]["losses"][4:]
     assert sorted(os.listdir(full)) == [".roll_run.json", "checkpoint-3", "checkpoint-6", "loss.png",
                                         "train_log.jsonl"]
