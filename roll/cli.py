@@ -12,8 +12,9 @@ import typing
 import yaml
 
 from roll import __version__
-from roll.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, RollError,
-                         TrainingStopped)
+from roll.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, Preempted,
+                         RollError, TrainingStopped)
+from roll.logging import get_rank
 
 USAGE = """usage: roll-train [RECIPE.yaml] [key=value | --key value | --flag ...] [--use-mca]
                   [--print-config] [--dry-run [--json]] [--plan [--json] [gpu_memory_gb=80]]
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from roll.config import parse_args
 
+        _adopt_slurm(argv)
         options, config = parse_args(argv)
         if options.help:
             sys.stdout.write(format_help())
@@ -109,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _adopt_slurm(argv: list[str]) -> None:
+    """A task of a multi-task ``srun`` step is one rank (or one node) of one run: map SLURM's variables to the
+    launcher's before the config reads them (``roll.slurm``)."""
+    from roll import slurm
+    from roll.config.parser import peek
+
+    slurm.adopt(peek(argv, ("nproc_per_node", "master_addr", "master_port")))
+
+
 def _printable(config) -> dict:
     """--print-config's mapping: every group, and with --use-mca the parallel layout it resolves to."""
     resolved = config.to_dict()
@@ -135,9 +146,15 @@ def _train(config, argv: list[str]) -> int:
             return outcome.code
         from roll import reliability, router
 
-        reliability.STOP.install()
+        reliability.STOP.install(config.training.slurm_signum, config.training.slurm_requeue)
         try:
             router.run(config)
+        except Preempted as exc:
+            if reliability.STOP.requeued and get_rank() == 0:  # the early warning's checkpoint is complete
+                from roll import slurm
+
+                raise Preempted(f"{exc} {slurm.requeue()}") from None
+            raise
         except Exception as exc:
             hung = reliability.collective_failure(exc, config.training.ddp_timeout)
             if hung is None:
