@@ -282,7 +282,18 @@ def _daemon(cluster: SlurmCluster, name: str, *args: str) -> None:
     with open(cluster.root / "log" / f"{len(cluster.daemons)}-{name}.out", "ab") as log:
         cluster.daemons.append(subprocess.Popen([binary, *args], cwd=cluster.root, env=cluster.env(),
                                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True))
+                                                start_new_session=True, preexec_fn=_die_with_pytest))
+
+
+def _die_with_pytest() -> None:
+    """In a daemon, before exec: SIGTERM when the test process dies (Linux), should it be killed before its
+    teardown runs (a CI timeout)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1) -> None:
