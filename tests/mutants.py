@@ -54,6 +54,13 @@ STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("slurm_tasks_not_mapped", "srun -n 2 roll-train: each task trains alone (SLURM's variables ignored)",
+           "roll/cli.py", "        _adopt_slurm(argv)\n", "",
+           ("tests/unit/test_slurm.py::test_roll_train_under_srun_resolves_the_whole_step",), fast=True),
+    Mutant("slurm_requeue_trains_from_scratch", "a requeued SLURM job does not resume by itself",
+           "roll/config/parser.py", "    if restarts and \"resume_from_checkpoint\" not in recipe",
+           "    if False and \"resume_from_checkpoint\" not in recipe",
+           ("tests/unit/test_slurm.py::test_a_requeued_job_resumes_by_default",), fast=True),
     Mutant("padded_vocab_unmasked", "padded-vocab columns (TP1 or the last TP rank) enter the softmax",
            ROLL_LOSS, "width = max(0, min(flat.shape[1], vocab - first))", "width = flat.shape[1]",
            (f"{LOSS_UNIT}::test_kernel_gradcheck_in_float64_ignored_labels_padded_vocab",),
@@ -215,6 +222,10 @@ MUTANTS: list[Mutant] = [
            "reduced in fp32)", "backends/mca/trainer/optim.py",
            "grad_reduce_in_fp32=megatron_args.grad_reduce_in_fp32,", "grad_reduce_in_fp32=True,",
            (f"{MCA_TRAIN}::test_layouts_give_the_same_losses",)),
+    Mutant("slurm_signal_burst_stops_at_once", "under SLURM, the SIGTERM that srun or the launcher forwards "
+           "after SLURM's own kills the ranks mid-save", "roll/reliability.py",
+           "return \"SLURM_JOB_ID\" in os.environ and time.monotonic() - self._first_at < BURST_S", "return False",
+           ("tests/distributed/test_slurm.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes",)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),

@@ -182,3 +182,20 @@ def test_srun_tasks_signal_burst_then_the_requeued_job_resumes(tiny_model_dir, t
     assert sorted(losses) == sorted(reference)
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=TOLERANCE), (step, losses[step], loss)
+
+
+def test_srun_tasks_are_one_mca_tp2_run(tiny_model_dir, tmp_path):
+    """`srun -n 2 roll-train R --use-mca tensor_model_parallel_size=2`: today each task alone exits 2
+    (tp(2) * ... != world_size(1)); now one TP2 run with the losses of `nproc_per_node=2` (measured equal)."""
+    mca = dict(max_steps=3, tensor_model_parallel_size=2, use_mca="true")
+    ref_out, out = str(tmp_path / "reference"), str(tmp_path / "run")
+    ref = subprocess.run([sys.executable, "-m", "roll.cli", *_args(tiny_model_dir, ref_out, nproc_per_node=2,
+                                                                  **mca)],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    codes, text = Step(_args(tiny_model_dir, out, **mca), str(tmp_path), _free_job_id()).finish()
+    assert codes == [0, 0], text[-4000:]
+    want, got = _losses(ref_out), _losses(out)
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=TOLERANCE), (step, got[step], loss)
