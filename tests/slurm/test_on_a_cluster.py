@@ -3,8 +3,9 @@
 - ``srun -n 2 roll-train R`` (standard) and ``srun -n 2 roll-train R --use-mca tensor_model_parallel_size=2``:
   one 2-rank run each, one task per node, every step logged once, with the losses of a local
   ``nproc_per_node=2`` run;
-- a 2-task batch job (the shipped examples/slurm/train.sbatch) requeued with ``scontrol requeue`` mid-run: its
-  tasks save a checkpoint on SIGTERM and exit, SLURM runs the same script again (``SLURM_RESTART_COUNT=1``, no resume key), it resumes from that checkpoint
+- a 2-rank batch job (the shipped examples/slurm/train.sbatch; 2 tasks, or 1 task with nproc_per_node=2)
+  requeued with ``scontrol requeue`` mid-run: its ranks save a checkpoint on SIGTERM and exit, SLURM runs the
+  same script again (``SLURM_RESTART_COUNT=1``, no resume key), it resumes from that checkpoint
   and ends with the uninterrupted run's losses.
 """
 
@@ -98,12 +99,20 @@ TEMPLATE = os.path.join(REPO, "examples", "slurm", "train.sbatch")
 """The shipped sbatch script (``exec srun roll-train "$RECIPE" ... "$@"``), run as a user would."""
 
 
-def test_a_requeued_job_resumes_with_the_same_script(slurm_cluster, tiny_model_dir, tmp_path, reference):
+FORMS = {"task-per-rank": ("--nodes=2", {}), "task-per-node": ("--nodes=1", {"nproc_per_node": "2"})}
+"""The template's two forms, both 2 ranks: one task per rank on 2 nodes (the ranks get SLURM's SIGTERM), and one
+task per node launching its 2 ranks (SLURM signals roll-train, the launcher and the ranks at once: a burst)."""
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_requeued_job_resumes_with_the_same_script(slurm_cluster, tiny_model_dir, tmp_path, reference, form):
     out, job_out = tmp_path / "out", tmp_path / "job.out"
-    recipe, keys = _recipe(tmp_path, _args(tiny_model_dir, out))
+    nodes, extra = FORMS[form]
+    recipe, keys = _recipe(tmp_path, _args(tiny_model_dir, out, **extra))
     # the template asks for 2 nodes of 8 GPUs for a day: this cluster has 2 nodes of 1 CPU and no GPU
-    job = slurm_cluster.sbatch("--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10",
-                               f"--output={job_out}", "--job-name=roll-requeue", TEMPLATE, recipe, *keys)
+    job = slurm_cluster.sbatch(nodes, "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
+                               "--time=10", f"--output={job_out}", "--job-name=roll-requeue", TEMPLATE, recipe,
+                               *keys)
 
     def text() -> str:
         return job_out.read_text(errors="replace") if job_out.exists() else ""
