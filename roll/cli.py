@@ -18,7 +18,7 @@ from roll.logging import get_rank
 
 USAGE = """usage: roll-train [RECIPE.yaml] [key=value | --key value | --flag ...] [--use-mca]
                   [--print-config] [--dry-run [--json]] [--plan [--json] [gpu_memory_gb=80]]
-                  [--prepare-data] [--help]
+                  [--prepare-data] [--sbatch] [--help]
 
 Train a model with one recipe on either backend: the standard one (HF Trainer / TRL + DeepSpeed)
 or, with --use-mca, Megatron-Core. Precedence: defaults < recipe < command line.
@@ -31,6 +31,8 @@ switches:
                    layout and whether it fits gpu_memory_gb (a key, default 80); loads nothing (docs/planner.md)
   --prepare-data   tokenize (and pack) the data into tokenized_path and exit: on a CPU machine, before the
                    GPU job, which then loads it (docs/data.md, 'Preparing data once'); loads no model
+  --sbatch         print an sbatch script that runs this command on SLURM, nnodes x nproc_per_node tasks (one
+                   per GPU), saving and requeueing on SLURM's early warning (docs/slurm.md); loads nothing
   --json           with --dry-run, --plan or --prepare-data: print the summary / plan as one JSON object
   --help           this text
 """
@@ -83,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if options.print_config:
             sys.stdout.write(yaml.safe_dump(redact.redact(_printable(config)), sort_keys=False))
+            return 0
+        if options.sbatch:
+            from roll import slurm
+
+            t = config.training
+            sys.stdout.write(slurm.sbatch_script(options.recipe, argv, t.nnodes, t.nproc_per_node,
+                                                 config.explicit_keys))
             return 0
         if options.plan:
             from roll.plan.planner import plan_run

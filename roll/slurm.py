@@ -289,3 +289,53 @@ def log_restart(restarts: int, output_dir: str, environ: MutableMapping[str, str
     where = f"resuming from {latest}" if latest else "no complete checkpoint yet, training from the start"
     logger.info("requeued SLURM job (SLURM_RESTART_COUNT=%d): resume_from_checkpoint defaults to auto: %s",
                 restarts, where)
+
+
+# ---- roll-train RECIPE --sbatch -----------------------------------------------------------------
+
+_SLURM_PROVIDES = ("nnodes", "node_rank", "master_addr", "master_port")
+"""Keys srun's variables give every task: left out of a printed script's command line."""
+
+
+def sbatch_script(recipe: str | None, argv: list[str], nnodes: int, nproc_per_node: int,
+                  explicit: frozenset[str] = frozenset()) -> str:
+    """``roll-train RECIPE --sbatch``: an sbatch script (examples/slurm/train.sbatch's) that runs ``argv`` on
+    ``nnodes`` nodes with one task per GPU (``nproc_per_node`` of them per node), the early warning saving a
+    checkpoint and requeueing the job unless the command line or recipe set slurm_signal / slurm_requeue."""
+    import shlex
+
+    def launch_key(token: str) -> bool:
+        key = token.lstrip("-").split("=", 1)[0].replace("-", "_")
+        return key in _SLURM_PROVIDES or key == "sbatch"
+
+    args, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if launch_key(token):  # `--nnodes 2` takes the next token too
+            skip = token.startswith("--") and "=" not in token and token.lstrip("-") != "sbatch"
+            continue
+        args.append(token)
+    warning = ["slurm_signal=USR1", "slurm_requeue=true"]
+    extra = [] if {"slurm_signal", "slurm_requeue"} & explicit else warning
+    name = os.path.splitext(os.path.basename(recipe or "roll"))[0]
+    command = " ".join(shlex.quote(token) for token in ["roll-train", *args, *extra])
+    return f"""#!/bin/bash
+# roll-train on SLURM (docs/slurm.md): {nnodes} node(s) x {nproc_per_node} task(s), one task per GPU, each
+# task one rank. The same script serves the first run and every requeued one (SLURM_RESTART_COUNT >= 1
+# resumes from the latest complete checkpoint in output_dir, which every node must see). sbatch THIS_FILE
+#SBATCH --job-name={name}
+#SBATCH --nodes={nnodes}
+#SBATCH --ntasks-per-node={nproc_per_node}
+#SBATCH --gpus-per-node={nproc_per_node}
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=roll-%x-%j.log
+
+set -euo pipefail
+# exec: srun takes the shell's place, so SLURM's signals to the batch shell reach every task through it
+exec srun {command}
+"""

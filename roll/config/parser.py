@@ -16,7 +16,7 @@ from roll.config.training import LAUNCH_ENV_FALLBACKS
 from roll.errors import ConfigError
 from roll.slurm import log_restart, restart_count
 
-FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan", "prepare_data")
+FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan", "prepare_data", "sbatch")
 """Command-line switches that are not config keys."""
 
 
@@ -32,6 +32,7 @@ class CliOptions:
     version: bool = False
     plan: bool = False
     prepare_data: bool = False
+    sbatch: bool = False
     argv: list[str] = field(default_factory=list)
 
 

@@ -136,3 +136,22 @@ def test_a_requeued_job_resumes_by_default(environ_restored):
     assert explicit.resume_from_checkpoint == "false"
     environ_restored["SLURM_RESTART_COUNT"] = "0"
     assert parse_args([recipe])[1].training.resume_from_checkpoint is None
+
+
+def test_sbatch_prints_a_script_for_the_command(environ_restored, capsys, tmp_path):
+    argv = ["recipes/demo/tiny_sft.yaml", "nproc_per_node=2", "--nnodes", "3", "--sbatch",
+            "master_port=29400", "learning_rate=1e-4", "--use-mca"]
+    assert cli.main(argv) == 0
+    script = capsys.readouterr().out
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --gpus-per-node=2",
+                 "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "exec srun roll-train recipes/demo/tiny_sft.yaml nproc_per_node=2 learning_rate=1e-4 "
+                 "--use-mca slurm_signal=USR1 slurm_requeue=true"):
+        assert line + "\n" in script, script
+    (tmp_path / "job.sh").write_text(script)
+    import subprocess
+
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], timeout=30).returncode == 0
+    assert cli.main(["recipes/demo/tiny_sft.yaml", "--sbatch", "slurm_signal=USR2"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("exec srun roll-train recipes/demo/tiny_sft.yaml "
+                                                     "slurm_signal=USR2")
