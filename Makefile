@@ -13,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export HF_DATASETS_CACHE ?= $(CURDIR)/.cache/datasets
 
-.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed parity mutation lint clean
+.PHONY: install tiny-model real-model demo demo-real test test-unit test-distributed test-slurm parity mutation lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,14 +53,21 @@ DEMO_REAL_DIR ?= outputs/demo/real_identity
 demo-real: install
 	$(PY) scripts/demo_real.py --name "$(DEMO_NAME)" --author "$(DEMO_AUTHOR)" --output-dir $(DEMO_REAL_DIR)
 
+# tests/slurm starts a real SLURM cluster (root and Debian's packages): `make test-slurm`, a step of its own in CI.
 test: install
-	$(PY) -m pytest -q -ra --durations=20 tests
+	$(PY) -m pytest -q -ra --durations=20 --ignore=tests/slurm tests
 
 test-unit: install
 	$(PY) -m pytest -q -ra tests/unit
 
 test-distributed: install
 	$(PY) -m pytest -q -ra tests/distributed
+
+# roll-train under a real loopback SLURM cluster of two nodes (docs/testing.md#slurm-integration-tests): as root,
+# with `apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge` done (.ci/run does it);
+# skipped without them, a failure under CI=true.
+test-slurm: install
+	$(PY) -m pytest -q -ra --durations=5 tests/slurm
 
 # The parity sweep alone (roll/parity/cases.py; `make test` runs it too): every case on both backends.
 parity: install

@@ -12,12 +12,13 @@ import typing
 import yaml
 
 from roll import __version__
-from roll.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, RollError,
-                         TrainingStopped)
+from roll.errors import (EXIT_DIVERGED, EXIT_HUNG, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE, Preempted,
+                         RollError, TrainingStopped)
+from roll.logging import get_rank
 
 USAGE = """usage: roll-train [RECIPE.yaml] [key=value | --key value | --flag ...] [--use-mca]
                   [--print-config] [--dry-run [--json]] [--plan [--json] [gpu_memory_gb=80]]
-                  [--prepare-data] [--help]
+                  [--prepare-data] [--sbatch] [--help]
 
 Train a model with one recipe on either backend: the standard one (HF Trainer / TRL + DeepSpeed)
 or, with --use-mca, Megatron-Core. Precedence: defaults < recipe < command line.
@@ -30,6 +31,8 @@ switches:
                    layout and whether it fits gpu_memory_gb (a key, default 80); loads nothing (docs/planner.md)
   --prepare-data   tokenize (and pack) the data into tokenized_path and exit: on a CPU machine, before the
                    GPU job, which then loads it (docs/data.md, 'Preparing data once'); loads no model
+  --sbatch         print an sbatch script that runs this command on SLURM, nnodes x nproc_per_node tasks (one
+                   per GPU), saving and requeueing on SLURM's early warning (docs/slurm.md); loads nothing
   --json           with --dry-run, --plan or --prepare-data: print the summary / plan as one JSON object
   --help           this text
 """
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from roll.config import parse_args
 
+        _adopt_slurm(argv)
         options, config = parse_args(argv)
         if options.help:
             sys.stdout.write(format_help())
@@ -81,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if options.print_config:
             sys.stdout.write(yaml.safe_dump(redact.redact(_printable(config)), sort_keys=False))
+            return 0
+        if options.sbatch:
+            from roll import slurm
+
+            t = config.training
+            sys.stdout.write(slurm.sbatch_script(options.recipe, argv, t.nnodes, t.nproc_per_node,
+                                                 config.explicit_keys))
             return 0
         if options.plan:
             from roll.plan.planner import plan_run
@@ -109,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _adopt_slurm(argv: list[str]) -> None:
+    """A task of a multi-task ``srun`` step is one rank (or one node) of one run: map SLURM's variables to the
+    launcher's before the config reads them (``roll.slurm``)."""
+    from roll import slurm
+    from roll.config.parser import peek
+
+    slurm.adopt(peek(argv, ("nproc_per_node", "master_addr", "master_port")))
+
+
 def _printable(config) -> dict:
     """--print-config's mapping: every group, and with --use-mca the parallel layout it resolves to."""
     resolved = config.to_dict()
@@ -135,9 +155,15 @@ def _train(config, argv: list[str]) -> int:
             return outcome.code
         from roll import reliability, router
 
-        reliability.STOP.install()
+        reliability.STOP.install(config.training.slurm_signum, config.training.slurm_requeue)
         try:
             router.run(config)
+        except Preempted as exc:
+            if reliability.STOP.requeued and get_rank() == 0:  # the early warning's checkpoint is complete
+                from roll import slurm
+
+                raise Preempted(f"{exc} {slurm.requeue()}") from None
+            raise
         except Exception as exc:
             hung = reliability.collective_failure(exc, config.training.ddp_timeout)
             if hung is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -159,7 +161,9 @@ def relaunch(config: RunConfig, argv: list[str], inherit: int | None = None) -> 
     with tempfile.TemporaryDirectory(prefix="roll-status-") as status_dir, \
             _hosted_store(config, env, addr, port):
         env[STATUS_DIR_ENV] = status_dir
-        code = run_child(cmd, graceful=True, env=env, **({} if inherit is None else {"stdin": inherit}))
+        notices = (t.slurm_signum,) if t.slurm_signum else ()
+        code = run_child(cmd, graceful=True, notices=notices, env=env,
+                         **({} if inherit is None else {"stdin": inherit}))
         first = (t.node_rank or 0) * t.nproc_per_node
         return summarize(read_statuses(status_dir), range(first, first + t.nproc_per_node), code)
 
@@ -205,7 +209,7 @@ def _hosted_store(config: RunConfig, env: dict[str, str], addr: str, port: int):
 
 
 def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, *, graceful: bool = False,
-              **popen_kwargs) -> int:
+              notices: tuple[int, ...] = (), **popen_kwargs) -> int:
     """Run ``cmd`` and wait for it, forwarding Ctrl-C / SIGTERM to it (and telling ``on_signal``);
     return its exit code.
 
@@ -213,14 +217,26 @@ def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, 
     Ctrl-C reaches only this process; the first signal goes straight to the ranks (which finish their step
     and save), bypassing the launcher (torchrun and DeepSpeed's launcher kill ranks 30 s after forwarding);
     the second goes to the launcher. The launcher gets SIGTERM if this process dies.
+
+    ``notices`` (with ``graceful``): signals that ask the ranks for something and stop nothing (the early
+    warning, ``slurm_signal``): each goes to the ranks only, every time; the launcher ignores them (their
+    default action would end it, and SLURM may signal it too).
     """
     if graceful:
-        popen_kwargs.update(start_new_session=True, preexec_fn=_die_with_parent)
+        popen_kwargs.update(start_new_session=True, preexec_fn=functools.partial(_launcher_setup, notices))
     child = subprocess.Popen(cmd, **popen_kwargs)
     received: list[int] = []
+    first_at: list[float] = []
+
+    def notify(signum, _frame):
+        for rank in _rank_processes(child.pid):
+            _send(rank, signum)
 
     def forward(signum, _frame):
+        if graceful and received and _same_burst(first_at):
+            return  # SLURM signalled this process and its ranks together (and srun forwards it once more)
         received.append(signum)
+        first_at.append(time.monotonic())
         if on_signal is not None:
             on_signal(signum)
         if child.poll() is not None:
@@ -235,6 +251,7 @@ def run_child(cmd: list[str], on_signal: Callable[[int], object] | None = None, 
             child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous.update({sig: signal.signal(sig, notify) for sig in notices if graceful})
     try:
         return child.wait()
     finally:
@@ -316,6 +333,21 @@ def _send(proc, signum: int) -> None:
         proc.send_signal(signum)
     except psutil.Error:
         pass
+
+
+def _same_burst(first_at: list[float]) -> bool:
+    """Under SLURM, a signal within ``roll.reliability.BURST_S`` of the first is part of the same stop."""
+    from roll.reliability import BURST_S
+
+    return "SLURM_JOB_ID" in os.environ and time.monotonic() - first_at[0] < BURST_S
+
+
+def _launcher_setup(notices: tuple[int, ...]) -> None:
+    """In the launcher child, before it starts: ignore ``notices`` (the ranks it starts inherit that, until
+    roll-train installs its handlers) and die with roll-train."""
+    for sig in notices:
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent()
 
 
 def _die_with_parent() -> None:

@@ -11,10 +11,13 @@ a second run shows. Who holds it:
   (``ORPHAN_WAIT_S``) instead of writing next to them;
 - under the user's own ``torchrun`` / deepspeed launcher, global rank 0, before any rank writes (a rank 0
   that refuses ends the job: the launcher stops the other ranks);
-- with ``nnodes > 1`` only node 0's roll-train (the nodes share output_dir).
+- with ``nnodes > 1`` only node 0's roll-train (the nodes share output_dir); ``srun`` with one task per rank:
+  the task of global rank 0 (``roll.slurm``).
 
 A lock left by a run that is gone (its file remains, nobody holds it) is taken over with a log line. A
-live run's lock refuses the second run with exit code 2, naming the host and PID.
+live run's lock refuses the second run with exit code 2, naming the host and PID, except a lock held by an
+earlier run of the same requeued SLURM job (same SLURM_JOB_ID, lower SLURM_RESTART_COUNT, recorded in the
+file): SLURM is stopping that one, so the new run waits for it (``ORPHAN_WAIT_S``), as for orphans.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from roll.errors import ConfigError
+from roll.slurm import restart_count
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +136,19 @@ def _lock(output_dir: str, wait_s: float, created: str | None) -> OutputDirLock:
             _take(fd, path)
             return OutputDirLock(path, fd, created)
         os.close(fd)
-        if not _orphaned(holder):
+        earlier = _earlier_run_of_this_job(holder)
+        if not (earlier or _orphaned(holder)):
             raise ConfigError(_refusal(output_dir, holder))
         if deadline is None:
             deadline = time.monotonic() + wait_s
-            logger.warning("output_dir %s is still locked by the launcher or ranks of a roll-train that is "
-                           "gone (PID %s on this host); waiting up to %.0f s for them to stop", output_dir,
-                           holder.get("pid"), wait_s)
+            if earlier:
+                logger.warning("output_dir %s is still locked by an earlier run of this requeued SLURM job "
+                               "%s (PID %s on %s); waiting up to %.0f s for SLURM to stop it", output_dir,
+                               holder.get("slurm_job"), holder.get("pid"), holder.get("host"), wait_s)
+            else:
+                logger.warning("output_dir %s is still locked by the launcher or ranks of a roll-train that "
+                               "is gone (PID %s on this host); waiting up to %.0f s for them to stop",
+                               output_dir, holder.get("pid"), wait_s)
         if time.monotonic() >= deadline:
             raise ConfigError(_refusal(output_dir, holder, waited=wait_s))
         time.sleep(0.5)
@@ -171,6 +181,8 @@ def _take(fd: int, path: str) -> None:
 
     record = {"host": _host(), "pid": os.getpid(), "started": _start_time(os.getpid()),
               "command": " ".join(redact_argv(sys.argv))}  # shown by the refusal; no hub_token there
+    if os.environ.get("SLURM_JOB_ID"):  # a requeued run of the same job knows its predecessor by these
+        record.update(slurm_job=os.environ["SLURM_JOB_ID"], slurm_restart=restart_count())
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     os.fsync(fd)
@@ -191,6 +203,14 @@ def _refusal(output_dir: str, holder: dict, waited: float | None = None) -> str:
 def _orphaned(holder: dict) -> bool:
     """Held, but the process that took it (on this host) is gone: its launcher or ranks still run."""
     return bool(holder) and holder.get("host") == _host() and not _alive(holder)
+
+
+def _earlier_run_of_this_job(holder: dict) -> bool:
+    """Held by a run of this same SLURM job before it was requeued (a lower SLURM_RESTART_COUNT): SLURM is
+    stopping it (SIGTERM, then SIGKILL after KillWait), on this host or another, so wait, never refuse."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return bool(job) and holder.get("slurm_job") == job and isinstance(holder.get("slurm_restart"), int) \
+        and holder["slurm_restart"] < restart_count()
 
 
 def _alive(record: dict) -> bool:

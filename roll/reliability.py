@@ -1,9 +1,12 @@
 """What a rank does when a run goes wrong, the same on both backends.
 
 - **Preemption** (``StopSignal``): SIGTERM / SIGINT set a flag; the training loop asks at the end of
-  every optimizer step whether *any* rank got one (one tiny all-reduce), so all ranks stop after the
-  same step, save a checkpoint (``save_on_preemption``) and end with ``Preempted`` (exit code 75).
-  A second signal stops at once.
+  every optimizer step whether *any* rank got one (``poll``: one tiny all-reduce), so all ranks stop after
+  the same step, save a checkpoint (``save_on_preemption``) and end with ``Preempted`` (exit code 75).
+  A second signal stops at once; under SLURM, which signals every process of a step together (and a
+  launcher forwards what it got), the signals of one burst (``BURST_S``) are one request. The early-warning
+  signal (``slurm_signal``, e.g. SLURM's ``--signal=USR1@300``) saves a checkpoint after the step and trains
+  on, or with ``slurm_requeue`` saves, stops and has the job requeued (``roll.slurm.requeue``).
 - **Non-finite steps** (``SkipCounter``): a step whose loss or grad norm is not finite makes no
   update and is counted; ``max_consecutive_skipped_steps`` in a row end the run with ``Diverged``
   (exit code 3), naming the step and the samples of its global batch.
@@ -14,9 +17,12 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
+import os
 import signal
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,30 +34,66 @@ logger = logging.getLogger(__name__)
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+BURST_S = 10.0
+"""Under SLURM (SLURM_JOB_ID set), a stop signal this soon after the first is part of the same request: SLURM
+signals the batch shell and every process of a step at once, srun and roll-train forward what they got, and a
+launcher (torchrun, DeepSpeed's) that got it too stops its ranks with one more SIGTERM."""
+
+
+class Action(enum.IntEnum):
+    """What every rank does after a step (``StopSignal.poll``); the largest any rank asks for wins."""
+
+    CONTINUE = 0
+    SAVE = 1
+    STOP = 2
+
+
 class StopSignal:
     """The process's preemption flag; ``install()`` once per rank, before training."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.warned: int | None = None
+        """The early-warning signal, received and not yet acted on."""
+        self.warning: int | None = None
+        self.requeue = False
+        self.requeued = False
+        """The stop is the early warning's with ``slurm_requeue``: the job is requeued once saved, and SLURM's
+        SIGTERM to the requeued job's processes (sent to every rank, also while it exits) is expected."""
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
-    def install(self) -> None:
-        """Catch SIGTERM / SIGINT (main thread only; a no-op elsewhere). Installing again (another run in the
-        same process) keeps the handlers found the first time, so ``uninstall`` restores those, not its own."""
-        self.signum = None
-        if self._previous:
-            return
+    def install(self, warning: int | None = None, requeue: bool = False) -> None:
+        """Catch SIGTERM / SIGINT and the early-warning signal ``warning`` (main thread only; a no-op
+        elsewhere). Installing again (another run in the same process) keeps the handlers found the first
+        time, so ``uninstall`` restores those, not its own."""
+        self.signum = self.warned = None
+        self.warning, self.requeue, self.requeued = warning, requeue, False
+        signals = (*_STOP_SIGNALS, *((warning,) if warning else ()))
         try:
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in _STOP_SIGNALS}
+            for sig in signals:
+                handler = signal.signal(sig, self._handle)
+                self._previous.setdefault(sig, handler)
         except ValueError:  # not the main thread (e.g. a notebook's worker thread)
             self._previous = {}
 
     def uninstall(self) -> None:
+        """Put the handlers found back; after a requeue SIGTERM stays ignored (SLURM stops the job's processes
+        while they exit, and this one has nothing left to save)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self.requeued and sig == signal.SIGTERM else handler)
         self._previous = {}
 
     def _handle(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if signum == self.warning and signum not in _STOP_SIGNALS:
+            self.warned = signum
+            logger.warning("rank %d got %s (the early warning): saving a checkpoint after this step%s",
+                           get_rank(), name, ", then requeueing the job" if self.requeue else "")
+            return
+        if self.signum is not None and (self.requeued or self._in_burst()):
+            logger.info("rank %d got %s again: part of the same stop", get_rank(), name)
+            return
         if self.signum is not None:  # the second signal: stop now, the default way
             self.uninstall()
             if signal.getsignal(signum) == signal.SIG_IGN:
@@ -61,9 +103,13 @@ class StopSignal:
                 signal.signal(signum, default)
             signal.raise_signal(signum)
             return
-        self.signum = signum
+        self.signum, self._first_at = signum, time.monotonic()
+        again = "again after %.0f s" % BURST_S if "SLURM_JOB_ID" in os.environ else "it again"
         logger.warning("rank %d got %s: finishing this step, then saving a checkpoint and stopping "
-                       "(send it again to stop at once)", get_rank(), signal.Signals(signum).name)
+                       "(send %s to stop at once)", get_rank(), name, again)
+
+    def _in_burst(self) -> bool:
+        return "SLURM_JOB_ID" in os.environ and time.monotonic() - self._first_at < BURST_S
 
     @property
     def name(self) -> str:
@@ -73,6 +119,19 @@ class StopSignal:
         """Whether any rank got a stop signal. Collective when a process group exists: call it at the
         same point on every rank."""
         return any_rank(self.signum is not None)
+
+    def poll(self) -> Action:
+        """What every rank does after this step: STOP when any rank got a stop signal, or the early warning
+        with ``requeue``; SAVE when any got the early warning; else CONTINUE. Collective (one all-reduce):
+        call it at the same point on every rank."""
+        local = Action.STOP if self.signum is not None else Action.SAVE if self.warned else Action.CONTINUE
+        action = Action(max_over_ranks(int(local)))
+        if action is Action.SAVE:
+            self.warned = None
+            if self.requeue:
+                self.signum, self.requeued = self.signum or self.warning, True
+                return Action.STOP
+        return action
 
 
 STOP = StopSignal()
@@ -89,17 +148,22 @@ def barrier() -> None:
 
 def any_rank(flag: bool) -> bool:
     """``flag`` OR-ed over all ranks (one all-reduce when a multi-rank process group exists)."""
+    return bool(max_over_ranks(1 if flag else 0))
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` of all ranks (one all-reduce when a multi-rank process group exists)."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
+        return value
     device = "cpu"
     if dist.get_backend() == "nccl":
         device = f"cuda:{torch.cuda.current_device()}"
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    tensor = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 # ---- non-finite steps ---------------------------------------------------------------------------

@@ -4,7 +4,8 @@ torchrun ends a failed job by raising ``ChildFailedError`` out of its ``main``, 
 traceback of the launcher itself, even when a rank stopped cleanly on a user's mistake (exit code 2) and
 already said why. roll-train launches ranks through this module instead: the same argument parser and
 launch (``torch.distributed.run.run``), torchrun's one-line log of which rank failed, and exit code 1.
-roll-train then reports the ranks' own exit codes (``roll.launch.summarize``).
+roll-train then reports the ranks' own exit codes (``roll.launch.summarize``). A stop signal to torchrun
+itself (SLURM signals every process of a job step) ends it with 128 + the signal, without a traceback.
 
 Its rendezvous store listens on ``--master_addr`` only, not on every interface (``roll.listen``).
 """
@@ -15,6 +16,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -25,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError:
         return 1
+    except SignalException as exc:
+        # SLURM signals every process of a step, this launcher too: torchrun has given its ranks SIGTERM and
+        # up to 30 s (they finish their step and save, then report to roll-train); its traceback adds nothing
+        return 128 + int(exc.sigval)
     return 0
 
 

@@ -24,8 +24,9 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The current environment without launcher variables, with OMP_NUM_THREADS=1."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    """The current environment without launcher variables (nor SLURM's: a suite run inside an allocation
+    must not make its roll-train runs tasks of that job), with OMP_NUM_THREADS=1."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
     env.update(extra)
     return env

@@ -51,6 +51,8 @@ class Mutant:
     """Cheap enough (unit tests only, seconds) to run inside ``make test``."""
 
 
+BURST = 'return "SLURM_JOB_ID" in os.environ and time.monotonic() - self._first_at < BURST_S'
+"""roll.reliability.StopSignal._in_burst's test."""
 STREAM_UNIT = "tests/unit/test_data_streaming.py"
 STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows"
 
@@ -61,6 +63,23 @@ ELASTIC_RUN = ("tests/distributed/test_elastic_resume.py::"
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("slurm_tasks_not_mapped", "srun -n 2 roll-train: each task trains alone (SLURM's variables "
+           "ignored)",
+           "roll/cli.py", "        _adopt_slurm(argv)\n", "",
+           ("tests/unit/test_slurm.py::test_roll_train_under_srun_resolves_the_whole_step",), fast=True),
+    Mutant("slurm_signal_burst_stops_at_once", "under SLURM, the SIGTERM that srun or the launcher forwards "
+           "after SLURM's own stops the rank at once, mid-save", "roll/reliability.py",
+           BURST, "return False",
+           ("tests/unit/test_reliability_units.py::test_under_slurm_a_burst_of_signals_is_one_stop",),
+           fast=True),
+    Mutant("slurm_early_warning_ignored", "slurm_signal: the early warning saves no checkpoint",
+           "roll/reliability.py", "Action.SAVE if self.warned else", "Action.CONTINUE if self.warned else",
+           ("tests/unit/test_reliability_units.py::test_the_early_warning_saves_and_trains_on_or_stops_for_a_requeue",),
+           fast=True),
+    Mutant("slurm_requeue_trains_from_scratch", "a requeued SLURM job does not resume by itself",
+           "roll/config/parser.py", "    if restarts and \"resume_from_checkpoint\" not in recipe",
+           "    if False and \"resume_from_checkpoint\" not in recipe",
+           ("tests/unit/test_slurm.py::test_a_requeued_job_resumes_by_default",), fast=True),
     Mutant("padded_vocab_unmasked", "padded-vocab columns (TP1 or the last TP rank) enter the softmax",
            ROLL_LOSS, "width = max(0, min(flat.shape[1], vocab - first))", "width = flat.shape[1]",
            (f"{LOSS_UNIT}::test_kernel_gradcheck_in_float64_ignored_labels_padded_vocab",),
@@ -273,6 +292,10 @@ MUTANTS: list[Mutant] = [
            "both parameter groups count Adam steps on one tensor (DeepSpeed 0.19.8, W10)",
            "backends/standard/_compat.py", '                state["step"] = state["step"].clone()',
            "                pass", (ELASTIC_RUN.replace("ds_z2", "ds_z3"),)),
+    Mutant("slurm_signal_burst_stops_at_once_2proc", "under SLURM, the SIGTERM that srun or the launcher "
+           "forwards after SLURM's own kills two srun tasks mid-save", "roll/reliability.py",
+           BURST, "return False",
+           ("tests/distributed/test_slurm.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes",)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),

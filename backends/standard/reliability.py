@@ -10,7 +10,8 @@
   checkpoint is published after a later step (``roll.background_save``).
 - ``ReliabilityCallback``: counts skipped steps (``max_consecutive_skipped_steps`` in a row raise
   ``Diverged``) and, after every step, asks all ranks whether one got SIGTERM / SIGINT; then HF saves
-  (``save_on_preemption``) and stops, and the backend raises ``Preempted``.
+  (``save_on_preemption``) and stops, and the backend raises ``Preempted``. The early warning
+  (``slurm_signal``) makes HF save after the step.
 """
 
 from __future__ import annotations
@@ -200,9 +201,12 @@ class ReliabilityCallback(TrainerCallback):
         self.trainer.roll_skipped_total = self.skips.total
         if self.trainer.roll_saves is not None:
             self.trainer.roll_saves.poll()  # publishes the pending checkpoint once every rank wrote it
-        if reliability.STOP.requested():
+        action = reliability.STOP.poll()
+        if action is reliability.Action.STOP:
             self.stopped_at = state.global_step
             control.should_training_stop = True
             control.should_save = self.save_on_preemption
+        elif action is reliability.Action.SAVE:  # the early warning (slurm_signal): save now, train on
+            control.should_save = True
         return control
 

@@ -88,6 +88,7 @@ LAYOUTS = "tests/distributed/test_mca_train.py::test_layouts_give_the_same_losse
 LORA = "tests/distributed/test_mca_train.py::test_lora_trajectories_across_layouts_and_backends"
 DPO = "tests/distributed/test_mca_dpo.py::test_dpo_layouts_and_backend_parity"
 LAUNCH = "tests/unit/test_cli.py::test_launch_command_uses_torchrun_or_deepspeed"
+SLURM_SIGNALS = "tests/distributed/test_slurm.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes"
 PIPELINE = "tests/unit/test_data_pipeline.py::test_max_samples_val_size_and_eval_dataset"
 MOE_AUX = "tests/unit/test_loss.py::test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding"
 MOE_Z = "tests/unit/test_loss.py::test_router_z_loss_is_megatrons_summed_over_layers_without_padding"
@@ -339,6 +340,7 @@ TRAINING_ROWS: tuple[Row, ...] = (
     _row("gpu_memory_gb", both=NoEffect("read by the planner (--plan) only")),
     _row("save_on_preemption", both=Honoured(
         "tests/distributed/test_reliability.py::test_sigterm_saves_a_checkpoint_exits_75_and_resumes")),
+    _row("slurm_signal slurm_requeue", both=Honoured(SLURM_SIGNALS)),
     _row("save_async", standard=Honoured(SAVE_ASYNC, "synchronous under DeepSpeed / FSDP, which write their "
                                                      "own files (warned once)"), mca=Honoured(SAVE_ASYNC)),
     _row("max_consecutive_skipped_steps", both=Honoured(

@@ -14,8 +14,9 @@ from roll.config.coerce import CoercionError, closest, coerce, describe, is_bool
 from roll.config.run import GROUPS, RunConfig
 from roll.config.training import LAUNCH_ENV_FALLBACKS
 from roll.errors import ConfigError
+from roll.slurm import log_restart, restart_count
 
-FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan", "prepare_data")
+FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan", "prepare_data", "sbatch")
 """Command-line switches that are not config keys."""
 
 
@@ -31,6 +32,7 @@ class CliOptions:
     version: bool = False
     plan: bool = False
     prepare_data: bool = False
+    sbatch: bool = False
     argv: list[str] = field(default_factory=list)
 
 
@@ -148,8 +150,9 @@ def _parse_cli_value(text: str, tp: Any) -> Any:
 
 
 def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str | None) -> RunConfig:
-    """Apply defaults < launch environment variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT) < recipe <
-    command line, check every key and type, then validate once."""
+    """Apply defaults < launch environment variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT; under a
+    requeued SLURM job, SLURM_RESTART_COUNT >= 1, ``resume_from_checkpoint: auto``) < recipe < command line,
+    check every key and type, then validate once."""
     source_of = {}
     values: dict[str, Any] = {}
     recipe_source = f"recipe {recipe_path}" if recipe_path else "recipe"
@@ -162,6 +165,11 @@ def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str 
     for key, var in LAUNCH_ENV_FALLBACKS.items():
         if os.environ.get(var, "").strip() and key not in recipe and key not in overrides:
             values[key], source_of[key] = _parse_cli_value(os.environ[var], FIELDS[key].type), f"environment variable {var}"
+    restarts = restart_count()
+    if restarts and "resume_from_checkpoint" not in recipe and "resume_from_checkpoint" not in overrides:
+        # a requeued SLURM job reruns the same script: it continues from its latest complete checkpoint
+        values["resume_from_checkpoint"] = "auto"  # roll.checkpoints.AUTO
+        source_of["resume_from_checkpoint"] = f"SLURM_RESTART_COUNT={restarts}"
     explicit = frozenset(recipe) | frozenset(overrides)
     for key, value in recipe.items():
         values[key], source_of[key] = value, recipe_source
@@ -180,7 +188,28 @@ def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str 
     groups = {group: cls(**kwargs[group]) for group, cls in GROUPS.items()}
     config = RunConfig(recipe_path=recipe_path, explicit_keys=explicit, **groups)
     config.validate()
+    if source_of.get("resume_from_checkpoint", "").startswith("SLURM_RESTART_COUNT"):
+        log_restart(restarts, config.training.output_dir)
     return config
+
+
+def peek(argv: list[str], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The values the recipe and command line give ``keys`` (the command line first), typed; a key set in
+    neither is absent. For what must be known before the full parse (``roll.slurm.adopt``); a mistake
+    returns what was read so far, and the full parse then reports it."""
+    found: dict[str, Any] = {}
+    try:
+        options, overrides = split_command_line(argv)
+        recipe = load_recipe(options.recipe) if options.recipe else {}
+        for key in keys:
+            tp = FIELDS[key].type
+            if key in overrides:
+                found[key] = coerce(_parse_cli_value(overrides[key], tp), tp)
+            elif key in recipe:
+                found[key] = coerce(recipe[key], tp)
+    except (ConfigError, CoercionError):
+        pass
+    return found
 
 
 def parse_args(argv: list[str]) -> tuple[CliOptions, RunConfig | None]:

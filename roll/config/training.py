@@ -26,6 +26,10 @@ LAUNCH_ENV_FALLBACKS = {"nnodes": "NNODES", "node_rank": "NODE_RANK", "master_ad
 """Keys read from these environment variables when neither the recipe nor the command line sets them
 (the names torchrun, DeepSpeed and cluster schedulers' job scripts use)."""
 
+SLURM_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP")
+"""What slurm_signal may name: signals nothing else in roll-train, torchrun or DeepSpeed's launcher uses."""
+
+
 def read_json_object(path: str, what: str, error: type[RollError] = ConfigError) -> dict:
     """The JSON object in an existing file; ``error`` naming ``what`` when it is not JSON or not an object."""
     try:
@@ -107,6 +111,17 @@ class TrainingArguments(HFTrainingFields):
     """On SIGTERM / SIGINT every rank finishes its step, a checkpoint is written, and roll-train exits with
     code 75 (EXIT_PREEMPTED); resume_from_checkpoint: true then continues. False: stop without saving."""
 
+    slurm_signal: str | None = None
+    """The early-warning signal SLURM sends before the time limit (`#SBATCH --signal=B:USR1@300` with
+    `exec srun` in the script, or `--signal=USR1@300`): USR1, USR2 or HUP. On it every rank saves a checkpoint
+    after its step and trains on; with slurm_requeue it stops and requeues the job. Unset: no early warning
+    (SIGTERM still saves and stops, save_on_preemption). docs/slurm.md."""
+
+    slurm_requeue: bool = False
+    """With slurm_signal: after the early warning's checkpoint, stop (exit 75) and requeue the job with
+    `scontrol requeue $SLURM_JOB_ID` (the job needs --requeue); the requeued run resumes from that checkpoint
+    (SLURM_RESTART_COUNT >= 1 makes resume_from_checkpoint default to auto)."""
+
     save_async: bool = True
     """Write checkpoints in the background: the state is copied to host memory and training goes on while
     the files are written (the mca backend: Megatron's asynchronous dist-checkpointing; the standard backend:
@@ -137,6 +152,7 @@ class TrainingArguments(HFTrainingFields):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
         self._check_launch_keys()
+        self._check_slurm_keys()
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}.")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -175,6 +191,27 @@ class TrainingArguments(HFTrainingFields):
         if scheduler not in names:
             raise ConfigError(f"lr_scheduler_type {scheduler!r} is not a learning-rate schedule: choose one "
                               f"of {', '.join(names)}.")
+
+    def _check_slurm_keys(self) -> None:
+        if self.slurm_signal is not None:
+            name = str(self.slurm_signal).strip().upper()
+            name = name if name.startswith("SIG") else "SIG" + name
+            if name not in SLURM_SIGNALS:
+                names = ", ".join(s[3:] for s in SLURM_SIGNALS)
+                raise ConfigError(f"slurm_signal must be one of {names} (the signal of #SBATCH "
+                                  f"--signal=B:USR1@300), got {self.slurm_signal!r}: SIGTERM and SIGINT "
+                                  "already save and stop (save_on_preemption).")
+            self.slurm_signal = name[3:]
+        if self.slurm_requeue and self.slurm_signal is None:
+            raise ConfigError("slurm_requeue: true needs slurm_signal (e.g. USR1, with #SBATCH "
+                              "--signal=B:USR1@300): the job requeues itself on that early warning.")
+
+    @property
+    def slurm_signum(self) -> int | None:
+        """slurm_signal as a signal number (None when unset)."""
+        import signal
+
+        return int(getattr(signal, "SIG" + self.slurm_signal)) if self.slurm_signal else None
 
     def _check_launch_keys(self) -> None:
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:

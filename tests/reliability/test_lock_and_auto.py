@@ -81,6 +81,40 @@ def test_a_lock_held_by_the_orphans_of_a_dead_roll_train_is_waited_for(tmp_path,
         holder.wait()
 
 
+def test_a_requeued_slurm_job_waits_for_its_earlier_run_instead_of_refusing(tmp_path, caplog, monkeypatch):
+    """SLURM requeues a job under the same SLURM_JOB_ID; its earlier run may still hold the lock (on another
+    node, until SLURM's SIGKILL): the rerun waits for it. Another job's live run is refused at once."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    held = lock.acquire(str(tmp_path))  # the first run of job 77 records its job and restart count
+    record = json.loads((tmp_path / lock.LOCK_NAME).read_text())
+    assert (record["slurm_job"], record["slurm_restart"]) == ("77", 0)
+    os.set_inheritable(held.fd, True)
+    earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=held.fd)
+    os.close(held.fd)  # only the earlier run's process holds it now: alive, as until KillWait ends
+    record.update(host="node07", pid=earlier.pid)  # on another node: never taken for an orphan of this host
+    (tmp_path / lock.LOCK_NAME).write_text(json.dumps(record))
+    monkeypatch.setattr(logging.getLogger("roll"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="roll")
+    try:
+        with pytest.raises(ConfigError, match="is in use by another run"):  # the same job, not requeued
+            lock.acquire(str(tmp_path), wait_s=1.0)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        with pytest.raises(ConfigError, match="after 1 s"):
+            lock.acquire(str(tmp_path), wait_s=1.0)
+        assert "earlier run of this requeued SLURM job 77" in caplog.text
+        monkeypatch.setenv("SLURM_JOB_ID", "78")  # another job: refused, no wait
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            lock.acquire(str(tmp_path), wait_s=30.0)
+        monkeypatch.setenv("SLURM_JOB_ID", "77")
+        earlier.kill()
+        earlier.wait()
+        lock.acquire(str(tmp_path), wait_s=1.0).release()
+    finally:
+        earlier.kill()
+        earlier.wait()
+
+
 def test_who_takes_the_lock():
     one_node, node1 = SimpleNamespace(nnodes=1, node_rank=None), SimpleNamespace(nnodes=2, node_rank=1)
     clean = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "ROLL_LAUNCHED", "RANK")}

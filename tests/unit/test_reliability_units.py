@@ -81,6 +81,48 @@ def test_the_second_signal_stops_a_run_started_with_sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
+def test_under_slurm_a_burst_of_signals_is_one_stop(monkeypatch):
+    """SLURM signals every process of a step, srun and the launcher forward it again: within BURST_S the
+    repeats are one request; after it, the second signal still stops at once. Outside SLURM: at once."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    stop = reliability.StopSignal()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # srun's forwarded copy
+        except KeyboardInterrupt:  # (pytest would take it for the user's Ctrl-C and stop the session)
+            pytest.fail("the second signal of a SLURM burst stopped at once")
+        assert stop.signum == signal.SIGINT and stop.poll() is reliability.Action.STOP
+        monkeypatch.setattr(reliability, "BURST_S", 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_early_warning_saves_and_trains_on_or_stops_for_a_requeue():
+    previous = signal.getsignal(signal.SIGTERM)
+    stop = reliability.StopSignal()
+    stop.install(warning=signal.SIGUSR1)
+    try:
+        assert stop.poll() is reliability.Action.CONTINUE
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.poll() is reliability.Action.SAVE  # once: the next step trains on
+        assert stop.poll() is reliability.Action.CONTINUE and stop.signum is None
+        stop.install(warning=signal.SIGUSR1, requeue=True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.poll() is reliability.Action.STOP and stop.requeued and stop.name == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)  # SLURM stopping the requeued job: expected, ignored
+    finally:
+        stop.uninstall()
+    # the requeued process ends with SIGTERM ignored (it has nothing left to save)
+    ignored = signal.signal(signal.SIGTERM, previous)
+    assert ignored == signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
 def test_installing_the_stop_handler_twice_still_restores_the_original_handlers():
     """Two in-process runs install it twice: uninstall must restore the caller's handler, not its own."""
     original = signal.getsignal(signal.SIGINT)

@@ -135,12 +135,13 @@ class MegatronTrainer:
                 if step % every(t.logging_steps, total) == 0 or step == total:
                     writer.log(step, self._log_record(window, len(dataset)))
                     window = []
-                if reliability.STOP.requested():
+                action = reliability.STOP.poll()
+                if action is reliability.Action.STOP:
                     self._stop_on_signal(window, writer, len(dataset))
                 if eval_dataset is not None and self._should_evaluate(step, total, len(dataset)):
                     self.evaluate(eval_dataset, collator, writer)
-                if self._should_save(step, total, len(dataset)):
-                    self._save()
+                if action is reliability.Action.SAVE or self._should_save(step, total, len(dataset)):
+                    self._save()  # the early warning (slurm_signal) saves now and trains on
             self._finish_saves()
         finally:
             writer.close()
