@@ -53,9 +53,10 @@ DEMO_REAL_DIR ?= outputs/demo/real_identity
 demo-real: install
 	$(PY) scripts/demo_real.py --name "$(DEMO_NAME)" --author "$(DEMO_AUTHOR)" --output-dir $(DEMO_REAL_DIR)
 
-# tests/slurm starts a real SLURM cluster (root and Debian's packages): `make test-slurm`, a step of its own in CI.
+# The whole suite, tests/slurm included: it starts a real SLURM cluster when this is root with Debian's slurm
+# packages installed (.ci/run installs them first) and skips with the reason otherwise.
 test: install
-	$(PY) -m pytest -q -ra --durations=20 --ignore=tests/slurm tests
+	$(PY) -m pytest -q -ra --durations=20 tests
 
 test-unit: install
 	$(PY) -m pytest -q -ra tests/unit
