@@ -119,13 +119,14 @@ def worker(spec_path: str) -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-    if spec["runner"] == "roll-stream":
-        from roll.bench.data_stream import stream_build
+    if spec["runner"] in ("roll-stream", "roll-pack"):
+        from roll.bench.data_stream import pack_build, stream_build
 
-        result = stream_build(spec)
+        result = (stream_build if spec["runner"] == "roll-stream" else pack_build)(spec)
     else:
         result = _llamafactory_build(spec) if spec["runner"] == "llamafactory" else _roll_build(spec)
     result["anon_bytes"] = sampler.stop()
+    result["cpu_s"] = time.process_time()  # this process's CPU seconds: its wall time on an idle core
     with open(os.path.join(spec["out_dir"], f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
 
@@ -300,6 +301,9 @@ def parse(argv: list[str]):
     p.add_argument("--stream-mb", type=_csv_ints, default=[],
                    help="instead: streamed pt corpora of these sizes in MiB (e.g. 100,1000), each to step "
                         "1's rows (roll/bench/data_stream.py); written under WORK_DIR and deleted after")
+    p.add_argument("--pack-rows", type=int, default=0,
+                   help="instead: pack this many generated tokenized rows (no tokenizer pass: packing 2M "
+                        "rows where tokenizing them costs hours), first and warm start")
     p.add_argument("--buffer-size", type=int, default=16384, help="buffer_size of the streamed runs")
     p.add_argument("--global-batch", type=int, default=8, help="rows of step 1 in the streamed runs")
     p.add_argument("--keep-corpus", action="store_true", help="keep the streamed corpora")
@@ -324,6 +328,11 @@ def main(argv: list[str] | None = None) -> None:
 
         results = run_streams(opts)
         text = stream_markdown(results)
+    elif opts.pack_rows:
+        from roll.bench.data_stream import run_pack
+
+        results = run_pack(opts)
+        text = "".join(json.dumps(row) + "\n" for row in results)
     else:
         results = run(opts)
         text = markdown(results)
