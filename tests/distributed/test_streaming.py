@@ -4,7 +4,7 @@ One recipe exercises the whole streamed path: two datasets mixed ``interleave_ov
 ``interleave_probs``, a shuffle buffer smaller than the data, packing on the fly, and more steps than one pass
 over the data holds (the stream starts its next epoch). The standard backend runs in this process, the mca
 backend at TP1 x DP2 in one 2-process torchrun job (the same global batch of 2 rows, one per rank); each
-resumes mid-stream from its step-3 checkpoint. On two processes only local rank 0 reads the stream; the
+resumes mid-stream from its step-3 checkpoint. The standard backend also trains on 2 processes (roll-train). On two processes only local rank 0 reads the stream; the
 other rank gets its rows through the node's spool (roll.data.stream_share) and tokenizes nothing.
 """
 
@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.bounds import BACKEND, Comparison, assert_within
-from tests.distributed.test_mca_train import train_runs
+from tests.distributed.test_mca_train import standard_log, train_runs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 
@@ -58,6 +58,10 @@ def test_streaming_same_losses_on_both_backends_and_across_a_resume(tiny_model_d
     resumed = _standard(recipe, tmp_path / "std_resumed",
                         resume_from_checkpoint=str(tmp_path / "std" / "checkpoint-3"))
     assert len(full) == 6 and resumed == pytest.approx(full[3:], rel=1e-6), (full, resumed)
+    # the standard backend on 2 processes (accelerate shards each global batch; rank 1 reads the spool)
+    two = [r["loss"] for r in standard_log(tmp_path, recipe, "std_dp2", per_device_train_batch_size=1,
+                                           nproc_per_node=2)]
+    assert_within([Comparison("streamed sft, standard DP2 vs DP1", two, full, BACKEND)])
     mca_out = tmp_path / "mca"
     runs = train_runs(tmp_path, {**recipe, "output_dir": str(mca_out), "per_device_train_batch_size": 1}, [
         {"name": "full"},
