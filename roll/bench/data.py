@@ -228,7 +228,7 @@ def run(opts) -> list[dict]:
         data = os.path.join(opts.work_dir, f"alpaca_{rows}", "rows.jsonl")
         os.makedirs(os.path.dirname(data), exist_ok=True)
         write_rows(data, rows)
-        for runner in ("roll", "llamafactory"):
+        for runner in opts.runners:
             if runner == "llamafactory" and not has_lf:
                 results.append({"runner": runner, "rows": rows, "status": "skipped: llamafactory is not "
                                 "installed in this environment (pip install llamafactory, or --lf-python)"})
@@ -307,6 +307,8 @@ def parse(argv: list[str]):
     p.add_argument("--buffer-size", type=int, default=16384, help="buffer_size of the streamed runs")
     p.add_argument("--global-batch", type=int, default=8, help="rows of step 1 in the streamed runs")
     p.add_argument("--keep-corpus", action="store_true", help="keep the streamed corpora")
+    p.add_argument("--runners", type=lambda text: text.split(","), default=["roll", "llamafactory"],
+                   help="which pipelines to start (default: roll,llamafactory)")
     p.add_argument("--lf-python", help="python of an environment with LLaMA-Factory installed (default: "
                                        "this one, when it has LLaMA-Factory)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
