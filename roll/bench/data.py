@@ -218,6 +218,7 @@ def run_start(runner: str, rows: int, packing: str, ranks: int, start: str, opts
     return {**row, "status": "ok", "data_s": round(data_s, 2), "pack_s": round(sum(packs), 2),
             "packing_ranks": len(packs), "rows_per_s": round(rows / data_s),
             "train_rows": measures[0]["train_rows"],
+            "cpu_s": round(max(m.get("cpu_s", 0) for m in measures), 1),  # map workers' CPU not included
             "anon_mb": round(max(m["anon_bytes"] for m in measures) / 2**20)}
 
 
