@@ -69,13 +69,16 @@ def check_batch_fits(config: RunConfig, rows: int, dp_size: int) -> None:
                           "per_device_train_batch_size or gradient_accumulation_steps, or add data.")
 
 
-def _set_stream_length(config: RunConfig, job: TrainJob, dp_size: int) -> None:
-    """A streamed training set is as long as the run reads: max_steps global batches (roll.data.streaming)."""
-    from roll.data.streaming import set_stream_length
+def _set_stream_length(config: RunConfig, job: TrainJob, dp_size: int, *, share: bool = False) -> None:
+    """A streamed training set is as long as the run reads: max_steps global batches (roll.data.streaming);
+    with ``share`` only each node's local rank 0 reads it."""
+    from roll.data.streaming import set_stream_length, share_stream
 
     t = config.training
     set_stream_length(job.train_dataset, t.max_steps,
                       t.per_device_train_batch_size * t.gradient_accumulation_steps * dp_size)
+    if share:
+        share_stream(job.train_dataset, t.output_dir)
 
 
 def _check_resumed_data(config: RunConfig, job: TrainJob, dp_size: int) -> None:
@@ -148,7 +151,7 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         if is_rank0():
             clean_stale(config.training.output_dir)
         job, _ = build_job(config, policy)
-        _set_stream_length(config, job, info.dp_size)
+        _set_stream_length(config, job, info.dp_size, share=True)
         check_batch_fits(config, len(job.train_dataset), info.dp_size)
         _check_resumed_data(config, job, info.dp_size)
         log_rank0(logger, "stage %s on the %s backend: %d process(es), data-parallel size %d",

@@ -119,8 +119,14 @@ def worker(spec_path: str) -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-    result = _llamafactory_build(spec) if spec["runner"] == "llamafactory" else _roll_build(spec)
+    if spec["runner"] in ("roll-stream", "roll-pack"):
+        from roll.bench.data_stream import pack_build, stream_build
+
+        result = (stream_build if spec["runner"] == "roll-stream" else pack_build)(spec)
+    else:
+        result = _llamafactory_build(spec) if spec["runner"] == "llamafactory" else _roll_build(spec)
     result["anon_bytes"] = sampler.stop()
+    result["cpu_s"] = time.process_time()  # this process's CPU seconds: its wall time on an idle core
     with open(os.path.join(spec["out_dir"], f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(result, handle)
 
@@ -195,6 +201,10 @@ def run_start(runner: str, rows: int, packing: str, ranks: int, start: str, opts
     env = {**os.environ, "HF_DATASETS_CACHE": cache, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     began = time.perf_counter()
+    if runner == "llamafactory" and opts.lf_python:  # its own environment; roll.bench.data from this tree
+        launcher[0] = opts.lf_python
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run([*launcher, "-m", "roll.bench.data", "--worker", spec_path], env=env,
                           capture_output=True, text=True, timeout=opts.timeout)
     row = {"runner": runner, "rows": rows, "packing": packing, "ranks": ranks, "start": start,
@@ -208,22 +218,21 @@ def run_start(runner: str, rows: int, packing: str, ranks: int, start: str, opts
     return {**row, "status": "ok", "data_s": round(data_s, 2), "pack_s": round(sum(packs), 2),
             "packing_ranks": len(packs), "rows_per_s": round(rows / data_s),
             "train_rows": measures[0]["train_rows"],
+            "cpu_s": round(max(m.get("cpu_s", 0) for m in measures), 1),  # map workers' CPU not included
             "anon_mb": round(max(m["anon_bytes"] for m in measures) / 2**20)}
 
 
 def run(opts) -> list[dict]:
-    import importlib.util
-
-    has_lf = importlib.util.find_spec("llamafactory") is not None
+    has_lf = _has_llamafactory(opts.lf_python)
     results = []
     for rows in opts.rows:
         data = os.path.join(opts.work_dir, f"alpaca_{rows}", "rows.jsonl")
         os.makedirs(os.path.dirname(data), exist_ok=True)
         write_rows(data, rows)
-        for runner in ("roll", "llamafactory"):
+        for runner in opts.runners:
             if runner == "llamafactory" and not has_lf:
                 results.append({"runner": runner, "rows": rows, "status": "skipped: llamafactory is not "
-                                "installed in this environment (pip install llamafactory to compare)"})
+                                "installed in this environment (pip install llamafactory, or --lf-python)"})
                 continue
             cache = os.path.join(opts.work_dir, f"cache-{runner}-{rows}")
             shutil.rmtree(cache, ignore_errors=True)
@@ -233,6 +242,16 @@ def run(opts) -> list[dict]:
                     results.append(run_start(runner, rows, packing, ranks, start, opts, data, cache))
                     sys.stderr.write(json.dumps(results[-1]) + "\n")  # progress: a 200k run takes minutes
     return results
+
+
+def _has_llamafactory(python: str | None) -> bool:
+    """Whether LLaMA-Factory imports here, or in ``python`` (``--lf-python``: its own environment)."""
+    if python is None:
+        import importlib.util
+
+        return importlib.util.find_spec("llamafactory") is not None
+    probe = subprocess.run([python, "-c", "import llamafactory"], capture_output=True, timeout=300)
+    return probe.returncode == 0
 
 
 def markdown(results: list[dict]) -> str:
@@ -280,6 +299,19 @@ def parse(argv: list[str]):
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per start before it is killed")
     p.add_argument("--work-dir", default="outputs/bench-data")
     p.add_argument("--json-out", help="default: WORK_DIR/bench-data.json")
+    p.add_argument("--stream-mb", type=_csv_ints, default=[],
+                   help="instead: streamed pt corpora of these sizes in MiB (e.g. 100,1000), each to step "
+                        "1's rows (roll/bench/data_stream.py); written under WORK_DIR and deleted after")
+    p.add_argument("--pack-rows", type=int, default=0,
+                   help="instead: pack this many generated tokenized rows (no tokenizer pass: packing 2M "
+                        "rows where tokenizing them costs hours), first and warm start")
+    p.add_argument("--buffer-size", type=int, default=16384, help="buffer_size of the streamed runs")
+    p.add_argument("--global-batch", type=int, default=8, help="rows of step 1 in the streamed runs")
+    p.add_argument("--keep-corpus", action="store_true", help="keep the streamed corpora")
+    p.add_argument("--runners", type=lambda text: text.split(","), default=["roll", "llamafactory"],
+                   help="which pipelines to start (default: roll,llamafactory)")
+    p.add_argument("--lf-python", help="python of an environment with LLaMA-Factory installed (default: "
+                                       "this one, when it has LLaMA-Factory)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -294,14 +326,26 @@ def main(argv: list[str] | None = None) -> None:
 
         opts.tokenizer = qwen_tokenizer_dir()
     opts.work_dir = os.path.abspath(opts.work_dir)
-    results = run(opts)
+    if opts.stream_mb:
+        from roll.bench.data_stream import run_streams, stream_markdown
+
+        results = run_streams(opts)
+        text = stream_markdown(results)
+    elif opts.pack_rows:
+        from roll.bench.data_stream import run_pack
+
+        results = run_pack(opts)
+        text = "".join(json.dumps(row) + "\n" for row in results)
+    else:
+        results = run(opts)
+        text = markdown(results)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg(),
               "cpus": os.cpu_count(), "command": " ".join(["python -m roll.bench.data", *sys.argv[1:]]),
               "results": results}
     json_out = opts.json_out or os.path.join(opts.work_dir, "bench-data.json")
     with open(json_out, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=1)
-    sys.stdout.write(markdown(results))
+    sys.stdout.write(text)
 
 
 if __name__ == "__main__":

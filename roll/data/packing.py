@@ -16,15 +16,15 @@ loads the file instead of packing again, and no rank holds the packed rows in it
 from __future__ import annotations
 
 import bisect
-import functools
-import hashlib
 import heapq
 import logging
 import os
+import sys
 import uuid
 
 import numpy as np
 
+from roll.data.fingerprint import code_digest, settings_digest
 from roll.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -123,14 +123,8 @@ def pack_dataset(dataset, capacity: int, *, use_cache: bool = True):
 def packed_fingerprint(dataset, capacity: int) -> str:
     """Cache key: the tokenized dataset (datasets' own fingerprint of it, in its row order), the bin size, the
     bin rule and this module's code (a changed packing never reuses an old file)."""
-    parts = [dataset._fingerprint, str(capacity), ALGORITHM, _code_digest()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
-
-
-@functools.lru_cache(maxsize=1)
-def _code_digest() -> str:
-    with open(__file__, "rb") as handle:
-        return hashlib.sha256(handle.read()).hexdigest()
+    this_module = sys.modules[__name__]
+    return settings_digest(dataset._fingerprint, str(capacity), ALGORITHM, code_digest(this_module))
 
 
 def efficiency(packed, capacity: int) -> float:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 import logging
 import math
 import time
@@ -24,6 +22,7 @@ import numpy as np
 from roll import IGNORE_INDEX
 from roll.data import formats as fmts
 from roll.data import prepared
+from roll.data.fingerprint import code_digest, settings_digest, tokenizer_digest
 from roll.data.loading import Source, load_sources
 from roll.data.mixing import mix_datasets
 from roll.data.packing import pack_dataset
@@ -207,24 +206,11 @@ def fingerprint(ds, fn) -> str:
     Cheaper than letting ``datasets`` pickle the whole tokenizer (~2 s for Qwen's 151k vocab), and
     unlike that pickle it changes when roll's processing code changes, so a stale cache is never reused.
     """
-    settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
-    tok = fn.tokenizer
-    backend = getattr(tok, "backend_tokenizer", None)
-    parts = [ds._fingerprint, type(fn).__name__, json.dumps(settings, sort_keys=True, default=str),
-             backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True),
-             str(tok.chat_template), str(tok.eos_token_id), str(tok.pad_token_id), _code_digest()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
-
-
-@functools.lru_cache(maxsize=1)
-def _code_digest() -> str:
     from roll.data import formats, processors, templates
 
-    digest = hashlib.sha256()
-    for module in (formats, processors, templates):
-        with open(module.__file__, "rb") as handle:
-            digest.update(handle.read())
-    return digest.hexdigest()
+    settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
+    return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
+                           code_digest(formats, processors, templates))
 
 
 def _concat(parts: list):

@@ -15,8 +15,6 @@ shared path both leave a whole one.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +23,7 @@ import time
 import uuid
 from typing import Callable
 
+from roll.data.fingerprint import code_digest, tokenizer_digest
 from roll.data.stats import PreprocessStats
 from roll.errors import ConfigError
 from roll.logging import log_rank0
@@ -43,33 +42,13 @@ NOT_DATA_SETTINGS = frozenset({"tokenized_path", "overwrite_cache", "preprocessi
 def data_settings(data_args, tokenizer, *, stage: str, seed: int) -> dict:
     """What the prepared rows depend on: every row-changing data key, the stage, the seed, the tokenizer and
     roll's data-processing code (each a digest), by name."""
+    from roll.data import formats, packing, processors, templates
+
     settings = {f.name: getattr(data_args, f.name) for f in dataclasses.fields(data_args)
                 if f.init and f.name not in NOT_DATA_SETTINGS}
     settings.update(stage=stage, seed=seed, tokenizer=tokenizer_digest(tokenizer),
-                    roll_data_code=code_digest())
+                    roll_data_code=code_digest(formats, processors, templates, packing))
     return json.loads(json.dumps(settings, default=str))  # the values as they read back from the manifest
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 (16 hex digits) of what tokenization reads from the tokenizer: vocabulary and merges, chat
-    template, special tokens. Two copies of one tokenizer in different folders agree."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = [backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True),
-             str(tokenizer.chat_template), str(tokenizer.eos_token_id), str(tokenizer.pad_token_id),
-             str(tokenizer.bos_token_id)]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=1)
-def code_digest() -> str:
-    """sha256 (16 hex digits) of the modules that decide the rows: another roll version may build others."""
-    from roll.data import formats, packing, processors, templates
-
-    digest = hashlib.sha256()
-    for module in (formats, processors, templates, packing):
-        with open(module.__file__, "rb") as handle:
-            digest.update(handle.read())
-    return digest.hexdigest()[:16]
 
 
 def load_or_prepare(path: str, settings: dict, build: Callable, *, rebuild: bool = False):

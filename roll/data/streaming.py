@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import os
 import time
@@ -29,6 +28,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from roll.data.fingerprint import settings_digest
 from roll.data.loading import Source, expand, split_sources
 from roll.data.mixing import interleave
 from roll.data.packing import best_fit_decreasing
@@ -172,17 +172,22 @@ class TrainingStream:
 class StreamedRows:
     """A stream seen as a dataset of ``length`` rows, read forward: row i is the stream's i-th row.
 
-    Each process reads the stream itself and keeps only the row it last returned and row 0 (the mca
-    backend's filler rows copy its shape); asking for an earlier row replays the stream from its start.
+    Rows are read in blocks of ``block_size`` (one global batch, ``set_stream_length``): a process keeps
+    the block it reads from and row 0 (the mca backend's filler rows copy its shape); asking for an earlier
+    block replays the stream from its start. With a ``spool`` (``share_stream``: several processes on a
+    node) only local rank 0 reads the stream; the node's other ranks get its blocks (roll.data.stream_share).
+    ``rows_read`` counts the rows this process read from the stream itself.
     """
 
     streamed = True
 
     def __init__(self, stream, length: int, fingerprint: str) -> None:
         self.stream, self.length, self.fingerprint = stream, length, fingerprint
+        self.block_size, self.spool, self.rows_read = 1, None, 0
         self._iter: Iterator[dict] | None = None
-        self._next = 0
-        self._kept: dict[int, dict] = {}
+        self._next_block = 0
+        self._block: tuple[int, Callable[[int], dict]] | None = None
+        self._first: dict | None = None
         self._pid = os.getpid()
 
     def __len__(self) -> int:
@@ -191,21 +196,36 @@ class StreamedRows:
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.length:
             raise IndexError(f"row {index} of a {self.length}-row stream")
-        if index in self._kept:
-            return _as_lists(self._kept[index])
+        if index == 0 and self._first is not None:
+            return {k: list(v) if isinstance(v, list) else v for k, v in self._first.items()}
         if self._pid != os.getpid():  # a forked dataloader worker: the parent's open files are not its own
-            self._iter, self._next, self._kept, self._pid = None, 0, {}, os.getpid()
-        if self._iter is None or index < self._next:
+            self.__dict__.update(self.__getstate__(), _pid=os.getpid())
+        block = index // self.block_size
+        if self._block is None or self._block[0] != block:
+            self._block = (block, self._load(block))
+            if block == 0:  # kept on every rank alike, so no rank asks for block 0 again
+                self._first = self._block[1](0)
+        return self._block[1](index - block * self.block_size)
+
+    def _load(self, block: int) -> Callable[[int], dict]:
+        """Block ``block``'s rows (a function of the row's place in the block): from local rank 0's spool,
+        or read from the stream (and put in the spool for the node's other ranks)."""
+        if self.spool is not None and not self.spool.reader:
+            return self.spool.receive(block).row
+        if self._iter is None or block < self._next_block:
             if self._iter is not None:
-                warn_once(logger, f"streaming: row {index} asked for after row {self._next - 1}: "
+                warn_once(logger, f"streaming: block {block} asked for after block {self._next_block - 1}: "
                                   "replaying the stream from its start")
-            self._iter, self._next = iter(self.stream), 0
-        while self._next <= index:
-            row = next(self._iter)
-            self._kept = {k: v for k, v in self._kept.items() if k == 0}
-            self._kept[self._next] = row
-            self._next += 1
-        return _as_lists(self._kept[index])
+            self._iter, self._next_block = iter(self.stream), 0
+        while True:
+            rows = list(itertools.islice(self._iter, self.block_size))
+            self.rows_read += len(rows)
+            self._next_block += 1
+            if self._next_block > block:
+                break
+        if self.spool is not None:
+            self.spool.publish(block, rows)
+        return lambda i: _as_lists(rows[i])
 
     @property
     def column_names(self) -> list[str]:
@@ -214,8 +234,9 @@ class StreamedRows:
     def stream_fingerprint(self) -> str:
         return self.fingerprint
 
-    def __getstate__(self) -> dict:  # a dataloader worker process starts its own reader
-        return {**self.__dict__, "_iter": None, "_next": 0, "_kept": {}}
+    def __getstate__(self) -> dict:  # a dataloader worker process reads the stream itself
+        return {**self.__dict__, "_iter": None, "_next_block": 0, "_block": None, "_first": None,
+                "spool": None}
 
 
 def _as_lists(row: dict) -> dict:
@@ -225,27 +246,23 @@ def _as_lists(row: dict) -> dict:
 def fingerprint(data_args, tokenizer, seed: int) -> str:
     """What decides the stream's rows: the data keys, the seed, the tokenizer and each file's size and first
     and last MiB (hashing a whole corpus would read it all; a changed row almost always moves one of them)."""
-    digest = hashlib.sha256()
     speed_only = ("preprocessing_num_workers", "overwrite_cache", "eval_dataset")
     settings = {k: v for k, v in vars(data_args).items() if k not in speed_only}
-    digest.update(json.dumps([settings, seed], sort_keys=True, default=str).encode())
-    for attr in ("name_or_path", "chat_template", "eos_token_id", "pad_token_id"):
-        digest.update(str(getattr(tokenizer, attr, None)).encode())
-    digest.update(str(len(tokenizer)).encode())
-    for paths in (expand(part) for part in split_sources(data_args.dataset)):
-        for path in paths:
-            digest.update(path.encode() + _file_sample(path))
-    return digest.hexdigest()[:16]
+    tokenizer_parts = [str(getattr(tokenizer, attr, None))
+                       for attr in ("name_or_path", "chat_template", "eos_token_id", "pad_token_id")]
+    paths = [path for part in split_sources(data_args.dataset) for path in expand(part)]
+    files = [[path, _file_sample(path)] for path in paths]
+    return settings_digest([settings, seed], [*tokenizer_parts, len(tokenizer)], files, length=16)
 
 
-def _file_sample(path: str) -> bytes:
+def _file_sample(path: str) -> str:
     if not os.path.isfile(path):
-        return b""
+        return ""
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
         head = handle.read(1 << 20)
         handle.seek(max(0, size - (1 << 20)))
-        return str(size).encode() + hashlib.sha256(head + handle.read()).digest()
+        return f"{size}:{hashlib.sha256(head + handle.read()).hexdigest()}"
 
 
 def build_streaming(data_args, tokenizer, *, stage: str, seed: int, make_processor: Callable[[Source], Callable],
@@ -271,6 +288,21 @@ def build_streaming(data_args, tokenizer, *, stage: str, seed: int, make_process
 
 
 def set_stream_length(dataset, max_steps: int, global_batch_size: int) -> None:
-    """A streamed training set is as long as the run reads: ``max_steps`` global batches."""
+    """A streamed training set is as long as the run reads: ``max_steps`` global batches, read a global
+    batch at a time."""
     if getattr(dataset, "streamed", False):
-        dataset.length = max_steps * global_batch_size
+        dataset.length, dataset.block_size = max_steps * global_batch_size, global_batch_size
+
+
+def share_stream(dataset, output_dir: str) -> None:
+    """Several processes on this node (a launched run): only local rank 0 reads a streamed training set; it
+    hands the node's other ranks its blocks through a spool in ``output_dir`` (roll.data.stream_share).
+    Called on every rank after ``set_stream_length``, before training."""
+    from roll.data.stream_share import BlockSpool, local_world_size, node_spool_dir
+    from roll.launch import local_rank
+
+    if not getattr(dataset, "streamed", False) or local_world_size() < 2:
+        return
+    dataset.spool = BlockSpool(node_spool_dir(output_dir), local_rank(), local_world_size())
+    if dataset.spool.reader:
+        dataset.spool.reset()

@@ -3,7 +3,9 @@
 One recipe exercises the whole streamed path: two datasets mixed ``interleave_over`` with
 ``interleave_probs``, a shuffle buffer smaller than the data, packing on the fly, and more steps than one pass
 over the data holds (the stream starts its next epoch). The standard backend runs in this process, the mca
-backend at TP1 in one torchrun job; each resumes mid-stream from its step-3 checkpoint.
+backend at TP1 x DP2 in one 2-process torchrun job (the same global batch of 2 rows, one per rank); each
+resumes mid-stream from its step-3 checkpoint. The standard backend also trains on 2 processes (roll-train). On two processes only local rank 0 reads the stream; the
+other rank gets its rows through the node's spool (roll.data.stream_share) and tokenizes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import pytest
 
 from tests.bounds import BACKEND, Comparison, assert_within
-from tests.distributed.test_mca_train import train_runs
+from tests.distributed.test_mca_train import standard_log, train_runs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 
@@ -56,10 +58,16 @@ def test_streaming_same_losses_on_both_backends_and_across_a_resume(tiny_model_d
     resumed = _standard(recipe, tmp_path / "std_resumed",
                         resume_from_checkpoint=str(tmp_path / "std" / "checkpoint-3"))
     assert len(full) == 6 and resumed == pytest.approx(full[3:], rel=1e-6), (full, resumed)
+    # the standard backend on 2 processes (accelerate shards each global batch; rank 1 reads the spool)
+    two = [r["loss"] for r in standard_log(tmp_path, recipe, "std_dp2", per_device_train_batch_size=1,
+                                           nproc_per_node=2)]
+    assert_within([Comparison("streamed sft, standard DP2 vs DP1", two, full, BACKEND)])
     mca_out = tmp_path / "mca"
-    runs = train_runs(tmp_path, {**recipe, "output_dir": str(mca_out)}, [
+    runs = train_runs(tmp_path, {**recipe, "output_dir": str(mca_out), "per_device_train_batch_size": 1}, [
         {"name": "full"},
         {"name": "resumed", "overrides": {"output_dir": str(tmp_path / "mca_resumed"),
-                                          "resume_from_checkpoint": str(mca_out / "checkpoint-3")}}], nproc=1)
+                                          "resume_from_checkpoint": str(mca_out / "checkpoint-3")}}], nproc=2)
     assert runs["resumed"]["losses"] == pytest.approx(runs["full"]["losses"][3:], rel=1e-6), runs
-    assert_within([Comparison("streamed sft, mca vs standard", runs["full"]["losses"], full, BACKEND)])
+    assert_within([Comparison("streamed sft, mca (DP2) vs standard", runs["full"]["losses"], full, BACKEND)])
+    # local rank 0 read the 12 rows of the 6 steps (the resumed run replays the first 6), rank 1 none
+    assert runs["full"]["stream_rows_read"] == [12, 0] and runs["resumed"]["stream_rows_read"] == [12, 0]

@@ -183,3 +183,11 @@ def test_data_bench_rows_memory_probe_and_targets(tmp_path):
             for packing, seconds, mb in (("off", 10.0, 500), ("on", 11.0, 650))]
     assert bench_data.targets(runs) == [
         "- 10 rows, 1 rank(s): packed warm start 1.10x the unpacked, anonymous memory 1.30x (targets: 1.2x)"]
+    # the streamed corpus: at least the size asked for, documents numbered (no two lines alike)
+    from roll.bench.data_stream import write_corpus
+
+    corpus = tmp_path / "corpus.jsonl"
+    docs = write_corpus(str(corpus), 1)
+    lines = corpus.read_text().splitlines()
+    assert corpus.stat().st_size >= 1 << 20 and len(lines) == docs == len(set(lines))
+    assert json.loads(lines[5])["text"].startswith("document 5. ")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -17,7 +18,7 @@ from roll.config.data import DataArguments
 from roll.config.parser import resolve
 from roll.data import build_datasets
 from roll.data.mixing import interleave, mixed_indices
-from roll.data.streaming import StreamedRows, TrainingStream, set_stream_length, shuffled
+from roll.data.streaming import StreamedRows, TrainingStream, set_stream_length, share_stream, shuffled
 from roll.errors import ConfigError
 
 SFT = ("supervised", ("alpaca", "sharegpt"))
@@ -64,7 +65,7 @@ def test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows(bpe, tmp
     # a resumed run asks first for the row after its consumed samples: replayed to the same row
     for start in (0, 29, 47):
         assert build(bpe, length=75, **stream)[start] == read[start]
-    assert rows[0] == read[0] and rows[74] == read[74] and len(rows._kept) <= 2  # row 0 kept for fillers
+    assert rows[0] == read[0] and rows[74] == read[74] and rows.rows_read == 75  # row 0 kept for fillers
     again, other = build(bpe, length=75, **stream), build(bpe, seed=1, length=75, **stream)
     assert [again[i] for i in range(30)] == read[:30] and [other[i] for i in range(30)] != read[:30]
     # the stream fingerprint (roll_resume.json) follows the data keys and the seed, not max_steps
@@ -72,6 +73,46 @@ def test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows(bpe, tmp
     # without shuffle the stream is the in-memory pipeline's order (the same tokenized rows)
     plain = build(bpe, length=30, dataset=data, streaming=True, shuffle=False)
     assert [plain[i] for i in range(30)] == list(build(bpe, dataset=data, shuffle=False))
+
+
+def test_one_reader_per_node_hands_each_rank_its_rows_and_resumes_exactly(bpe, tmp_path, monkeypatch):
+    """Two local ranks of a launched run, in one process, asking for rows as both backends do (global batch
+    B = 4: micro-batch 2 x dp 2; rank r takes slice r of each step): local rank 0 reads the stream, rank 1
+    reads and tokenizes none of it, and both get the rows one process reading alone gets, also resumed."""
+    data = write_rows(tmp_path / "a.jsonl", 0, 30)
+    stream = dict(dataset=data, streaming=True, buffer_size=8, packing=True, cutoff_len=64)
+    alone = build(bpe, **stream)
+    set_stream_length(alone, 10, 4)
+    expected = [alone[i] for i in range(40)]
+    assert any(len(row["seq_lens"]) > 1 for row in expected)  # packed rows cross the spool whole
+
+    def node(output_dir):
+        ranks = []
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        for rank in (0, 1):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            rows = build(bpe, **stream)
+            set_stream_length(rows, 10, 4)
+            share_stream(rows, str(output_dir))
+            ranks.append(rows)
+        return ranks
+
+    reader, other = node(tmp_path / "out")
+    got = {}
+    for step in range(10):  # local rank 0 first: in one process the other rank cannot wait for it
+        for rank, rows in ((0, reader), (1, other)):
+            got.update({i: rows[i] for i in range(4 * step + 2 * rank, 4 * step + 2 * rank + 2)})
+    assert [got[i] for i in range(40)] == expected
+    assert (reader.rows_read, other.rows_read) == (40, 0)
+    assert other[0] == expected[0]  # the filler row: kept, not asked of local rank 0 again
+    assert not [name for name in os.listdir(reader.spool.directory)]  # each block read once, then gone
+    # resumed at step 6, the mca backend asking for row 0 (its filler row) first
+    reader, other = node(tmp_path / "resumed")
+    for rows in (reader, other):
+        assert rows[0] == expected[0]
+    for rows in (reader, other):
+        assert [rows[i] for i in range(24, 28)] == expected[24:28]
+    assert (reader.rows_read, other.rows_read) == (28, 0)
 
 
 def test_a_resumed_stream_may_run_longer_but_not_on_other_data(bpe, tmp_path):

@@ -7,7 +7,8 @@ run starts from ``base`` + its overrides (``use_mca`` and ``nproc_per_node`` are
 launch), or, when it gives ``"args"``, from a roll-train command line (e.g. a recipe file and
 ``--use-mca``; ``nproc_per_node`` is appended), and trains in this process; Megatron is torn down and brought up again between runs, the
 process group is kept (it is this worker's). Rank 0 writes {name: {"losses": [...], "grad_norms":
-[...], "log": [...]}} to RESULT.json; a run with ``"count_host_reads": true`` also gets "host_reads": the
+[...], "log": [...], "stream_rows_read": [rows each rank read from a streamed training set itself, or
+null]}} to RESULT.json; a run with ``"count_host_reads": true`` also gets "host_reads": the
 tensor-to-host reads (``item``, ``tolist``, ``float()``, ``bool()``, ...) of each training step. Starting the interpreter and importing Megatron once for all
 runs keeps a layout matrix affordable on 2 cores.
 """
@@ -73,6 +74,24 @@ def counting_host_reads(enabled: bool):
         MegatronTrainer._train_step = original_step
 
 
+@contextlib.contextmanager
+def streamed_datasets():
+    """The streamed training sets the run hands out (``share_stream`` is called with each on every rank)."""
+    from roll.data import streaming
+
+    seen, original = [], streaming.share_stream
+
+    def share(dataset, output_dir):
+        seen.append(dataset)
+        return original(dataset, output_dir)
+
+    streaming.share_stream = share
+    try:
+        yield seen
+    finally:
+        streaming.share_stream = original
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -92,12 +111,16 @@ def main() -> None:
         else:
             recipe = {**spec.get("base", {}), "use_mca": True, "nproc_per_node": dist.get_world_size()}
             config = resolve(recipe, {key: str(value) for key, value in item.get("overrides", {}).items()}, None)
-        with counting_host_reads(item.get("count_host_reads", False)) as host_reads:
+        with counting_host_reads(item.get("count_host_reads", False)) as host_reads, \
+                streamed_datasets() as seen:
             result = run(config)
         log = [entry for entry in result.log_history if "loss" in entry]
+        stream_rows = [None] * dist.get_world_size()  # rows each rank read from a stream itself
+        dist.all_gather_object(stream_rows, sum(getattr(d, "rows_read", 0) for d in seen) if seen else None)
         results[item["name"]] = {"losses": [entry["loss"] for entry in log],
                                  "grad_norms": [entry.get("grad_norm") for entry in log], "log": log,
-                                 "metrics": result.metrics, "host_reads": host_reads}
+                                 "metrics": result.metrics, "host_reads": host_reads,
+                                 "stream_rows_read": stream_rows}
         dist.barrier()
     if dist.get_rank() == 0:
         with open(result_file, "w", encoding="utf-8") as fh:
