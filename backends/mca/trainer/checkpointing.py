@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
         return final
     background.wait()  # one host copy at a time
     tmp = checkpoints.open_staging(output_dir, state.global_step, is_writer=is_writer)
+    _start_results_queue()  # before Megatron spawns it (at its first async save)
     request = dist_checkpointing.save(sharded, tmp, async_sharded_save=True)
     _write_small_files(tmp, chunks, state, model_config, arguments, dataset)
     final = background.schedule(request, output_dir, state.global_step, keep=keep, started=start)
@@ -125,6 +127,7 @@ class AsyncSaves:
 
         self._queue = AsyncCallsQueue(persistent=False)
 
+
     def schedule(self, request, output_dir: str, step: int, keep: int | None, started: float) -> str:
         """Start ``request`` (``dist_checkpointing.save(..., async_sharded_save=True)``'s); returns the path
         the checkpoint will have once published."""
@@ -150,6 +153,26 @@ class AsyncSaves:
     def wait(self) -> None:
         """Collective: finish and publish the pending checkpoint (before a save, the export, the end)."""
         self._queue.maybe_finalize_async_calls(blocking=True)
+
+
+def _start_results_queue() -> None:
+    """Start the multiprocessing manager through which Megatron's async writers report (megatron.core 0.16.1
+    spawns it at the first save, ``filesystem_async._get_write_results_queue``) with SIGTERM ignored: a spawned
+    interpreter starts with default handlers, and SLURM sends SIGTERM to every process of a job step, which
+    killed it mid-save and failed the very save the signal asked for (an ignored signal stays ignored across
+    exec; the manager still ends with the rank, by multiprocessing's shutdown). SIGTERM is blocked meanwhile,
+    so one sent to the rank while the manager starts is held, then handled, not lost (Linux keeps a blocked
+    signal pending even while it is ignored)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        if filesystem_async._results_queue is None:
+            filesystem_async._get_write_results_queue()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _after_test_delay(write):
