@@ -25,14 +25,17 @@ MCA_LAYOUT = ("nproc_per_node=2", "tensor_model_parallel_size=2")
 
 
 def ensure_tiny_model(model_dir: str, out: Callable[[str], object]) -> None:
-    """Build the tiny Qwen2 model with the real Qwen2.5 tokenizer in ``model_dir`` unless it is there."""
-    if os.path.isfile(os.path.join(model_dir, "config.json")):
+    """Build the demo model (``roll.demo.tiny_model.make_demo_model``) in ``model_dir`` unless it is there; a
+    demo model of an older roll (another init) is rebuilt."""
+    from roll.demo.tiny_model import is_demo_model, make_demo_model
+
+    if is_demo_model(model_dir):
         out(f"tiny model: {model_dir} (already built)\n")
         return
-    from roll.demo.tiny_model import make_tiny_model
-
-    make_tiny_model(model_dir, kind="qwen2", tokenizer="qwen")
-    out(f"tiny model: built {model_dir} (2-layer Qwen2, hidden 64, the Qwen2.5 tokenizer)\n")
+    older = os.path.isfile(os.path.join(model_dir, "config.json"))
+    make_demo_model(model_dir)
+    out(f"tiny model: {'rebuilt' if older else 'built'} {model_dir} (2-layer Qwen2, hidden 64, MLP 512, the "
+        "Qwen2.5 tokenizer)\n")
 
 
 def first_example(dataset: str) -> tuple[str, str]:

@@ -43,3 +43,23 @@ def test_generate_reply_is_the_greedy_reply(tiny_model_factory):
     assert len(expected) >= 5, expected
     assert generate_reply(model_dir, "What is 2 plus 3?", max_new_tokens=6) == expected
     assert generate_reply(model_dir, "What is 2 plus 3?", max_new_tokens=6) == expected  # repeatable
+
+
+def test_an_older_demo_model_is_rebuilt(tmp_path, monkeypatch):
+    """`make demo` keeps a demo model it built but rebuilds one with another init (an older roll's: 0.02 gave a
+    model that had not learned the additions after the demo's steps)."""
+    import json
+
+    from roll.demo import quick, tiny_model
+
+    built = []
+    monkeypatch.setattr(tiny_model, "make_demo_model", lambda path: built.append(path) or (
+        (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen2", **tiny_model.DEMO_MODEL}))))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen2", "initializer_range": 0.02}))
+    said = []
+    quick.ensure_tiny_model(str(tmp_path / "m"), said.append)
+    assert built == [str(tmp_path / "m")] and said[0].startswith("tiny model: rebuilt")
+    quick.ensure_tiny_model(str(tmp_path / "m"), said.append)
+    assert built == [str(tmp_path / "m")] and said[1].endswith("(already built)\n")
+    assert not tiny_model.is_demo_model(str(tmp_path / "missing"))
