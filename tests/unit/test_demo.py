@@ -14,15 +14,16 @@ def test_first_example_is_the_datas_first_prompt_and_answer():
     assert prompt == "What is 2 plus 3?" and answer == "2 plus 3 equals 5."
 
 
-def _greedy_by_hand(model_dir: str, prompt: str, max_new_tokens: int) -> str:
-    """Greedy decoding without ``generate``: the argmax token appended until an end-of-turn token."""
+def _greedy_by_hand(model_dir: str, prompt: str, max_new_tokens: int, text: str | None = None) -> str:
+    """Greedy decoding without ``generate``: the argmax token appended until an end-of-turn token (from ``text``
+    when given, else the template's generation prompt)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = text or tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
     ids = tok(text)["input_ids"]
     stop = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
     reply = []
@@ -43,3 +44,48 @@ def test_generate_reply_is_the_greedy_reply(tiny_model_factory):
     assert len(expected) >= 5, expected
     assert generate_reply(model_dir, "What is 2 plus 3?", max_new_tokens=6) == expected
     assert generate_reply(model_dir, "What is 2 plus 3?", max_new_tokens=6) == expected  # repeatable
+
+
+def test_an_older_demo_model_is_rebuilt(tmp_path, monkeypatch):
+    """`make demo` keeps a demo model it built but rebuilds one with another init (an older roll's: 0.02 gave a
+    model that had not learned the additions after the demo's steps)."""
+    import json
+
+    from roll.demo import quick, tiny_model
+
+    built = []
+    monkeypatch.setattr(tiny_model, "make_demo_model", lambda path: built.append(path) or (
+        (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen2", **tiny_model.DEMO_MODEL}))))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen2", "initializer_range": 0.02}))
+    said = []
+    quick.ensure_tiny_model(str(tmp_path / "m"), said.append)
+    assert built == [str(tmp_path / "m")] and said[0].startswith("tiny model: rebuilt")
+    quick.ensure_tiny_model(str(tmp_path / "m"), said.append)
+    assert built == [str(tmp_path / "m")] and said[1].endswith("(already built)\n")
+    assert not tiny_model.is_demo_model(str(tmp_path / "missing"))
+
+
+THINK_TEMPLATE = (  # Qwen3's shape: an empty think block before the reply, not in the generation prompt
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['role'] == 'assistant' %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_generate_reply_asks_with_the_prompt_training_saw(tiny_model_factory, tmp_path):
+    """With a template that puts an empty think block before the reply (the Qwen2.5 tokenizer files' own), the
+    reply is generated after that block, as in training, not after the bare generation prompt."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = str(tmp_path / "think")
+    shutil.copytree(tiny_model_factory("qwen2", tie_word_embeddings=False), model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = THINK_TEMPLATE
+    tok.save_pretrained(model_dir)
+    trained = "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    expected = _greedy_by_hand(model_dir, "", max_new_tokens=6, text=trained)
+    assert expected != _greedy_by_hand(model_dir, "What is 2 plus 3?", max_new_tokens=6)  # the case matters
+    assert generate_reply(model_dir, "What is 2 plus 3?", max_new_tokens=6) == expected
