@@ -82,7 +82,7 @@ def case_resume(make, root: Path) -> list[Comparison]:
 
 
 def case_elastic_resume(make, root: Path) -> list[Comparison]:
-    from tests.distributed.test_elastic_resume import elastic_comparisons
+    from tests.distributed.test_elastic_resume_dist import elastic_comparisons
 
     model = make("qwen2")
     return [comparison for ds_file in ("ds_z2.json", "ds_z3.json")

@@ -58,7 +58,7 @@ STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader
 
 ELASTIC = "backends/standard/elastic.py"
 ELASTIC_UNIT = "tests/unit/test_elastic_resume.py::test_converts_only_when_the_data_parallel_size_changed"
-ELASTIC_RUN = ("tests/distributed/test_elastic_resume.py::"
+ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
                "test_zero_checkpoint_resumes_on_another_number_of_processes[ds_z2.json]")
 
 MUTANTS: list[Mutant] = [
@@ -300,7 +300,7 @@ MUTANTS: list[Mutant] = [
     Mutant("slurm_signal_burst_stops_at_once_2proc", "under SLURM, the SIGTERM that srun or the launcher "
            "forwards after SLURM's own kills two srun tasks mid-save", "roll/reliability.py",
            BURST, "return False",
-           ("tests/distributed/test_slurm.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes",)),
+           ("tests/distributed/test_slurm_dist.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes",)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),

@@ -308,7 +308,7 @@ def _separate_zero3_universal_steps() -> None:
     per group: after the first resumed step the second group (biases and norms, no weight decay) counts 2
     steps a step, and its bias correction drifts (the loss 1.3e-5 off the uninterrupted run's at the second
     resumed step). Each group gets its own copy after the load. Seen with DeepSpeed 0.19.8; can go when the
-    ZeRO-3 elastic resume test (tests/distributed/test_elastic_resume.py) passes without it."""
+    ZeRO-3 elastic resume test (tests/distributed/test_elastic_resume_dist.py) passes without it."""
     _verified("W10", "deepspeed")
     import torch
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3

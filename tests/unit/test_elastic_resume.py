@@ -1,6 +1,6 @@
 """backends.standard.elastic: what a DeepSpeed checkpoint's files say about its layout, when a resume
 converts it to DeepSpeed's universal checkpoint (only at another data-parallel size), and the layouts it
-refuses (exit 2). The real conversion and load run in tests/distributed/test_elastic_resume.py."""
+refuses (exit 2). The real conversion and load run in tests/distributed/test_elastic_resume_dist.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """DeepSeek-V3 (``deepseek_v3``) on Megatron: its config in Megatron's MLA terms and the configs refused (in-process;
-logits, layouts and training: tests/distributed/test_mca_deepseek_v3.py and the parity sweep)."""
+logits, layouts and training: tests/distributed/test_mca_deepseek_v3_dist.py and the parity sweep)."""
 
 from __future__ import annotations
 
