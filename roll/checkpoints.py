@@ -103,7 +103,7 @@ def publish(tmp: str, final: str) -> None:
         os.replace(final, final + ".old")
         shutil.rmtree(final + ".old", ignore_errors=True)
     os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final) or ".")
+    fsync_dir(os.path.dirname(final) or ".")
 
 
 @contextmanager
@@ -171,7 +171,7 @@ def fsync_tree(path: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(root)
+        fsync_dir(root)
 
 
 def clean_stale(output_dir: str) -> list[str]:
@@ -200,7 +200,8 @@ def write_batch_record(checkpoint_dir: str, *, per_device: int, grad_accum: int,
         json.dump(record, fh)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make the renames and creations inside ``path`` durable (best effort: some filesystems refuse)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

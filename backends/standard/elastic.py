@@ -183,7 +183,7 @@ def convert_to_universal(ckpt: str, saved: SavedLayout) -> str:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tag_file + ".tmp", tag_file)
-    _fsync_dir(ckpt)  # both renames are durable
+    checkpoints.fsync_dir(ckpt)  # both renames are durable
     logger.info("converted in %.1fs (a later resume at another size reuses it)",
                 time.perf_counter() - started)
     return final
@@ -191,16 +191,6 @@ def convert_to_universal(ckpt: str, saved: SavedLayout) -> str:
 
 def _writable(folder: str) -> bool:
     return os.access(folder, os.W_OK)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
 
 
 def _read(path: str) -> str | None:
