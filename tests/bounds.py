@@ -81,6 +81,10 @@ BACKEND_DPO = Bound(4e-6, 3.7e-7, DATE, "TRL's DPO vs ours (loss, logps), " + SU
 BACKEND_DPO_REWARDS = Bound(2e-5, 1.9e-6, DATE,
                             "TRL's DPO rewards vs ours, absolute: beta x a difference of two sums of ~60 "
                             "nats of log-probs, each rounded in fp32 (4e-6 apart per ulp)")
+BACKEND_PREF = Bound(1e-5, 1e-6, "TBD", "orpo / simpo (loss, mean log-probs, orpo's NLL and log-odds): the "
+                     "standard backend's forward and AdamW vs Megatron's, " + SUMS)
+BACKEND_PREF_REWARDS = Bound(1e-5, 1e-6, "TBD", "orpo / simpo rewards (beta x a mean log-prob), margins and "
+                             "log_odds_ratio, absolute")
 BACKEND_BF16 = Bound(3e-3, 2.9e-4, DATE,
                      "bf16 weights and activations (8 mantissa bits, 4e-3 per rounding): HF "
                      "autocast vs Megatron's Float16Module with fp32 main weights round at different places")
@@ -127,6 +131,10 @@ DPO_LAYOUT = Bound(4e-6, 3.7e-7, DATE,
                    "optimizer: log-probs summed over ~60 tokens per sequence, " + SUMS)
 DPO_LAYOUT_REWARDS = Bound(2e-5, 2.1e-6, DATE,
                            "DPO's rewards across layouts, absolute (see BACKEND_DPO_REWARDS)")
+PREF_LAYOUT = Bound(1e-5, 1e-6, "TBD", "orpo / simpo at TP2 (padded vocabulary), PP2 x VPP2 and CP2 vs TP1 x "
+                    "DP2 (loss, mean log-probs, orpo's NLL and log-odds), " + SUMS)
+PREF_LAYOUT_REWARDS = Bound(1e-5, 1e-6, "TBD", "orpo / simpo rewards, margins and log_odds_ratio across "
+                            "layouts, absolute")
 
 # ---- roll-parity as a user runs it (3 steps) ---------------------------------------------------------------
 PARITY_TOOL_TP1 = Bound(1e-6, 4.1e-8, DATE, "the backend gap through roll-parity's logs")

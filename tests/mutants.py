@@ -19,12 +19,14 @@ LOSS = "backends/mca/trainer/loss.py"
 ROLL_LOSS = "roll/loss.py"
 HF_ARGS = "backends/standard/hf_args.py"
 TRAINERS = "backends/standard/trainers.py"
+PREFERENCE = "roll/preference.py"
 
 MCA_UNIT = "tests/unit/test_mca_trainer.py"
 GLM_UNIT = "tests/unit/test_mca_glm4_moe.py"
 LOSS_UNIT = "tests/unit/test_loss.py"
 MCA_MODELS = "tests/unit/test_mca_models.py"
 STD_UNIT = "tests/unit/test_standard_train.py"
+PREF_UNIT = "tests/unit/test_preference.py"
 PARITY_TP1 = "tests/distributed/test_parity_tool.py::test_tp1_on_one_process_matches_the_standard_backend"
 DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
                 "test_weight_decay_and_an_hf_schedule_match_the_standard_backend")
@@ -146,6 +148,18 @@ MUTANTS: list[Mutant] = [
            "return -chosen_logps / chosen_tokens.clamp(min=1).to(chosen_logps.dtype)",
            "return -chosen_logps.sum() / chosen_tokens.sum().clamp(min=1) + 0 * chosen_logps",
            ("tests/unit/test_loss.py::test_pref_ftx_adds_each_chosen_responses_mean_token_nll",), fast=True),
+    Mutant("orpo_nll_batch_token_mean", "ORPO's NLL term averaged over the batch's chosen tokens (TRL's "
+           "reduction) instead of each chosen response's mean (LLaMA-Factory's, the key's definition)",
+           PREFERENCE, "nll = roll_loss.chosen_sft_losses(chosen_logps, chosen_tokens)  # -A_c",
+           "nll = -chosen_logps.sum() / chosen_tokens.sum() + 0 * chosen_logps  # -A_c",
+           (f"{PREF_UNIT}::test_orpo_is_llamafactorys_nll_plus_trls_odds_ratio_term",), fast=True),
+    Mutant("simpo_gamma_over_beta", "simpo_gamma taken as the SimPO paper's gamma_beta_ratio (divided by pref_beta) "
+           "instead of the absolute margin", PREFERENCE, "margin = beta * (chosen - rejected) - gamma",
+           "margin = beta * (chosen - rejected) - gamma / beta",
+           (f"{PREF_UNIT}::test_simpo_is_trls_cpo_simpo_without_its_nll_term",)),
+    Mutant("pref_ftx_dropped_reference_free_standard", "standard: pref_ftx ignored with pref_loss orpo and simpo",
+           TRAINERS, "ftx=self._roll_pref_ftx)", "ftx=0.0)",
+           (f"{PREF_UNIT}::test_standard_backend_trains_them_without_a_reference",)),
     Mutant("packed_cache_key_without_cutoff", "a packed-rows cache file is reused for another cutoff_len",
            "roll/data/packing.py", "settings_digest(dataset._fingerprint, str(capacity), ALGORITHM,",
            "settings_digest(dataset._fingerprint, ALGORITHM,",

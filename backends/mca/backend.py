@@ -75,7 +75,7 @@ class McaBackend(Backend):
         policy = AutoModel.from_pretrained(model_args.model_name_or_path, self.config.megatron, **precision)
         ref = None
         # LoRA without ref_model: the reference is the policy with its adapters disabled (no second model).
-        if stage == "dpo" and not ft.ref_free and (ft.ref_model or ft.finetuning_type != "lora"):
+        if stage == "dpo" and not ft.reference_free and (ft.ref_model or ft.finetuning_type != "lora"):
             ref = AutoModel.from_pretrained(ft.ref_model or model_args.model_name_or_path, self.config.megatron,
                                             **precision)
             for chunk in ref:
@@ -118,8 +118,8 @@ class McaBackend(Backend):
             return LanguageModelObjective(vocab_size)
         ft = self.config.finetuning
         settings = DPOSettings(beta=ft.pref_beta, loss_type=ft.pref_loss, label_smoothing=ft.pref_label_smoothing,
-                               ftx=ft.pref_ftx)
-        if ft.ref_free or models.ref is not None:
+                               ftx=ft.pref_ftx, simpo_gamma=ft.simpo_gamma)
+        if ft.reference_free or models.ref is not None:
             return DPOObjective(vocab_size, settings, models.ref)
         from backends.mca.lora.apply import adapters_disabled  # LoRA: the policy without its adapters
 

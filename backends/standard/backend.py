@@ -101,7 +101,7 @@ class StandardBackend(Backend):
 
         model_args, finetuning, training = self.config.model, self.config.finetuning, self.config.training
         M.check_causal_lm(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
-        wants_ref = stage == "dpo" and not finetuning.ref_free and (
+        wants_ref = stage == "dpo" and not finetuning.reference_free and (
             finetuning.ref_model or finetuning.finetuning_type != "lora")  # lora: TRL's frozen "ref" adapter
         if wants_ref and finetuning.ref_model:
             M.check_causal_lm(finetuning.ref_model, trust_remote_code=model_args.trust_remote_code,
@@ -148,6 +148,7 @@ class StandardBackend(Backend):
             dpo_trainer = make_dpo_trainer_class()
             trainer = dpo_trainer(model=models.policy, ref_model=models.ref,
                                   pref_ftx=self.config.finetuning.pref_ftx,
+                                  simpo_gamma=self.config.finetuning.simpo_gamma,
                                   data_collator=PreferenceBatch(job.collator), **common)
             M.moe_loss_coefficients(models.policy, self.config.megatron, job.stage)  # warns
         else:

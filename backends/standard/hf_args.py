@@ -29,7 +29,7 @@ def build_hf_args(config, deepspeed):
 
         return DPOConfig(**kwargs, beta=finetuning.pref_beta, **_dpo_loss(finetuning),
                          label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
-                         precompute_ref_log_probs=finetuning.ref_free)  # RollDPOTrainer fills zeros
+                         precompute_ref_log_probs=finetuning.reference_free)  # RollDPOTrainer fills zeros
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)
@@ -42,6 +42,7 @@ def _dpo_loss(finetuning) -> dict:
     ``-(1 - eps) logsigmoid(x) - eps logsigmoid(-x)``, is exactly ``2 (1 - eps) * sigmoid - (1 - 2 eps) *
     robust`` in TRL's terms (``robust = (-(1 - eps) logsigmoid(x) + eps logsigmoid(-x)) / (1 - 2 eps)``),
     so that is what pref_label_smoothing > 0 asks TRL for (the mca backend computes the same loss).
+    orpo and simpo are not TRL's DPO losses: RollDPOTrainer computes them (``reference_free.py``).
     """
     eps = finetuning.pref_label_smoothing
     if finetuning.pref_loss == "sigmoid" and eps > 0:

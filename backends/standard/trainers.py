@@ -38,6 +38,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
 from roll import IGNORE_INDEX, redact
 from roll import loss as roll_loss
+from roll.config.finetuning import REFERENCE_FREE_LOSSES
 from roll.perf import SpeedMeter, SpeedWindow, logged_only, real_tokens, training_dtype
 from roll.train_log import append_record, start_train_log, train_log_path
 
@@ -310,21 +311,29 @@ def make_dpo_trainer_class():
         Policy and reference log-probs are roll.loss's (``dpo_logps``), as on the mca backend. ``pref_ftx``
         adds its SFT term (``roll.loss.chosen_sft_losses``) to TRL's loss: TRL's loss is the micro-batch's mean
         over pairs, so adding the term's mean over the same pairs adds it to every pair's loss.
+
+        pref_loss orpo and simpo (TRL's DPO has neither) take their loss from ``reference_free.py`` instead.
         """
 
-        def __init__(self, *args, pref_ftx: float = 0.0, **kwargs) -> None:
+        def __init__(self, *args, pref_ftx: float = 0.0, simpo_gamma: float | None = None, **kwargs) -> None:
             from accelerate.utils import is_peft_model
 
             from backends.standard.dpo_logps import use_roll_log_probs
 
             super().__init__(*args, **kwargs)  # TRL patches the model it names here (the base model under PEFT)
-            self._roll_pref_ftx, self._roll_policy_calls = pref_ftx, []
+            self._roll_pref_ftx, self._roll_policy_calls, self._roll_simpo_gamma = pref_ftx, [], simpo_gamma
+            self._roll_reference_free = self.loss_types[0] in REFERENCE_FREE_LOSSES
             use_roll_log_probs(self.model.get_base_model() if is_peft_model(self.model) else self.model,
-                               record=self._roll_policy_calls if pref_ftx else None)
+                               record=self._roll_policy_calls if pref_ftx and not self._roll_reference_free else None)
             if self.ref_model is not None:  # TRL patched the model before DeepSpeed / accelerate wrapped it
                 use_roll_log_probs(self.accelerator.unwrap_model(self.ref_model))
 
         def _compute_loss(self, model, inputs, return_outputs):
+            if self._roll_reference_free:
+                from backends.standard.reference_free import reference_free_loss
+
+                return reference_free_loss(self, model, inputs, return_outputs, gamma=self._roll_simpo_gamma,
+                                           ftx=self._roll_pref_ftx)
             self._roll_policy_calls.clear()
             result = super()._compute_loss(model, inputs, return_outputs)
             if not self._roll_pref_ftx:

@@ -87,6 +87,9 @@ MID_EVAL = "tests/distributed/test_mca_train.py::test_mid_run_eval_at_the_same_s
 LAYOUTS = "tests/distributed/test_mca_train.py::test_layouts_give_the_same_losses"
 LORA = "tests/distributed/test_mca_train.py::test_lora_trajectories_across_layouts_and_backends"
 DPO = "tests/distributed/test_mca_dpo.py::test_dpo_layouts_and_backend_parity"
+REF_FREE_LOSSES = ("refused with pref_loss orpo and simpo, which read no reference: "
+                   "tests/unit/test_preference.py::test_the_keys_of_the_reference_free_losses")
+PREF_LOSSES = "tests/distributed/test_mca_pref_losses_dist.py::test_orpo_and_simpo_match_across_backends_and_layouts"
 LAUNCH = "tests/unit/test_cli.py::test_launch_command_uses_torchrun_or_deepspeed"
 SLURM_SIGNALS = "tests/distributed/test_slurm_dist.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes"
 PIPELINE = "tests/unit/test_data_pipeline.py::test_max_samples_val_size_and_eval_dataset"
@@ -155,13 +158,19 @@ ROWS: tuple[Row, ...] = (
     _row("export_merged", standard=Honoured(
         "tests/distributed/test_standard_deepspeed.py::test_lora_zero3_exports_adapter_and_merged_model"),
          mca=Honoured("tests/distributed/test_mca_lora.py::test_merged_export_equals_base_plus_adapter")),
-    _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(DPO, parity="dpo_ipo")),
+    _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(
+        DPO, "orpo and simpo: " + PREF_LOSSES + "; their definitions: tests/unit/test_preference.py",
+        parity="dpo_ipo")),
+    _row("simpo_gamma", both=Honoured(
+        "tests/unit/test_preference.py::test_simpo_is_trls_cpo_simpo_without_its_nll_term",
+        "backend parity: " + PREF_LOSSES, parity="dpo_simpo_ftx")),
     _row("pref_ftx", both=Honoured(
         "tests/unit/test_loss.py::test_pref_ftx_adds_each_chosen_responses_mean_token_nll",
+        "orpo and simpo: tests/unit/test_preference.py::test_pref_ftx_adds_each_chosen_responses_mean_nll",
         parity="cp2_dpo_sigmoid_ftx")),
     _row("ref_model", standard=Honoured(
-        "tests/unit/test_standard_train.py::test_dpo_with_a_separate_reference_model"),
-         mca=Honoured(DPO)),
+        "tests/unit/test_standard_train.py::test_dpo_with_a_separate_reference_model", REF_FREE_LOSSES),
+         mca=Honoured(DPO, REF_FREE_LOSSES)),
     _row("ref_free", standard=Honoured(
         "tests/unit/test_standard_train.py::test_dpo_reference_free"), mca=Honoured(DPO)),
     # -- megatron (read by the mca backend only) -----------------------------------------------------------

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from roll.errors import ConfigError
+from roll.logging import warn_once
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_FREE_LOSSES = ("orpo", "simpo")
+"""pref_loss values that read no reference model (roll.preference computes them)."""
 
 
 @dataclass
@@ -40,20 +47,31 @@ class FinetuningArguments:
     """With LoRA: also write base + adapter merged into a plain HF model."""
 
     pref_beta: float = 0.1
-    """DPO beta (strength of the KL constraint to the reference model)."""
+    """DPO beta (strength of the KL constraint to the reference model); orpo: the weight of the odds-ratio term;
+    simpo: the scale of the mean log-prob difference (the SimPO paper uses 2 to 10)."""
 
-    pref_loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """DPO loss type."""
+    pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = "sigmoid"
+    """Preference loss of stage dpo (TRL's definitions for sigmoid, ipo, hinge). orpo and simpo use no reference
+    model (LLaMA-Factory's definitions, from each response's mean token log-prob A): orpo = -A_chosen + pref_beta
+    * -log sigmoid(log odds(A_chosen) - log odds(A_rejected)) (TRL's ORPO averages its NLL over the batch's
+    chosen prompt and response tokens instead); simpo = -log sigmoid(pref_beta * (A_chosen - A_rejected) -
+    simpo_gamma) (TRL's CPO with cpo_alpha=0: no NLL term unless pref_ftx). docs/standard.md has the details."""
 
     pref_label_smoothing: float = 0.0
-    """Label smoothing for the sigmoid DPO loss (conservative DPO), in [0, 0.5)."""
+    """Label smoothing eps of the sigmoid DPO loss (conservative DPO) and of simpo (TRL's CPO form), in [0, 0.5)."""
 
     pref_ftx: float = 0.0
     """DPO: weight of an SFT term added to each pair's preference loss, the chosen response's mean per-token
-    negative log-likelihood (LLaMA-Factory's pref_ftx; >= 0, 0 = off)."""
+    negative log-likelihood (LLaMA-Factory's pref_ftx; >= 0, 0 = off), for every pref_loss (orpo already holds
+    this term with weight 1: with pref_ftx it weighs 1 + pref_ftx, as in LLaMA-Factory)."""
+
+    simpo_gamma: float | None = None
+    """pref_loss simpo: the target margin gamma, absolute (subtracted from pref_beta * (A_chosen - A_rejected);
+    the SimPO paper's gamma_beta_ratio times pref_beta), >= 0; default 0.5 (LLaMA-Factory's and TRL's)."""
 
     ref_model: str | None = None
-    """Reference model directory for DPO; default: a frozen copy of the starting weights."""
+    """Reference model directory for DPO; default: a frozen copy of the starting weights (none for pref_loss
+    orpo and simpo)."""
 
     ref_free: bool = False
     """Reference-free DPO (no reference model; implicit reference log-probs of 0)."""
@@ -77,6 +95,10 @@ class FinetuningArguments:
             raise ConfigError(f"pref_beta must be > 0, got {self.pref_beta}.")
         if not 0.0 <= self.pref_label_smoothing < 0.5:
             raise ConfigError(f"pref_label_smoothing must be in [0, 0.5), got {self.pref_label_smoothing}.")
+        if self.pref_label_smoothing and self.pref_loss not in ("sigmoid", "simpo"):
+            raise ConfigError(f"pref_label_smoothing={self.pref_label_smoothing} applies to pref_loss sigmoid "
+                              f"(conservative DPO) and simpo; pref_loss {self.pref_loss} has no label-smoothed "
+                              "form: drop pref_label_smoothing or choose one of those losses.")
         if not 0.0 <= self.pref_ftx < math.inf:
             raise ConfigError(f"pref_ftx must be a finite number >= 0, got {self.pref_ftx}.")
         if self.pref_ftx and self.stage != "dpo":
@@ -85,6 +107,32 @@ class FinetuningArguments:
                               "pref_ftx.")
         if self.ref_free and self.ref_model:
             raise ConfigError("ref_free=true and ref_model are contradictory: drop one of them.")
+        self._check_reference_free()
+
+    def _check_reference_free(self) -> None:
+        """simpo_gamma belongs to simpo; orpo and simpo take no reference model."""
+        if self.pref_loss == "simpo" and self.simpo_gamma is None:
+            self.simpo_gamma = 0.5
+        if self.simpo_gamma is not None:
+            if self.pref_loss != "simpo":
+                raise ConfigError(f"simpo_gamma={self.simpo_gamma} is the margin of pref_loss simpo; pref_loss is "
+                                  f"{self.pref_loss}: drop simpo_gamma or set pref_loss: simpo.")
+            if not 0.0 <= self.simpo_gamma < math.inf:
+                raise ConfigError(f"simpo_gamma must be a finite number >= 0, got {self.simpo_gamma}.")
+        if self.stage != "dpo" or self.pref_loss not in REFERENCE_FREE_LOSSES:
+            return
+        if self.ref_model:
+            raise ConfigError(f"ref_model={self.ref_model!r}: pref_loss {self.pref_loss} uses no reference model "
+                              "(its loss reads only the policy's log-probs): drop ref_model, or choose pref_loss "
+                              "sigmoid, ipo or hinge to train against it.")
+        if self.ref_free:
+            warn_once(logger, f"ref_free=true has no effect with pref_loss {self.pref_loss}: it never uses a "
+                              "reference model.")
+
+    @property
+    def reference_free(self) -> bool:
+        """Stage dpo builds no reference model: ref_free, or a pref_loss that reads none (orpo, simpo)."""
+        return self.ref_free or self.pref_loss in REFERENCE_FREE_LOSSES
 
     @property
     def lora_targets(self) -> list[str] | str:

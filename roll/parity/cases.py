@@ -140,6 +140,7 @@ def _lora(**keys) -> dict:
 
 
 _WARMUP = {"warmup_steps": 3}
+_SIMPO_FTX = {"pref_loss": "simpo", "pref_beta": 2.0, "simpo_gamma": 0.3, "pref_ftx": 0.5}
 _MOE_LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01,
                "dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128}
 _EVAL = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 3, "eval_on_start": True,
@@ -200,6 +201,11 @@ CASES = (
          measured=M(0, 1.1e-7, None, 7.3e-5)),
     Case("dpo_hinge", "dpo", {"pref_loss": "hinge"},
          measured=M(0, 6.3e-7, None, 7.7e-5)),
+    # the reference-free losses (roll.preference): orpo at its defaults, simpo with an SFT term
+    Case("dpo_orpo", "dpo", {"pref_loss": "orpo"},
+         measured=M(0, 0, None, 0)),
+    Case("dpo_simpo_ftx", "dpo", _SIMPO_FTX,
+         measured=M(0, 0, None, 0)),
     Case("lora_all_r8", "sft", _lora(lora_rank=8, lora_target="all"),
          measured=M(2.0e-8, 6.9e-8, None, 2.2e-7)),
     Case("lora_qv_r4_alpha16", "sft", _lora(lora_rank=4, lora_alpha=16, lora_target="q_proj,v_proj"),

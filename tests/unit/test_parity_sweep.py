@@ -40,7 +40,7 @@ def test_every_key_set_has_a_one_process_case_and_every_layout_a_case():
                  or "warmup_ratio" in c.overrides}
     assert set(STEP_SCHEDULES) - {"constant"} <= schedules, set(STEP_SCHEDULES) - schedules
     losses = {c.overrides.get("pref_loss", "sigmoid") for c in one_process if c.base == "dpo"}
-    assert losses == {"sigmoid", "ipo", "hinge"}
+    assert losses == {"sigmoid", "ipo", "hinge", "orpo", "simpo"}
     assert set(LAYOUTS) == {case.layout for case in CASES}
     assert len({case.name for case in CASES}) == len(CASES)
     # at any layout: pref_ftx, use_rslora, and a MoE model with its default load-balancing loss over padded rows

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from roll import loss as roll_loss
+from roll import preference
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,12 +76,13 @@ def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: i
 
 @dataclass(frozen=True)
 class DPOSettings:
-    """The recipe's DPO keys (pref_beta, pref_loss, pref_label_smoothing, pref_ftx)."""
+    """The recipe's DPO keys (pref_beta, pref_loss, pref_label_smoothing, pref_ftx, simpo_gamma)."""
 
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
     ftx: float = 0.0
+    simpo_gamma: float | None = None
 
 
 def dpo_losses(logps: torch.Tensor, ref_logps: torch.Tensor, tokens: torch.Tensor,
@@ -95,10 +97,17 @@ def dpo_losses(logps: torch.Tensor, ref_logps: torch.Tensor, tokens: torch.Tenso
 
     where ``delta = (chosen - ref_chosen) - (rejected - ref_rejected)`` (log-prob sums); with ``ftx`` > 0
     each pair adds ``ftx`` times its chosen response's mean token NLL (``roll.loss.chosen_sft_losses``).
+    orpo and simpo read no reference (``ref_logps`` unused): ``roll.preference``'s losses and metrics.
     """
     chosen, rejected = logps.chunk(2)
-    ref_chosen, ref_rejected = ref_logps.chunk(2)
     chosen_tokens, rejected_tokens = tokens.chunk(2)
+    if settings.loss_type in preference.REFERENCE_FREE_LOSSES:
+        losses, metrics = preference.reference_free_losses(
+            chosen, rejected, chosen_tokens, rejected_tokens, loss_type=settings.loss_type, beta=settings.beta,
+            gamma=settings.simpo_gamma, label_smoothing=settings.label_smoothing, ftx=settings.ftx)
+        valid = (chosen_tokens > 0).to(losses.dtype)
+        return losses * valid, (torch.stack(list(metrics.values())) * valid).sum(-1), valid.sum()
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     beta, eps = settings.beta, settings.label_smoothing
     if settings.loss_type == "sigmoid":

@@ -67,16 +67,20 @@ class DPOObjective:
     ``ref_chunks`` None means reference-free (reference log-probs 0). ``ref_mode``, when given, is
     entered around the reference pass (LoRA: the policy's own chunks with the adapters disabled, so
     no second model is held). Report: [loss sum, pairs, and the sums of chosen / rejected rewards,
-    accuracies, margins, chosen / rejected log-probs].
+    accuracies, margins, chosen / rejected log-probs; orpo: also its NLL and odds-ratio terms
+    (``roll.preference.METRICS``)].
     """
 
-    report_size = 8
     _METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected")
 
     def __init__(self, vocab_size: int, settings: L.DPOSettings, ref_chunks: list[torch.nn.Module] | None,
                  ref_mode: Callable[[], ContextManager] | None = None) -> None:
+        from roll import preference
+
         self.vocab_size, self.settings, self.ref_chunks, self.ref_mode = vocab_size, settings, ref_chunks, ref_mode
+        self.metric_names = preference.METRICS.get(settings.loss_type, self._METRICS)
+        self.report_size = 2 + len(self.metric_names)
 
     def prepare(self, micro: list[dict], seq_length: int) -> None:
         """Reference log-probs of every micro-batch, attached to it (on the last pipeline stage)."""
@@ -115,4 +119,4 @@ class DPOObjective:
 
     def metrics(self, sums: list[float]) -> dict[str, float]:
         pairs = max(sums[1], 1.0)
-        return {"loss": sums[0] / pairs, **{name: value / pairs for name, value in zip(self._METRICS, sums[2:])}}
+        return {"loss": sums[0] / pairs, **{name: value / pairs for name, value in zip(self.metric_names, sums[2:])}}
