@@ -174,3 +174,19 @@ def test_standard_backend_trains_them_without_a_reference(tiny_model_dir, tmp_pa
     assert record["loss"] == pytest.approx(loss, rel=1e-5)
     assert record["rewards/chosen"] == pytest.approx(chosen_reward, rel=1e-5)
     assert set(preference.METRICS[loss_type]) <= set(record), record
+
+
+@pytest.mark.parametrize("loss_type,loads", [("orpo", 1), ("simpo", 1), ("sigmoid", 2)])
+def test_mca_backend_loads_no_reference_for_them(tiny_model_dir, tmp_path, monkeypatch, loss_type, loads):
+    """McaBackend.load_models converts the policy only (sigmoid: the policy and its reference)."""
+    pytest.importorskip("megatron.core")
+    from backends.mca.backend import McaBackend
+    from backends.mca.models import auto
+    from roll.config.parser import resolve
+
+    loaded = []
+    monkeypatch.setattr(auto.AutoModel, "from_pretrained", lambda path, *args, **kwargs: loaded.append(path) or [])
+    config = resolve({"model_name_or_path": tiny_model_dir, "stage": "dpo", "pref_loss": loss_type,
+                      "use_mca": True, "output_dir": str(tmp_path)}, {}, None)
+    models = McaBackend(config).load_models("dpo", None)
+    assert len(loaded) == loads and (models.ref is None) == (loads == 1), loaded
