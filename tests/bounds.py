@@ -67,6 +67,7 @@ def assert_within(comparisons: list[Comparison]) -> None:
 
 DATE = "2026-11-25"
 SUMS = "the same arithmetic with floating-point sums in another order"
+PREF_DATE = "2026-11-27"
 
 # ---- goldens and the two backends, same layout (1 process), fp32 -------------------------------------------
 GOLDEN = Bound(1e-6, 0.0, DATE,
@@ -81,9 +82,10 @@ BACKEND_DPO = Bound(4e-6, 3.7e-7, DATE, "TRL's DPO vs ours (loss, logps), " + SU
 BACKEND_DPO_REWARDS = Bound(2e-5, 1.9e-6, DATE,
                             "TRL's DPO rewards vs ours, absolute: beta x a difference of two sums of ~60 "
                             "nats of log-probs, each rounded in fp32 (4e-6 apart per ulp)")
-BACKEND_PREF = Bound(1e-5, 1e-6, "TBD", "orpo / simpo (loss, mean log-probs, orpo's NLL and log-odds): the "
-                     "standard backend's forward and AdamW vs Megatron's, " + SUMS)
-BACKEND_PREF_REWARDS = Bound(1e-5, 1e-6, "TBD", "orpo / simpo rewards (beta x a mean log-prob), margins and "
+BACKEND_PREF = Bound(1e-6, 3.6e-8, PREF_DATE, "orpo / simpo (loss, mean log-probs, orpo's NLL and log-odds): the "
+                     "standard backend's forward and AdamW vs Megatron's, " + SUMS + "; below one fp32 rounding of the "
+                     "loss, so the 1e-6 floor")
+BACKEND_PREF_REWARDS = Bound(1e-6, 1.0e-7, PREF_DATE, "orpo / simpo rewards (beta x a mean log-prob), margins and "
                              "log_odds_ratio, absolute")
 BACKEND_BF16 = Bound(3e-3, 2.9e-4, DATE,
                      "bf16 weights and activations (8 mantissa bits, 4e-3 per rounding): HF "
@@ -131,9 +133,9 @@ DPO_LAYOUT = Bound(4e-6, 3.7e-7, DATE,
                    "optimizer: log-probs summed over ~60 tokens per sequence, " + SUMS)
 DPO_LAYOUT_REWARDS = Bound(2e-5, 2.1e-6, DATE,
                            "DPO's rewards across layouts, absolute (see BACKEND_DPO_REWARDS)")
-PREF_LAYOUT = Bound(1e-5, 1e-6, "TBD", "orpo / simpo at TP2 (padded vocabulary), PP2 x VPP2 and CP2 vs TP1 x "
+PREF_LAYOUT = Bound(1e-6, 7.7e-9, PREF_DATE, "orpo / simpo at TP2 (padded vocabulary), PP2 x VPP2 and CP2 vs TP1 x "
                     "DP2 (loss, mean log-probs, orpo's NLL and log-odds), " + SUMS)
-PREF_LAYOUT_REWARDS = Bound(1e-5, 1e-6, "TBD", "orpo / simpo rewards, margins and log_odds_ratio across "
+PREF_LAYOUT_REWARDS = Bound(1e-6, 5.2e-8, PREF_DATE, "orpo / simpo rewards, margins and log_odds_ratio across "
                             "layouts, absolute")
 
 # ---- roll-parity as a user runs it (3 steps) ---------------------------------------------------------------

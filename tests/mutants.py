@@ -27,6 +27,7 @@ LOSS_UNIT = "tests/unit/test_loss.py"
 MCA_MODELS = "tests/unit/test_mca_models.py"
 STD_UNIT = "tests/unit/test_standard_train.py"
 PREF_UNIT = "tests/unit/test_preference.py"
+PREF_DIST = "tests/distributed/test_mca_pref_losses_dist.py"
 PARITY_TP1 = "tests/distributed/test_parity_tool.py::test_tp1_on_one_process_matches_the_standard_backend"
 DECAY_PARITY = ("tests/distributed/test_mca_param_groups.py::"
                 "test_weight_decay_and_an_hf_schedule_match_the_standard_backend")
@@ -282,6 +283,10 @@ MUTANTS: list[Mutant] = [
     Mutant("pref_ftx_dropped_standard", "standard: pref_ftx's SFT term never added to TRL's DPO loss",
            TRAINERS, "extra = self._roll_pref_ftx * sft.mean()", "extra = 0.0 * sft.mean()",
            (f"{SWEEP}::test_case[cp2_dpo_sigmoid_ftx]",)),
+    Mutant("pref_ftx_dropped_reference_free_mca", "mca: pref_ftx ignored with pref_loss orpo and simpo", LOSS,
+           "gamma=settings.simpo_gamma, label_smoothing=settings.label_smoothing, ftx=settings.ftx)",
+           "gamma=settings.simpo_gamma, label_smoothing=settings.label_smoothing, ftx=0.0)",
+           (f"{PREF_DIST}::test_orpo_and_simpo_match_across_backends_and_layouts",)),
     Mutant("moe_aux_padding_counted_mca", "mca: padding tokens counted in the MoE load-balancing loss",
            "backends/mca/trainer/data.py", '"padding_mask": None if padding is None else padding.to(device)}',
            '"padding_mask": None}', (f"{SWEEP}::test_case[moe_default_aux_loss]",)),

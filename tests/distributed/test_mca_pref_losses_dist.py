@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 VARIANTS = {"orpo": {"pref_loss": "orpo"},
             "simpo": {"pref_loss": "simpo", "pref_beta": 2.0, "simpo_gamma": 0.3, "pref_ftx": 0.5}}
 """ORPO at LLaMA-Factory's defaults; SimPO at a beta of the paper's range, with an SFT term."""
-ABSOLUTE = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "log_odds_ratio")
+ABSOLUTE = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "log_odds_ratio",
+            "log_odds_chosen")
 """Metrics compared on the scale of 1 (they start near 0 or cross it); the others relative."""
 LAYOUTS = {"orpo_tp2_padded": ("orpo", {"tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": 384}),
            "simpo_pp2_vpp2": ("simpo", {"pipeline_model_parallel_size": 2,
