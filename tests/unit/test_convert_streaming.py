@@ -142,8 +142,11 @@ def test_bench_times_a_process_with_its_peak_memory_and_cpu():
     from roll.bench import report
     from roll.bench.convert import _row, _timed
 
-    wall, status, out, peak, cpu = _timed([sys.executable, "-c", "x = b'a' * 200_000_000; print(len(x))"], 60)
-    assert status == "ok" and out.strip() == "200000000" and peak > 200e6 and 0 < cpu <= wall * 4
+    child = "import time; x = b'a' * 200_000_000; print(len(x)); time.sleep(0.3)"  # read every 20 ms
+    held = b"b" * 400_000_000  # this process's memory must not floor the child's (wait4's ru_maxrss did)
+    wall, status, out, peak, cpu = _timed([sys.executable, "-c", child], 60)
+    assert status == "ok" and out.strip() == "200000000" and 200e6 < peak < 350e6 and 0 < cpu <= wall * 4
+    del held
     assert _timed([sys.executable, "-c", "raise SystemExit(3)"], 60)[1].startswith("failed (exit 3)")
     rows = [_row("raw read", 10**9, 2.0, "ok", net=1.0, rss=int(1.5e9)), _row("hf2mca", 10**9, 4.0, "ok", net=2.0,
                                                                                  rss=int(2.7e9))]
