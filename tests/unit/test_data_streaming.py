@@ -233,8 +233,14 @@ def test_a_packed_stream_gives_its_first_row_after_the_buffer_and_a_first_block(
 
     monkeypatch.setattr(streaming, "tokenized_rows", counted)
     monkeypatch.setattr(streaming, "FIRST_PACK_BLOCK", 4)
-    rows = build(bpe, length=4, dataset=data, streaming=True, buffer_size=16, packing=True)
+    stream = dict(dataset=data, streaming=True, buffer_size=16, packing=True)
+    rows = build(bpe, length=50, **stream)
     assert rows[0]["seq_lens"] and len(read) == 16 + 4  # the shuffle buffer, then 4 samples (not 16 more)
+    # blocks of 4, 8, 16, 16 samples: ~20 packed rows a pass, so 50 rows cross blocks and passes; a resumed
+    # reader asking first for row k replays to the same row
+    expected = [rows[i] for i in range(50)]
+    for start in (21, 44):
+        assert build(bpe, length=50, **stream)[start] == expected[start]
 
 
 def _processor(tokenizer, args):
