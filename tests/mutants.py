@@ -192,6 +192,10 @@ MUTANTS: list[Mutant] = [
            'if not getattr(dataset, "streamed", False) or local_world_size() < 2:', "if True:",
            (f"{STREAM_UNIT}::test_one_reader_per_node_hands_each_rank_its_rows_and_resumes_exactly",),
            fast=True),
+    Mutant("stream_pack_full_first_block", "streaming, packing: the first packing block is a whole buffer_size "
+           "(step 1 waits for buffer_size more rows tokenized)", "roll/data/streaming.py",
+           "size = min(FIRST_PACK_BLOCK, buffer_size)", "size = buffer_size",
+           (f"{STREAM_UNIT}::test_packing_starts_with_a_small_block_that_doubles_up_to_buffer_size",), fast=True),
     Mutant("interleave_over_stops_early", "mix_strategy interleave_over stops at the first exhausted dataset",
            "roll/data/mixing.py", 'if strategy == "interleave_under":', 'if strategy.startswith("interleave"):',
            (f"{STREAM_UNIT}::test_interleave_strategies_round_robin",), fast=True),
