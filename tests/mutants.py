@@ -97,6 +97,10 @@ MUTANTS: list[Mutant] = [
            "for i in ({self.global_batch_size - 1: self.global_batch_size, self.global_batch_size: "
            "self.global_batch_size - 1}.get(j, j) for j in range(first, first + self.micro_batch_size))])",
            (f"{MCA_UNIT}::test_batch_plan_docstring_example",), fast=True),
+    Mutant("nonfinite_step_applied_mca", "mca: a step with a NaN gradient or loss updates the weights (the skip "
+           "flag computed on the device but not handed to the fused Adam)", "backends/mca/trainer/update.py",
+           "        inner.optimizer.found_inf = found_inf\n", "        inner.optimizer.found_inf = None\n",
+           (f"{MCA_UNIT}::test_a_step_clips_and_skips_on_the_device_as_megatron_does_on_the_host",), fast=True),
     Mutant("moe_aux_coeff_times_tp", "MoE aux-loss coefficient multiplied by the TP size",
            "backends/mca/models/config.py",
            "        kwargs.update(overrides)\n        return _CONFIG_CLASSES[template.config_class](**kwargs)",
@@ -254,10 +258,14 @@ MUTANTS: list[Mutant] = [
            'kwargs["remove_unused_columns"] = False\n    kwargs["max_grad_norm"] = 0.0',
            (PARITY_TP1, DECAY_PARITY)),
     Mutant("export_stale_mca", "mca: the last optimizer step is not in the exported weights",
-           LOOP, "        if not skipped:\n            skipped = not clip_and_step(self.optimizer, grad_norm)",
-           "        if not skipped and self.state.global_step + 1 < self.plan.total_steps(\n"
+           LOOP, "        numbers = self._update(self._local_sums(outputs, batches))\n",
+           "        sums = self._local_sums(outputs, batches)\n"
+           "        if self.state.global_step + 1 < self.plan.total_steps(\n"
            "                self.training.max_steps, self.training.num_train_epochs, len(dataset)):\n"
-           "            skipped = not clip_and_step(self.optimizer, grad_norm)",
+           "            numbers = self._update(sums)\n"
+           "        else:\n"
+           "            dist.all_reduce(sums)\n"
+           "            numbers = torch.cat([sums, sums.new_tensor([0.0, 0.0])])\n",
            (ONE_PROCESS,)),
     Mutant("resume_repeats_batch_mca", "mca: a resumed run repeats the checkpoint's last batch",
            "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
