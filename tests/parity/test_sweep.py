@@ -32,11 +32,7 @@ WORKER = os.path.join(REPO, "tests", "parity", "_worker.py")
 TIMEOUT = 900
 """Per launch (the sweep took 149 s for 67 runs on a busy 2-core machine)."""
 
-XFAIL: dict[str, str] = {
-    "tp2_mixtral_80_aux": "issue 21: at TP2 + SP the MoE losses count a row's last real token when the sequence-"
-                          "parallel padding keeps it in mca's shifted batch, the standard backend does not (one "
-                          "token more in a micro-batch of odd shifted length); losses 5.5e-5, weights 6.2e-2 apart",
-}
+XFAIL: dict[str, str] = {}
 """Case name -> why it fails today (a known parity gap, with its measured size); held strictly."""
 
 
