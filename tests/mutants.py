@@ -291,6 +291,15 @@ MUTANTS: list[Mutant] = [
            "(megatron-core 0.16's per-token scale, unpatched)", "backends/mca/moe_loss_scale.py",
            "config.moe_z_loss_coeff = coeff * size", "config.moe_z_loss_coeff = coeff",
            (f"{SWEEP}::test_case[tp2_mixtral_moe_losses]",)),
+    Mutant("moe_tokens_kept_by_sp_padding_mca", "mca under sequence parallelism: the MoE losses count the longest "
+           "row's last token, which the padding to a multiple of TP keeps in the shifted batch",
+           "roll/data/collators.py", 'batch["attention_mask"][:, longest - 1:] = 0', "pass",
+           ("tests/unit/test_data_collators.py::test_pad_to_max_length_with_shift_gives_max_length_after_shift",
+            f"{SWEEP}::test_case[tp2_mixtral_80_aux]")),
+    Mutant("dpo_moe_aux_loss_added_standard", "standard, stage dpo on an MoE model: TRL's own pooled "
+           "load-balancing loss added at the model config's router_aux_loss_coef (TRL 1.16's default)",
+           "backends/standard/hf_args.py", "router_aux_loss_coef=0.0)", "router_aux_loss_coef=None)",
+           (f"{SWEEP}::test_case[dpo_mixtral]",)),
     Mutant("moe_z_loss_dropped_standard", "standard: moe_z_loss_coeff trains without the router z-loss",
            TRAINERS, '("moe_z_loss", self.moe_z_coeff,', '("moe_z_loss", 0.0,',
            (f"{SWEEP}::test_case[mixtral_moe_losses]",)),

@@ -71,6 +71,11 @@ class MegatronTrainer:
 
         self.training, self.layout, self.pad_token_id = training, layout, pad_token_id
         self.model_config = chunks[0].config
+        if self.model_config.num_moe_experts:  # Megatron's MoE loss tracker is process-wide and sized by the first
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            get_moe_layer_wise_logging_tracker().clear()  # model's layers: a later run of another depth (the
+            # parity sweep trains many in one process) indexed past its end
         self.objective = objective or LanguageModelObjective(self.model_config.vocab_size)
         for model in (chunks, getattr(self.objective, "ref_chunks", None) or []):
             if len(model) > 1:
