@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], object] | None = No
                 "--- the end of its log ---\n" + "\n".join(log_tail(log_path)) + "\n")
             return 1
         err(f"llamafactory_parity: LLaMA-Factory done in {time.monotonic() - start:.1f} s\n")
-        execute(runs, root, err)
+        execute(runs, root, err, tool="llamafactory_parity")
         comparisons = compare_sides(read_llamafactory_log(lf_dir),
                                     {run.backend: read_log(run.output_dir) for run in runs}, options.steps,
                                     options.tolerance, options.first_step_tolerance)
