@@ -63,6 +63,11 @@ ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("llamafactory_log_wrong_step_key", "scripts/llamafactory_parity.py files every LLaMA-Factory loss "
+           "under the run's last step (total_steps read for current_steps)", "roll/parity/llamafactory.py",
+           'losses[int(record["current_steps"])]', 'losses[int(record["total_steps"])]',
+           ("tests/unit/test_llamafactory_parity.py::test_parse_llamafactory_log_keeps_the_losses_by_step",),
+           fast=True),
     Mutant("slurm_tasks_not_mapped", "srun -n 2 roll-train: each task trains alone (SLURM's variables "
            "ignored)",
            "roll/cli.py", "        _adopt_slurm(argv)\n", "",
