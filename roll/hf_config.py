@@ -8,6 +8,9 @@ import os
 from roll.errors import ModelError, RollError
 
 HF_CONFIG_FILE = "config.json"
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""The config.json names families give their routed experts' count (Qwen-MoE, Mixtral, DeepSeek / GLM, others):
+the first one set wins."""
 
 
 def hf_config_path(model_dir: str) -> str:

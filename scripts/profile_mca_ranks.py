@@ -68,7 +68,8 @@ def install(timer: StepTimer) -> None:
 
     mcd.finalize_model_grads = timer.wrap("finalize_model_grads", mcd.finalize_model_grads)
     loop.run_schedule = timer.wrap("schedule (forward+backward+finalize)", loop.run_schedule)
-    loop.step_if_finite = timer.wrap("optimizer step", loop.step_if_finite)
+    loop.clip_and_step_on_device = timer.wrap("optimizer step", loop.clip_and_step_on_device)
+    loop.clip_and_step = timer.wrap("optimizer step", loop.clip_and_step)  # inner optimizers without found_inf
     loop.MegatronTrainer._metrics = timer.wrap("metrics all-reduce", loop.MegatronTrainer._metrics)
     train_step = loop.MegatronTrainer._train_step
 

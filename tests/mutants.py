@@ -66,6 +66,11 @@ ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("llamafactory_log_wrong_step_key", "scripts/llamafactory_parity.py files every LLaMA-Factory loss "
+           "under the run's last step (total_steps read for current_steps)", "roll/parity/llamafactory.py",
+           'losses[int(record["current_steps"])]', 'losses[int(record["total_steps"])]',
+           ("tests/unit/test_llamafactory_parity.py::test_parse_llamafactory_log_keeps_the_losses_by_step",),
+           fast=True),
     Mutant("slurm_tasks_not_mapped", "srun -n 2 roll-train: each task trains alone (SLURM's variables "
            "ignored)",
            "roll/cli.py", "        _adopt_slurm(argv)\n", "",
@@ -100,6 +105,10 @@ MUTANTS: list[Mutant] = [
            "for i in ({self.global_batch_size - 1: self.global_batch_size, self.global_batch_size: "
            "self.global_batch_size - 1}.get(j, j) for j in range(first, first + self.micro_batch_size))])",
            (f"{MCA_UNIT}::test_batch_plan_docstring_example",), fast=True),
+    Mutant("nonfinite_step_applied_mca", "mca: a step with a NaN gradient or loss updates the weights (the skip "
+           "flag computed on the device but not handed to the fused Adam)", "backends/mca/trainer/update.py",
+           "        inner.optimizer.found_inf = found_inf\n", "        inner.optimizer.found_inf = None\n",
+           (f"{MCA_UNIT}::test_a_step_clips_and_skips_on_the_device_as_megatron_does_on_the_host",), fast=True),
     Mutant("moe_aux_coeff_times_tp", "MoE aux-loss coefficient multiplied by the TP size",
            "backends/mca/models/config.py",
            "        kwargs.update(overrides)\n        return _CONFIG_CLASSES[template.config_class](**kwargs)",
@@ -207,6 +216,10 @@ MUTANTS: list[Mutant] = [
            'if not getattr(dataset, "streamed", False) or local_world_size() < 2:', "if True:",
            (f"{STREAM_UNIT}::test_one_reader_per_node_hands_each_rank_its_rows_and_resumes_exactly",),
            fast=True),
+    Mutant("stream_pack_full_first_block", "streaming, packing: the first packing block is a whole buffer_size "
+           "(step 1 waits for buffer_size more rows tokenized)", "roll/data/streaming.py",
+           "size = min(FIRST_PACK_BLOCK, buffer_size)", "size = buffer_size",
+           (f"{STREAM_UNIT}::test_packing_starts_with_a_small_block_that_doubles_up_to_buffer_size",), fast=True),
     Mutant("interleave_over_stops_early", "mix_strategy interleave_over stops at the first exhausted dataset",
            "roll/data/mixing.py", 'if strategy == "interleave_under":', 'if strategy.startswith("interleave"):',
            (f"{STREAM_UNIT}::test_interleave_strategies_round_robin",), fast=True),
@@ -265,10 +278,14 @@ MUTANTS: list[Mutant] = [
            'kwargs["remove_unused_columns"] = False\n    kwargs["max_grad_norm"] = 0.0',
            (PARITY_TP1, DECAY_PARITY)),
     Mutant("export_stale_mca", "mca: the last optimizer step is not in the exported weights",
-           LOOP, "        if not skipped:\n            skipped = not clip_and_step(self.optimizer, grad_norm)",
-           "        if not skipped and self.state.global_step + 1 < self.plan.total_steps(\n"
+           LOOP, "        numbers = self._update(self._local_sums(outputs, batches))\n",
+           "        sums = self._local_sums(outputs, batches)\n"
+           "        if self.state.global_step + 1 < self.plan.total_steps(\n"
            "                self.training.max_steps, self.training.num_train_epochs, len(dataset)):\n"
-           "            skipped = not clip_and_step(self.optimizer, grad_norm)",
+           "            numbers = self._update(sums)\n"
+           "        else:\n"
+           "            dist.all_reduce(sums)\n"
+           "            numbers = torch.cat([sums, sums.new_tensor([0.0, 0.0])])\n",
            (ONE_PROCESS,)),
     Mutant("resume_repeats_batch_mca", "mca: a resumed run repeats the checkpoint's last batch",
            "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
@@ -298,6 +315,15 @@ MUTANTS: list[Mutant] = [
            "(megatron-core 0.16's per-token scale, unpatched)", "backends/mca/moe_loss_scale.py",
            "config.moe_z_loss_coeff = coeff * size", "config.moe_z_loss_coeff = coeff",
            (f"{SWEEP}::test_case[tp2_mixtral_moe_losses]",)),
+    Mutant("moe_tokens_kept_by_sp_padding_mca", "mca under sequence parallelism: the MoE losses count the longest "
+           "row's last token, which the padding to a multiple of TP keeps in the shifted batch",
+           "roll/data/collators.py", 'batch["attention_mask"][:, longest - 1:] = 0', "pass",
+           ("tests/unit/test_data_collators.py::test_pad_to_max_length_with_shift_gives_max_length_after_shift",
+            f"{SWEEP}::test_case[tp2_mixtral_80_aux]")),
+    Mutant("dpo_moe_aux_loss_added_standard", "standard, stage dpo on an MoE model: TRL's own pooled "
+           "load-balancing loss added at the model config's router_aux_loss_coef (TRL 1.16's default)",
+           "backends/standard/hf_args.py", "router_aux_loss_coef=0.0)", "router_aux_loss_coef=None)",
+           (f"{SWEEP}::test_case[dpo_mixtral]",)),
     Mutant("moe_z_loss_dropped_standard", "standard: moe_z_loss_coeff trains without the router z-loss",
            TRAINERS, '("moe_z_loss", self.moe_z_coeff,', '("moe_z_loss", 0.0,',
            (f"{SWEEP}::test_case[mixtral_moe_losses]",)),

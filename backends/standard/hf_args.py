@@ -27,9 +27,13 @@ def build_hf_args(config, deepspeed):
     if finetuning.stage == "dpo":
         from trl import DPOConfig
 
+        # router_aux_loss_coef 0: roll's DPO trains MoE models without the load-balancing loss here
+        # (backends/standard/models.moe_loss_coefficients warns); TRL 1.16 would add HF's pooled one at the
+        # model config's coefficient (Mixtral, Qwen-MoE: 0.001), which the mca backend never computes
         return DPOConfig(**kwargs, beta=finetuning.pref_beta, **_dpo_loss(finetuning),
                          label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
-                         precompute_ref_log_probs=finetuning.reference_free)  # RollDPOTrainer fills zeros
+                         precompute_ref_log_probs=finetuning.reference_free,  # RollDPOTrainer fills zeros
+                         router_aux_loss_coef=0.0)
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)

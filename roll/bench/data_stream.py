@@ -7,7 +7,8 @@ words; about 3.5 KB each), then starts the data side of a streamed pt run in its
 reads them): ``step1_s`` is the whole start as a user waits for it, ``cpu_s`` the worker's CPU seconds (about
 its wall time on an idle core), ``data_s`` the part from ``build_datasets`` to the last row of the first
 batch, ``rows_tokenized`` the ``cutoff_len``-token rows the stream tokenized to get there (the shuffle buffer,
-then one packing block), ``anon_mb`` the peak anonymous memory. A corpus is deleted after its start unless
+then the first packing block), ``fill`` the share of step 1's ``global_batch * cutoff_len`` token slots that
+hold tokens (packing efficiency of the first block), ``anon_mb`` the peak anonymous memory. A corpus is deleted after its start unless
 ``--keep-corpus``.
 
 ``--pack-rows 2000000``: packing (first start) and loading the packed file (warm start) of that many generated
@@ -107,6 +108,7 @@ def run_streams(opts) -> list[dict]:
                 measure = json.load(handle)
             row.update(status="ok", data_s=round(measure["data_s"], 2),
                        rows_tokenized=measure["rows_tokenized"], tokens=measure["tokens"],
+                       fill=round(measure["tokens"] / (opts.global_batch * opts.cutoff_len), 4),
                        cpu_s=round(measure["cpu_s"], 1),
                        anon_mb=round(measure["anon_bytes"] / 2**20))
         if not opts.keep_corpus:
@@ -117,14 +119,14 @@ def run_streams(opts) -> list[dict]:
 
 
 def stream_markdown(results: list[dict]) -> str:
-    lines = ["| corpus MB | documents | to step 1 s | CPU s | data s | rows tokenized | anon MB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| corpus MB | documents | to step 1 s | CPU s | data s | rows tokenized | fill | anon MB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.get("status") != "ok":
-            lines.append(f"| {r['corpus_mb']} | {r['documents']} | {r['status'][:160]} | | | | |")
+            lines.append(f"| {r['corpus_mb']} | {r['documents']} | {r['status'][:160]} | | | | | |")
             continue
         lines.append(f"| {r['corpus_mb']} | {r['documents']} | {r['step1_s']} | {r['cpu_s']} | {r['data_s']} "
-                     f"| {r['rows_tokenized']} | {r['anon_mb']} |")
+                     f"| {r['rows_tokenized']} | {r['fill']} | {r['anon_mb']} |")
     return "\n".join(lines) + "\n"
 
 

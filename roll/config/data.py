@@ -65,7 +65,7 @@ class DataArguments:
     """Read `dataset:` as a stream (tokenized, shuffled and packed as it is read; never all in memory): for corpora larger than memory or disk cache. Needs max_steps; see docs/data.md, 'Streaming'."""
 
     buffer_size: int = 16384
-    """With streaming: rows in the shuffle buffer (a row is drawn at random from it as the next one is read); with packing also the samples packed together in one block."""
+    """With streaming: rows in the shuffle buffer (a row is drawn at random from it as the next one is read); with packing also the most samples packed together in one block (the first block of a pass has 512, each next one twice the last)."""
 
     def __post_init__(self) -> None:
         if self.cutoff_len < 2:

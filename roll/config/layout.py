@@ -14,7 +14,8 @@ class ParallelLayout:
     Megatron-Core's rules: ``world = tp * pp * cp * dp``; the expert layout re-folds the same
     ranks, so ``etp * ep`` must divide ``tp * cp * dp``. ``sequence_parallel`` is the requested
     value with Megatron's rule applied (this is the one place that applies it): forced on with
-    TP>1 and EP>1, off at TP1 (Megatron refuses it there). Build it once per run
+    TP>1 and EP>1 or an MoE model (``moe``: its MoE layers refuse to train under TP>1 without it),
+    off at TP1 (Megatron refuses it there). Build it once per run
     (``MegatronArguments.build_layout``) and pass the object on.
     """
 
@@ -26,6 +27,8 @@ class ParallelLayout:
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
+    moe: bool = False
+    """The model has routed experts (MoE layers)."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep"):
@@ -50,7 +53,8 @@ class ParallelLayout:
                 f"etp({self.expert_tp}) * ep({self.ep}) = {expert} does not divide tp({self.tp}) * cp({self.cp}) * "
                 f"dp({self.dp}) = {self.tp * self.cp * self.dp} (world_size {self.world_size}, pp {self.pp})."
             )
-        object.__setattr__(self, "sequence_parallel", self.tp > 1 and (self.sequence_parallel or self.ep > 1))
+        object.__setattr__(self, "sequence_parallel", self.tp > 1 and (self.sequence_parallel or self.ep > 1
+                                                                          or self.moe))
 
     @staticmethod
     def _field_key(name: str) -> str:

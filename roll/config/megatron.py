@@ -41,7 +41,7 @@ class MegatronArguments:
     """[mca] Tensor parallel size inside each expert (ETP); default: TP."""
 
     sequence_parallel: bool = False
-    """[mca] Shard layer-norm/dropout activations along the sequence over the TP group (forced on with TP>1 and EP>1)."""
+    """[mca] Shard layer-norm/dropout activations along the sequence over the TP group (forced on with TP>1 and EP>1 or an MoE model)."""
 
     use_distributed_optimizer: bool = False
     """[mca] Shard optimizer state across data-parallel ranks (ZeRO-1 style)."""
@@ -147,8 +147,9 @@ class MegatronArguments:
             raise ConfigError("recompute_num_layers only applies with recompute_granularity: full (selective "
                               "recomputes the attention core of every layer).")
 
-    def build_layout(self, world_size: int) -> ParallelLayout:
-        """The run's one ParallelLayout, and ``sequence_parallel`` set to the value the layout requires.
+    def build_layout(self, world_size: int, *, moe: bool = False) -> ParallelLayout:
+        """The run's one ParallelLayout, and ``sequence_parallel`` set to the value the layout requires
+        (``moe``: the model has routed experts).
 
         Every entry point (``RunConfig`` validation, ``roll-convert``) calls this once; the layout
         object is then passed on, so the sequence-parallel rule (see ``ParallelLayout``) is applied
@@ -158,9 +159,10 @@ class MegatronArguments:
             world_size=world_size, tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
             vpp=self.virtual_pipeline_model_parallel_size, cp=self.context_parallel_size,
             ep=self.expert_model_parallel_size, etp=self.expert_tensor_parallel_size,
-            sequence_parallel=self.sequence_parallel)
+            sequence_parallel=self.sequence_parallel, moe=moe)
         if layout.sequence_parallel and not self.sequence_parallel:
-            log_rank0(logger, "sequence_parallel turned on: Megatron-Core requires it with TP>1 and EP>1.")
+            why = "EP>1" if layout.ep > 1 else "an MoE model (its MoE layers refuse to train without it)"
+            log_rank0(logger, f"sequence_parallel turned on: Megatron-Core requires it with TP>1 and {why}.")
         elif self.sequence_parallel and not layout.sequence_parallel:
             warn_once(logger, "sequence_parallel ignored: it only applies with tensor_model_parallel_size > 1.")
         self.sequence_parallel = layout.sequence_parallel

@@ -16,7 +16,7 @@ from roll.config.megatron import MegatronArguments
 from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
 from roll.errors import ConfigError
-from roll.hf_config import has_hf_config, hf_config_path, read_hf_config, text_config
+from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ class RunConfig:
                               f"{wanted}): choose one precision, e.g. dtype: auto with {flag}: true.")
 
     def _validate_mca(self) -> None:
-        self.layout = self.megatron.build_layout(self.training.world_size_from_launch)
+        self.layout = self.megatron.build_layout(self.training.world_size_from_launch,
+                                                 moe=bool(self.model_num_experts()))
         if self.training.deepspeed:
             warn_once(logger, "deepspeed config ignored: the mca backend shards with Megatron-Core "
                               "(use_distributed_optimizer for ZeRO-1 style optimizer sharding).")
@@ -120,6 +121,12 @@ class RunConfig:
         """num_hidden_layers from a local model's config.json, or None when not known yet."""
         return self.model_hf_config().get("num_hidden_layers")
 
+    def model_num_experts(self) -> int | None:
+        """The routed experts of a local model's config.json (each family's name for them), or None: a dense
+        model, or not known yet."""
+        hf = self.model_hf_config()
+        return next((hf[name] for name in EXPERT_COUNT_KEYS if isinstance(hf.get(name), int)), None)
+
     def model_hf_config(self) -> dict:
         """A local model's config.json (its text_config for a multimodal one); {} when not known yet."""
         path = self.model.model_name_or_path
@@ -135,8 +142,7 @@ class RunConfig:
         sizes = [("num_attention_heads", heads, layout.tp, "tensor_model_parallel_size"),
                  ("num_key_value_heads", hf.get("num_key_value_heads") or heads, layout.tp,
                   "tensor_model_parallel_size"),
-                 ("num_experts", hf.get("num_experts") or hf.get("num_local_experts"), layout.ep,
-                  "expert_model_parallel_size")]
+                 ("num_experts", self.model_num_experts(), layout.ep, "expert_model_parallel_size")]
         for name, count, size, key in sizes:
             if isinstance(count, int) and count % size:
                 fits = ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)

@@ -3,7 +3,10 @@
 The backend's PaddingPolicy decides the padded length (longest in batch or ``max_length``, rounded
 up to ``pad_to_multiple_of``), whether labels are shifted for Megatron, and whether rows are packed.
 With ``shift_labels`` the padded length is chosen so that the length *after* the shift obeys the
-policy (one extra position is padded and then dropped by the shift).
+policy (one extra position is padded and then dropped by the shift). When that padding keeps the longest row's
+last token in the shifted batch (a multiple of TP or 2 x CP, ``max_length``), its attention-mask bit is 0: it
+predicts nothing, and the batch then marks the positions an unshifted batch of the longest row's length does but
+its last column, the tokens both backends' MoE losses count (docs/mca-training.md).
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ class SequenceCollator:
             raise ValueError("cannot collate an empty batch")
         if self.policy.packing and self.policy.pad_to_multiple_of > 1:
             features = [pad_segments(f, self.policy.pad_to_multiple_of, self.pad_token_id) for f in features]
-        length = target_length(max(len(f["input_ids"]) for f in features), self.policy)
+        longest = max(len(f["input_ids"]) for f in features)
+        length = target_length(longest, self.policy)
         batch = {
             "input_ids": _pad([f["input_ids"] for f in features], length, self.pad_token_id),
             "labels": _pad([f["labels"] for f in features], length, IGNORE_INDEX),
@@ -142,6 +146,11 @@ class SequenceCollator:
                                            length, 0)
         if self.policy.shift_labels:
             batch = shift_labels(batch)
+            if "attention_mask" in batch and length - 1 > longest - 1:
+                # the columns the unshifted batch of the longest row has (the standard backend's), less its last:
+                # a real token the policy's extra padding keeps in the shifted batch (the longest row's last)
+                # predicts nothing, and the MoE losses must not count it (docs/mca-training.md, which tokens)
+                batch["attention_mask"][:, longest - 1:] = 0
         if self.policy.packing:
             batch["cu_seqlens"] = cu_seqlens_from_positions(batch["position_ids"])
         return batch

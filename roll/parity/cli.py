@@ -324,16 +324,16 @@ class RunFailed(Exception):
         self.run, self.returncode, self.tail = run, returncode, tail
 
 
-def execute(runs: Iterable[Run], root: str, err: Callable[[str], object]) -> None:
+def execute(runs: Iterable[Run], root: str, err: Callable[[str], object], tool: str = "roll-parity") -> None:
     """Train each run in turn (its log in ROOT/BACKEND.log); raises RunFailed for the first that fails."""
     for run in runs:
         log_path = os.path.join(root, f"{run.label}.log")
-        err(f"roll-parity: training {run.label} ... (log: {log_path})\n")
+        err(f"{tool}: training {run.label} ... (log: {log_path})\n")
         start = time.monotonic()
         code = run_training(run, log_path)
         if code != 0:
             raise RunFailed(run, code, log_tail(log_path))
-        err(f"roll-parity: {run.label} done in {time.monotonic() - start:.1f} s\n")
+        err(f"{tool}: {run.label} done in {time.monotonic() - start:.1f} s\n")
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], object] | None = None,

@@ -67,6 +67,9 @@ class Comparison:
     rows: tuple[StepRow, ...]
     tolerance: float
     first_step_tolerance: float
+    names: tuple[str, str] = ("standard", "mca")
+    """What the two columns are (a row's ``standard`` is the first, its ``mca`` the second): roll-parity's two
+    backends, or LLaMA-Factory and a roll backend (roll.parity.llamafactory)."""
 
     @property
     def passed(self) -> bool:
@@ -89,7 +92,7 @@ class Comparison:
         out = []
         for row in self.rows:
             if row.rel_diff is None:
-                missing = [name for name in ("standard", "mca") if getattr(row, name) is None]
+                missing = [name for name, value in zip(self.names, (row.standard, row.mca)) if value is None]
                 out.append(f"step {row.step} missing from the {' and '.join(missing)} log")
             elif not row.ok:
                 out.append(f"step {row.step} rel diff {row.rel_diff:.2e} > {row.tolerance:g}")
@@ -98,9 +101,10 @@ class Comparison:
 
 def compare(standard: dict[int, float], mca: dict[int, float], *, steps: int | None = None,
             tolerance: float = DEFAULT_TOLERANCE, first_step_tolerance: float = DEFAULT_FIRST_STEP_TOLERANCE,
-            ) -> Comparison:
+            names: tuple[str, str] = ("standard", "mca")) -> Comparison:
     """Pair the two logs by step (and expect steps 1..``steps`` when given); the first step is held to
-    ``first_step_tolerance``, every step to ``tolerance``."""
+    ``first_step_tolerance``, every step to ``tolerance``; the relative difference is taken against the first
+    log. ``names``: the two logs' names in the table and the failures."""
     all_steps = sorted(set(standard) | set(mca) | set(range(1, (steps or 0) + 1)))
     rows = []
     for index, step in enumerate(all_steps):
@@ -108,20 +112,23 @@ def compare(standard: dict[int, float], mca: dict[int, float], *, steps: int | N
         limit = min(tolerance, first_step_tolerance) if index == 0 else tolerance
         rel = None if a is None or b is None else relative_difference(a, b)
         rows.append(StepRow(step, a, b, rel, limit))
-    return Comparison(tuple(rows), tolerance, first_step_tolerance)
+    return Comparison(tuple(rows), tolerance, first_step_tolerance, names)
 
 
 def format_table(comparison: Comparison) -> str:
-    """``step | standard loss | mca loss | rel diff``, one row per step, over-tolerance rows marked."""
+    """``step | standard loss | mca loss | rel diff`` (the comparison's names), one row per step,
+    over-tolerance rows marked."""
     def loss(value: float | None) -> str:
         return "-" if value is None else f"{value:.8f}"
 
-    lines = [f"{'step':>4} | {'standard loss':>14} | {'mca loss':>14} | rel diff",
-             f"{'-' * 4}-+-{'-' * 14}-+-{'-' * 14}-+-{'-' * 9}"]
+    first, second = (f"{name} loss" for name in comparison.names)
+    width = max(14, len(first), len(second))
+    lines = [f"{'step':>4} | {first:>{width}} | {second:>{width}} | rel diff",
+             f"{'-' * 4}-+-{'-' * width}-+-{'-' * width}-+-{'-' * 9}"]
     for row in comparison.rows:
         rel = "-" if row.rel_diff is None else f"{row.rel_diff:.2e}"
         mark = "" if row.ok else ("  (missing)" if row.rel_diff is None else f"  (over {row.tolerance:g})")
-        lines.append(f"{row.step:>4} | {loss(row.standard):>14} | {loss(row.mca):>14} | {rel}{mark}")
+        lines.append(f"{row.step:>4} | {loss(row.standard):>{width}} | {loss(row.mca):>{width}} | {rel}{mark}")
     return "\n".join(lines)
 
 

@@ -4,9 +4,10 @@ One process converting at TP1/PP1 holds the whole model once, in the Megatron dt
 (``backends/mca/models/loader.py``, ``export.py``):
 
 - HF -> Megatron (``roll-convert hf2mca``, and ``roll-train --use-mca`` loading HF weights): the HF
-  inputs of the one mapping being converted. A 1:1 rename at the parameter's dtype is read straight into
-  the parameter; a fused q/k/v or gate/up needs its inputs plus the fused result; a dtype change needs
-  one input tensor (the embedding is the largest). The Megatron checkpoint is written from the
+  inputs of the one mapping being converted. A parameter a rank holds whole is filled in place: at the
+  parameter's dtype read straight into it (a 1:1 rename, and at TP1 q/k/v and gate/up into the slices of
+  the fused parameter), at another dtype through one input tensor at a time (the embedding is the
+  largest); under TP a fused q/k/v or gate/up needs its inputs plus the fused result, the bound below. The Megatron checkpoint is written from the
   parameters themselves (PyTorch's FileSystemWriter threads: no staging copy).
 - Megatron -> HF (``roll-convert mca2hf``): PyTorch's reader stages one tensor at a time before copying
   it into the model; the HF file being assembled (at most ``--max-shard-gb``) holds copies of the split

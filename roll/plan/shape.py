@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roll.errors import ModelError
-from roll.hf_config import has_hf_config, hf_config_path, read_hf_config
+from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -30,7 +30,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size", "padded_vocab_size"),
     # MoE: routed experts, how many a token uses, their width (Mixtral, OLMoE, PhiMoE, gpt-oss size them
     # with intermediate_size, which is the fallback), shared experts and which layers have experts
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "num_experts": EXPERT_COUNT_KEYS,
     "experts_per_token": ("num_experts_per_tok", "moe_k", "moe_topk", "experts_per_token", "top_k"),
     "moe_intermediate_size": ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"),
     "shared_experts": ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"),

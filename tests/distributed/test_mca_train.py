@@ -346,8 +346,10 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
     - GAS=2 x MBS=2 logs the standard backend's losses at every step within tests.bounds.BACKEND (measured
       here: 5.3e-8): the loss is normalised per token of the global batch, not per micro-batch;
     - a run resumed from checkpoint-2 logs step 3's loss exactly: no batch skipped or repeated;
-    - each training step reads the device once (loss reports and grad norm together): on a GPU every other
-      read (``.item()``, ``float()``, ``if tensor``) would make the host wait for the device."""
+    - only a step that logs reads the device, once (every step's loss reports, grad norm and skip flag since
+      the previous log together): on a GPU every other read (``.item()``, ``float()``, ``if tensor``) would
+      make the host wait for the device. A run logging every 3rd step reads at step 3 only, and logs the mean
+      of the per-step run's 3 losses."""
     from safetensors.torch import load_file
 
     base = {**SFT, "model_name_or_path": tiny_model_dir, "max_steps": 3, "save_hf_model": True}
@@ -360,6 +362,8 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
                                        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}},
         {"name": "resumed", "overrides": {**no_export, "output_dir": str(tmp_path / "resumed"),
                                           "resume_from_checkpoint": str(full / "checkpoint-2")}},
+        {"name": "log3", "overrides": {**no_export, "output_dir": str(tmp_path / "log3"), "logging_steps": 3},
+         "count_host_reads": True},
     ], nproc=1)
     std = load_file(str(tmp_path / "std" / "model.safetensors"))
     mca = load_file(str(full / "model-00001-of-00001.safetensors"))
@@ -371,3 +375,5 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
     assert_within([Comparison("gas2 vs standard", result["gas2"]["losses"], standard, BACKEND)])
     assert result["resumed"]["losses"] == result["mca"]["losses"][2:], (result["resumed"], result["mca"])
     assert result["mca"]["host_reads"] == [1, 1, 1], result["mca"]["host_reads"]
+    assert result["log3"]["host_reads"] == [0, 0, 1], result["log3"]["host_reads"]
+    assert result["log3"]["losses"] == [sum(result["mca"]["losses"]) / 3], result["log3"]  # the same updates

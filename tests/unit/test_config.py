@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -191,6 +192,19 @@ def test_mca_cross_field_rules(recipe, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"num_layers\(2\) is not divisible by pp\(2\) \* vpp\(2\)"):
         parse_args([recipe(model_name_or_path=tiny_model_dir), "--use-mca", "nproc_per_node=2",
                     "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2"])
+
+
+def test_moe_model_at_tp2_gets_sequence_parallel(recipe, tiny_model_factory, roll_warnings):
+    # Megatron-Core's MoE layer raises at its first training forward under TP>1 without SP (a traceback per
+    # rank): the layout turns SP on for a model with experts, whatever each family calls them, and says why
+    roll_warnings.set_level(logging.INFO, logger="roll")
+    for kind in ("mixtral", "deepseek_v3"):  # num_local_experts, n_routed_experts
+        _, config = parse_args([recipe(model_name_or_path=tiny_model_factory(kind)), "--use-mca",
+                                "nproc_per_node=2", "tensor_model_parallel_size=2"])
+        assert config.megatron.sequence_parallel is True and config.layout.sequence_parallel is True
+    assert "sequence_parallel turned on: Megatron-Core requires it with TP>1 and an MoE model" in roll_warnings.text
+    assert ParallelLayout(world_size=2, tp=2, moe=True).sequence_parallel is True
+    assert ParallelLayout(world_size=2, moe=True).sequence_parallel is False  # TP1: off
 
 
 def test_unreadable_model_config_is_a_model_error(recipe, tmp_path):

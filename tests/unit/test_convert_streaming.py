@@ -2,9 +2,11 @@
 and ``roll-convert`` writes Megatron checkpoints from its own process with a progress bar.
 
 - in-process: the streaming loader on a tiny checkpoint saved in many shards, through a spy on its
-  safetensors reader: every file is read once, in order, tensor by tensor; the HF tensors held at any
-  moment stay below the largest shard (a whole-model read would hold all of them); 1:1 renames land in
-  their parameter directly;
+  safetensors reader: every file is read once, in order, tensor by tensor; at the file's dtype every tensor
+  lands in its parameter directly (1:1 renames whole, q/k/v and gate/up in the slices of the fused
+  parameter), nothing buffered; at another dtype each is converted into place as it arrives, so the HF
+  tensors held at any moment are one tensor, below the largest shard (a whole-model read would hold all
+  of them);
 - one subprocess: ``roll-convert hf2mca`` then ``mca2hf`` with process creation made to fail (Megatron's
   default writer spawns a manager and forks writers), bit-exact round trip, a byte progress bar on stderr.
 """
@@ -25,8 +27,6 @@ from tests.helpers import output_of, run
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.mca
 
-# q/k/v and gate/up are fused into one Megatron tensor: read into a buffer, everything else in place
-_FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 def _sharded_copy(src: str, dst: str, max_shard: str = "60KB") -> str:
@@ -44,7 +44,8 @@ def _weights(model_dir: str) -> dict[str, torch.Tensor]:
     return {name: tensor for f in files for name, tensor in load_file(f).items()}
 
 
-def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["in_place", "buffered"])
+def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp_path, monkeypatch, dtype):
     from backends.mca.models import layout, loader
     from backends.mca.models.config import McaModelConfig
     from backends.mca.models.template import get_template
@@ -54,8 +55,13 @@ def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp
     hf = _weights(model_dir)
     config = McaModelConfig.from_hf(json.loads(open(os.path.join(model_dir, "config.json")).read()))
     expected = {layout.to_impl_name(n, config): t for n, t in get_template("qwen2").hf_to_mca(hf, config).items()}
-    chunk = _fake_chunk({n: tuple(t.shape) for n, t in expected.items()})
-    params = {p.data_ptr() for p in chunk.parameters()}
+    expected = {n: t.to(dtype) for n, t in expected.items()}
+    chunk = _fake_chunk({n: tuple(t.shape) for n, t in expected.items()}).to(dtype)
+    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in chunk.parameters()]
+
+    def inside_a_parameter(tensor) -> bool:
+        return any(begin <= tensor.data_ptr() < end for begin, end in spans)
+
     reads: list[tuple[str, str, bool]] = []  # (file, tensor, read straight into a parameter)
     held = {"now": 0, "peak": 0}
 
@@ -65,13 +71,17 @@ def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp
     class Spy(loader.SafetensorsFile):
         def read(self, name, out=None):
             tensor = super().read(name, out)
-            reads.append((os.path.basename(self.path), name, out is not None and out.data_ptr() in params))
+            reads.append((os.path.basename(self.path), name, out is not None and inside_a_parameter(out)))
             if out is None:  # a buffer the loader holds until its mapping is complete
                 nbytes = tensor.numel() * tensor.element_size()
                 held["now"] += nbytes
                 held["peak"] = max(held["peak"], held["now"])
                 weakref.finalize(tensor, release, nbytes)
             return tensor
+
+        def read_into(self, name, outs):
+            super().read_into(name, outs)
+            reads.append((os.path.basename(self.path), name, all(inside_a_parameter(out) for out in outs)))
 
     monkeypatch.setattr(loader, "SafetensorsFile", Spy)
     coords = {"tp_size": 1, "tp_rank": 0, "etp_size": 1, "etp_rank": 0}
@@ -85,10 +95,14 @@ def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp
     runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
     assert runs == sorted(set(files)) == report.files_read  # each file once, in order, never reopened
     assert sorted(n for _, n, _ in reads) == sorted(hf)  # tensor by tensor, each exactly once
-    assert {n for _, n, direct in reads if not direct} == {n for n in hf if any(p in n for p in _FUSED)}
     largest_shard = max(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
     total = sum(t.numel() * t.element_size() for t in hf.values())
-    assert 0 < held["peak"] <= largest_shard < total / 3, (held, largest_shard, total)
+    if dtype == torch.float32:  # the file's: every byte straight into its place, q/k/v and gate/up included
+        assert all(direct for _, _, direct in reads) and held["peak"] == 0, (reads, held)
+    else:  # converted into place through a buffer of one tensor at a time
+        assert not any(direct for _, _, direct in reads)
+        largest_tensor = max(t.numel() * t.element_size() for t in hf.values())
+        assert 0 < held["peak"] <= largest_tensor < largest_shard < total / 3, (held, largest_shard, total)
     assert held["now"] == 0  # nothing kept after the load
     assert report.bytes_read == total
 
@@ -142,8 +156,11 @@ def test_bench_times_a_process_with_its_peak_memory_and_cpu():
     from roll.bench import report
     from roll.bench.convert import _row, _timed
 
-    wall, status, out, peak, cpu = _timed([sys.executable, "-c", "x = b'a' * 200_000_000; print(len(x))"], 60)
-    assert status == "ok" and out.strip() == "200000000" and peak > 200e6 and 0 < cpu <= wall * 4
+    child = "import time; x = b'a' * 200_000_000; print(len(x)); time.sleep(0.3)"  # read every 20 ms
+    held = b"b" * 400_000_000  # this process's memory must not floor the child's (wait4's ru_maxrss did)
+    wall, status, out, peak, cpu = _timed([sys.executable, "-c", child], 60)
+    assert status == "ok" and out.strip() == "200000000" and 200e6 < peak < 350e6 and 0 < cpu <= wall * 4
+    del held
     assert _timed([sys.executable, "-c", "raise SystemExit(3)"], 60)[1].startswith("failed (exit 3)")
     rows = [_row("raw read", 10**9, 2.0, "ok", net=1.0, rss=int(1.5e9)), _row("hf2mca", 10**9, 4.0, "ok", net=2.0,
                                                                                  rss=int(2.7e9))]

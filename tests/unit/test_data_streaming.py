@@ -12,13 +12,16 @@ import json
 import os
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from roll.config.data import DataArguments
 from roll.config.parser import resolve
 from roll.data import build_datasets
 from roll.data.mixing import interleave, mixed_indices
-from roll.data.streaming import StreamedRows, TrainingStream, set_stream_length, share_stream, shuffled
+from roll.data import streaming
+from roll.data.streaming import (FIRST_PACK_BLOCK, StreamedRows, TrainingStream, pack_block_sizes, packed,
+                                 set_stream_length, share_stream, shuffled)
 from roll.errors import ConfigError
 
 SFT = ("supervised", ("alpaca", "sharegpt"))
@@ -186,6 +189,58 @@ def test_packing_on_the_fly_packs_every_sample_once_per_epoch(bpe, tmp_path):
         starts = [sum(row["seq_lens"][:k]) for k in range(len(row["seq_lens"]))]
         assert [int(row["position_ids"][s]) for s in starts] == [0] * len(starts)
         assert all(int(row["labels"][s]) == -100 for s in starts)
+
+
+def test_packing_starts_with_a_small_block_that_doubles_up_to_buffer_size():
+    """Best-fit decreasing needs its whole block before the first row: the first block of an epoch is
+    FIRST_PACK_BLOCK samples (not buffer_size), each next one twice the last, up to buffer_size."""
+    consumed = []
+
+    def samples(count):
+        for i in range(count):
+            consumed.append(i)
+            n = 20 + (i * 37) % 200  # 20-219 tokens, every value of sample i's tokens is i
+            yield {"input_ids": np.full(n, i, np.int32), "labels": np.full(n, i, np.int32)}
+
+    rows = packed(samples(12_000), 1024, pack_block_sizes(4096), np.random.default_rng(0))
+    first = next(rows)
+    assert FIRST_PACK_BLOCK == 512 and len(consumed) == 512 and max(first["input_ids"]) < 512
+    seen = [(len(consumed), first)] + [(len(consumed), row) for row in rows]
+    # the samples read when each row came out: the block ends 512, +1024, +2048, then +4096 each
+    ends = [512, 1536, 3584, 7680, 11776, 12000]
+    assert sorted({at for at, _ in seen}) == ends
+    ids = []
+    for at, row in seen:
+        starts = np.cumsum([0] + row["seq_lens"][:-1])
+        members = [int(row["input_ids"][s]) for s in starts]
+        block_start = max([0] + [end for end in ends if end < at])
+        assert all(block_start <= m < at for m in members) and len(row["input_ids"]) <= 1024
+        ids += members
+    assert sorted(ids) == list(range(12_000))  # every sample once
+    # a buffer_size below FIRST_PACK_BLOCK: every block is buffer_size, as before
+    assert list(itertools.islice(pack_block_sizes(100), 3)) == [100, 100, 100]
+
+
+def test_a_packed_stream_gives_its_first_row_after_the_buffer_and_a_first_block(bpe, tmp_path, monkeypatch):
+    data = write_rows(tmp_path / "a.jsonl", 0, 40)
+    read = []
+    tokenized_rows = streaming.tokenized_rows
+
+    def counted(*args, **kwargs):
+        for row in tokenized_rows(*args, **kwargs):
+            read.append(row)
+            yield row
+
+    monkeypatch.setattr(streaming, "tokenized_rows", counted)
+    monkeypatch.setattr(streaming, "FIRST_PACK_BLOCK", 4)
+    stream = dict(dataset=data, streaming=True, buffer_size=16, packing=True)
+    rows = build(bpe, length=50, **stream)
+    assert rows[0]["seq_lens"] and len(read) == 16 + 4  # the shuffle buffer, then 4 samples (not 16 more)
+    # blocks of 4, 8, 16, 16 samples: ~20 packed rows a pass, so 50 rows cross blocks and passes; a resumed
+    # reader asking first for row k replays to the same row
+    expected = [rows[i] for i in range(50)]
+    for start in (21, 44):
+        assert build(bpe, length=50, **stream)[start] == expected[start]
 
 
 def _processor(tokenizer, args):

@@ -242,3 +242,104 @@ def test_ddp_config_from_the_recipe_keys(monkeypatch, device, dist_backend, over
     for value in (True, False):
         chosen = optim.ddp_config(MegatronArguments(overlap_grad_reduce=value, grad_reduce_in_fp32=False))
         assert (chosen.overlap_grad_reduce, chosen.grad_reduce_in_fp32) == (value, False)
+
+
+class _Megatron:
+    """The surface of megatron-core's (chained) optimizer the update uses, over one torch AdamW."""
+
+    def __init__(self, base: torch.optim.Optimizer, clip_grad: float) -> None:
+        params = [p for group in base.param_groups for p in group["params"]]
+        self.chained_optimizers = [SimpleNamespace(optimizer=base, config=SimpleNamespace(clip_grad=clip_grad),
+                                                   get_parameters=lambda: params)]
+
+    def step_with_ready_grads(self) -> bool:
+        self.chained_optimizers[0].optimizer.step()
+        return True
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+def test_a_step_clips_and_skips_on_the_device_as_megatron_does_on_the_host(monkeypatch):
+    """``clip_and_step_on_device`` (the mca loop's update with torch's fused Adam) against megatron-core's rule
+    written out by hand (``clip_grad_by_total_norm_fp32``: a Python float coefficient, applied only below 1)
+    and torch's AdamW: the same weights to the bit when it clips and when it does not; a non-finite loss or
+    gradient norm leaves weights, moments and the step count as they were (a later step equals a run that
+    never had the bad one); no tensor is read to the host."""
+    from backends.mca.trainer.update import clip_and_step_on_device, skips_on_device
+
+    torch.manual_seed(0)
+    start = [torch.randn(33, 7), torch.randn(7)]
+
+    def adam(fused):
+        return torch.optim.AdamW([torch.nn.Parameter(p.clone()) for p in start], lr=1e-2, weight_decay=0.1,
+                                 fused=fused)
+
+    def by_hand(base, grads, max_norm):  # megatron-core's host-side clip, then the update
+        square = float(torch.stack([torch.linalg.vector_norm(g) for g in grads]).norm() ** 2)
+        coeff = max_norm / (square ** 0.5 + 1.0e-6)
+        for param, grad in zip(base.param_groups[0]["params"], grads):
+            param.grad = grad.clone()
+            if coeff < 1.0:
+                param.grad.mul_(coeff)
+        base.step()
+
+    def on_device(opt, grads, loss_sum=0.5):
+        for param, grad in zip(opt.chained_optimizers[0].optimizer.param_groups[0]["params"], grads):
+            param.grad = grad.clone()
+        square = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).norm() ** 2).double()
+        return clip_and_step_on_device(opt, torch.tensor(loss_sum, dtype=torch.float64), square)
+
+    reads = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n),
+                                                                                             _o(self, *a, **k))[1])
+    steps = [[torch.randn_like(p) * scale for p in start] for scale in (10.0, 0.01, 3.0)]
+    bad = [[g.clone() for g in steps[0]], [g.clone() for g in steps[0]]]
+    bad[1][1][3] = float("nan")
+    for max_norm in (1.0, 0.0):  # 0: clipping off
+        reference, device = adam(fused=True), _Megatron(adam(fused=True), max_norm)
+        assert skips_on_device(device) and not skips_on_device(_Megatron(adam(fused=False), max_norm))
+        base = device.chained_optimizers[0].optimizer
+        for index, grads in enumerate(steps):
+            if index == 1:  # a non-finite loss, then a NaN gradient: two skipped steps in between
+                before = {k: v.clone() for k, v in base.state[base.param_groups[0]["params"][0]].items()}
+                weights = [p.detach().clone() for p in base.param_groups[0]["params"]]
+                flags = [on_device(device, bad[0], loss_sum=float("inf")), on_device(device, bad[1])]
+                assert [float(f) for f in flags] == [1.0, 1.0]
+                after = base.state[base.param_groups[0]["params"][0]]
+                assert all(torch.equal(before[k], after[k]) for k in before)  # moments and step count
+                assert all(torch.equal(w, p) for w, p in zip(weights, base.param_groups[0]["params"]))
+            reads.clear()
+            flag = on_device(device, grads)
+            assert reads == [], reads
+            by_hand(reference, grads, max_norm if max_norm > 0 else float("inf"))
+            assert float(flag) == 0.0 and not hasattr(base, "found_inf")
+            for got, want in zip(base.param_groups[0]["params"], reference.param_groups[0]["params"]):
+                assert torch.equal(got, want), (max_norm, index, (got - want).abs().max())
+
+
+def test_a_step_the_fp16_grad_scaler_rejects_is_skipped_counted_and_logs_no_norm(monkeypatch):
+    """fp16's grad scaler found inf/nan (megatron-core's ``prepare_grads`` returns True; fp16 itself needs a
+    GPU, so its verdict is given here): the loop makes no update, and once its numbers are read the step is
+    skipped and counted, its loss logged, no grad norm (none was computed)."""
+    from backends.mca.trainer import loop
+    from backends.mca.trainer.step import LanguageModelObjective
+    from backends.mca.trainer.update import PendingStep
+    from roll.reliability import SkipCounter
+
+    monkeypatch.setattr(loop.dist, "all_reduce", lambda tensor, *args, **kwargs: None)  # one rank
+    calls = []
+    optimizer = SimpleNamespace(prepare_grads=lambda: True, step_with_ready_grads=lambda: calls.append("step"))
+    sums = torch.tensor([5.0, 2.0, 2.0], dtype=torch.float64)  # loss sum, tokens of the loss, real tokens
+    numbers = loop.MegatronTrainer._update(SimpleNamespace(optimizer=optimizer, device=torch.device("cpu")), sums)
+    assert calls == []  # no update
+    trainer = SimpleNamespace(_pending=[PendingStep(1, 1e-3, numbers)], _train_dataset=[0] * 4, _window=[],
+                              objective=LanguageModelObjective(10), state=SimpleNamespace(skipped_steps=0),
+                              _speed=SimpleNamespace(add=lambda tokens, rows: None), _rows_in_step=lambda s, n: 2,
+                              skips=SkipCounter(0), plan=SimpleNamespace(step_samples=lambda s, n: [0, 1]))
+    loop.MegatronTrainer._settle(trainer)
+    (stats,) = trainer._window
+    assert stats.skipped and stats.grad_norm is None and stats.loss == 2.5 and stats.real_tokens == 2
+    assert trainer.state.skipped_steps == 1 and trainer.skips.total == 1 and trainer._pending == []

@@ -4,15 +4,19 @@ Each rank works out which canonical Megatron tensors its chunks hold (PP/VPP lay
 which HF tensors those need, and which safetensors files hold them; it then reads only those
 tensors, file by file and tensor by tensor (``safetensors_io``: positioned reads, no memory map),
 converting a Megatron tensor as soon as all its HF inputs have arrived and dropping the inputs right
-after; a 1:1 rename is read straight into its parameter. Peak memory is this rank's own weights plus the
-inputs of the few mappings still incomplete (at most a layer's q/k/v or gate/up, or the embedding when
-it is padded or split), never the whole model twice and never a whole file.
+after. A parameter this rank holds whole is filled in place, input by input: a 1:1 rename is the parameter,
+q/k/v and gate/up fill slices of the fused parameter (``Mapping.slots``); at the file's dtype the bytes are
+read straight there (no buffer, no copy), at another one each input is converted into place as it arrives.
+Peak memory is this rank's own weights plus the inputs of the few mappings still incomplete (under TP at
+most a layer's q/k/v or gate/up, or the embedding when it is padded or split), never the whole model twice
+and never a whole file.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -23,7 +27,7 @@ import torch
 
 from backends.mca.models import layout, sharding
 from backends.mca.models.gpt import canonical_tensors, rank_coordinates
-from backends.mca.models.mapping import Mapping, Rename
+from backends.mca.models.mapping import Mapping
 from backends.mca.models.safetensors_io import SafetensorsFile
 from backends.mca.models.template import Template, get_template
 from roll.errors import ModelError
@@ -162,8 +166,8 @@ def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement] |
 
 def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, weight_map: dict[str, str],
             report: LoadReport, coords: dict[str, int]) -> None:
-    """Read the needed tensors file by file (sorted), each straight into its parameter when it is a plain
-    rename at the parameter's dtype and shape, else into a buffer held only until its mapping is complete."""
+    """Read the needed tensors file by file (sorted), each into its place in its parameter when
+    ``_whole_slots`` finds one, else into a buffer held only until its mapping is complete."""
     tp, etp = (coords["tp_size"], coords["tp_rank"]), (coords["etp_size"], coords["etp_rank"])
     waiting: dict[str, set[str]] = defaultdict(set)  # HF name -> canonical names still needing it
     for canonical, target in targets.items():
@@ -172,10 +176,13 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
     by_file: dict[str, list[str]] = defaultdict(list)
     for hf_name in waiting:
         by_file[weight_map[hf_name]].append(hf_name)
-    total = 0
+    total, info = 0, {}
     for file in by_file:
         with SafetensorsFile(os.path.join(hf_dir, file)) as fh:
             total += sum(fh.nbytes(name) for name in by_file[file])
+            info.update((name, fh.info(name)) for name in by_file[file])
+    slots = _whole_slots(targets, waiting, info, config, (tp, etp))
+    unread = {canonical: len(targets[canonical].hf_names) for canonical, _ in slots.values()}
     buffer: dict[str, torch.Tensor] = {}
     start = time.perf_counter()
     with byte_progress(total, "read HF weights") as bar:
@@ -183,16 +190,20 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
             report.files_read.append(file)
             with SafetensorsFile(os.path.join(hf_dir, file)) as fh:
                 for hf_name in sorted(by_file[file]):
-                    direct = _direct_param(hf_name, waiting, targets, fh, config, (tp, etp))
-                    tensor = fh.read(hf_name, out=direct)
                     report.tensors_read += 1
                     report.bytes_read += fh.nbytes(hf_name)
                     bar.update(fh.nbytes(hf_name))
-                    if direct is not None:  # already in place: the one parameter that needed it
-                        canonical = waiting.pop(hf_name).pop()
-                        report.params_loaded += len(targets[canonical].params)
+                    if hf_name in slots:  # into its place: the one parameter that needs it
+                        canonical, views = slots[hf_name]
+                        if info[hf_name][0] == views[0].dtype:
+                            fh.read_into(hf_name, views)
+                        else:  # converted into place from a buffer of this one tensor
+                            _copy_into(fh.read(hf_name), views)
+                        del waiting[hf_name]
+                        unread[canonical] -= 1
+                        report.params_loaded += 0 if unread[canonical] else len(targets[canonical].params)
                         continue
-                    buffer[hf_name] = tensor
+                    buffer[hf_name] = fh.read(hf_name)
                     _fill_ready(hf_name, waiting, targets, buffer, config, tp, etp, report)
     assert not buffer, f"HF tensors read but never consumed: {sorted(buffer)}"
     elapsed = time.perf_counter() - start
@@ -200,20 +211,37 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
               len(report.files_read), elapsed, report.bytes_read / 1e9 / max(elapsed, 1e-9))
 
 
-def _direct_param(hf_name: str, waiting: dict[str, set[str]], targets: dict[str, _Target], fh: SafetensorsFile,
-                  config: McaModelConfig, sizes: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor | None:
-    """The parameter ``hf_name`` can be read into as is: its only consumer is a 1:1 rename into one
-    parameter that this rank holds whole (no TP split, no vocab padding), at the file's dtype and shape."""
-    if len(waiting[hf_name]) != 1:
-        return None
-    canonical = next(iter(waiting[hf_name]))
-    target = targets[canonical]
-    if not isinstance(target.convert, Rename) or len(target.params) != 1:
-        return None
-    if sharding.tp_size_rank(canonical, *sizes)[0] != 1 and sharding.tp_kind(canonical, config) != "replicated":
-        return None
-    param = target.params[0].data
-    return param if fh.fits(hf_name, param) else None  # a padded vocab or another dtype goes through _fill
+def _whole_slots(targets: dict[str, _Target], waiting: dict[str, set[str]],
+                 info: dict[str, tuple[torch.dtype, list[int]]], config: McaModelConfig,
+                 sizes: tuple[tuple[int, int], tuple[int, int]]) -> dict[str, tuple[str, list[torch.Tensor]]]:
+    """HF name -> (its parameter's canonical name, the views of the parameter its elements fill), for every
+    parameter filled input by input: one parameter that this rank holds whole (no TP split, no vocab
+    padding), whose HF inputs feed nothing else and fill it exactly (``Mapping.slots``). A padded vocab, a
+    TP shard or a tensor shared by two parameters (tied embeddings) goes through ``_fill``."""
+    out = {}
+    for canonical, target in targets.items():
+        if len(target.params) != 1 or any(waiting[name] != {canonical} for name in target.hf_names):
+            continue
+        if sharding.tp_size_rank(canonical, *sizes)[0] != 1 and sharding.tp_kind(canonical, config) != "replicated":
+            continue
+        param = target.params[0].data
+        views = target.convert.slots(param, config) if param.device.type == "cpu" and param.is_contiguous() else None
+        if views is None:
+            continue
+        fits = all(math.prod(info[name][1]) == sum(v.numel() for v in slot)
+                   for name, slot in zip(target.hf_names, views))
+        if fits and sum(v.numel() for slot in views for v in slot) == param.numel():
+            out.update((name, (canonical, slot)) for name, slot in zip(target.hf_names, views))
+    return out
+
+
+def _copy_into(tensor: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """``tensor``'s elements, in order, into ``views`` (converting the dtype), as ``read_into`` does from a file."""
+    flat, at = tensor.reshape(-1), 0
+    with torch.no_grad():
+        for view in views:
+            view.copy_(flat[at:at + view.numel()].view(view.shape))
+            at += view.numel()
 
 
 def _fill_ready(hf_name: str, waiting: dict[str, set[str]], targets: dict[str, _Target],

@@ -44,6 +44,13 @@ class Mapping:
     def to_hf(self, tensor: torch.Tensor, config: McaModelConfig) -> list[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} must implement to_hf")
 
+    def slots(self, out: torch.Tensor, config: McaModelConfig) -> list[list[torch.Tensor]] | None:
+        """Where each HF tensor's elements go inside ``out`` (the whole Megatron tensor): for each HF input,
+        in ``hf`` order, contiguous views of ``out`` that its elements fill in their own order, so a loader
+        can read the file's bytes straight into the parameter (what ``to_mca`` would have put there, without
+        its copy). None: only through ``to_mca``."""
+        return None
+
 
 class Rename(Mapping):
     """1:1, same tensor (embeddings, norms, o_proj, down_proj, router)."""
@@ -56,6 +63,9 @@ class Rename(Mapping):
 
     def to_hf(self, tensor, config):
         return [tensor]
+
+    def slots(self, out, config):
+        return [[out]]
 
 
 class QKV(Mapping):
@@ -82,6 +92,12 @@ class QKV(Mapping):
                            v.reshape(groups, head_dim, *rest)], dim=1)  # [ng, (nh/ng + 2) * d, ...]
         return fused.reshape(-1, *rest)
 
+    def slots(self, out, config):
+        groups, q_per_group, head_dim = self._dims(config)
+        fused = out.view(groups, (q_per_group + 2) * head_dim, *out.shape[1:])  # [ng, (nh/ng + 2) * d, ...]
+        bounds = (0, q_per_group * head_dim, (q_per_group + 1) * head_dim, (q_per_group + 2) * head_dim)
+        return [[fused[g, begin:end] for g in range(groups)] for begin, end in zip(bounds, bounds[1:])]
+
     def to_hf(self, tensor, config):
         groups, q_per_group, head_dim = self._dims(config)
         rest = tensor.shape[1:]
@@ -98,6 +114,9 @@ class GateUp(Mapping):
 
     def to_mca(self, tensors, config):
         return torch.cat(tensors, dim=0)
+
+    def slots(self, out, config):
+        return [[half] for half in out.chunk(2, dim=0)]
 
     def to_hf(self, tensor, config):
         gate, up = tensor.chunk(2, dim=0)

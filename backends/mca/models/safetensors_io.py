@@ -4,8 +4,9 @@
 conversion copies every byte twice (page cache -> mapped tensor -> parameter) and the mapped pages of
 the whole file count in the process's resident memory until it is closed. Here the header is parsed
 once and each tensor's bytes are read with ``os.preadv`` into its destination: the parameter itself
-when no conversion is needed (a 1:1 rename at the parameter's dtype and shape), else a buffer of that
-one tensor. Nothing else of the file is ever resident in this process.
+when no conversion is needed (a 1:1 rename at the parameter's dtype and shape), or the parameter's slices
+a fused tensor's inputs fill (q/k/v, gate/up: ``read_into``), else a buffer of that one tensor. Nothing
+else of the file is ever resident in this process.
 
 The format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N, N bytes
 of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the
@@ -27,6 +28,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _MAX_HEADER = 100 * 1024**2  # the format's own limit
+_IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
 class SafetensorsFile:
@@ -77,6 +79,11 @@ class SafetensorsFile:
         begin, end = self._entries[name]["data_offsets"]
         return end - begin
 
+    def info(self, name: str) -> tuple[torch.dtype, list[int]]:
+        """(dtype, shape) of the tensor ``name``."""
+        entry = self._entries[name]
+        return entry["torch_dtype"], entry["shape"]
+
     def fits(self, name: str, out: torch.Tensor) -> bool:
         """Whether ``read(name, out)`` can fill ``out`` in place (same dtype and shape, contiguous, CPU)."""
         entry = self._entries[name]
@@ -89,15 +96,29 @@ class SafetensorsFile:
         if out is None:
             out = torch.empty(entry["shape"], dtype=entry["torch_dtype"])
         assert self.fits(name, out), f"{name}: {out.dtype}{tuple(out.shape)} cannot hold {entry}"
-        begin, end = entry["data_offsets"]
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")
-        done = 0
-        while done < end - begin:  # one read returns at most ~2 GiB on Linux
-            got = os.preadv(self._fd, [view[done:]], self._base + begin + done)
+        self._read_bytes(name, [out])
+        return out
+
+    def read_into(self, name: str, outs: list[torch.Tensor]) -> None:
+        """The tensor ``name``'s elements, in order, into the contiguous CPU tensors ``outs`` of its dtype (one
+        after the other: e.g. each query group's rows of a fused q/k/v parameter), in one positioned read."""
+        dtype, numel = self._entries[name]["torch_dtype"], sum(out.numel() for out in outs)
+        assert all(out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype for out in outs) and \
+            numel * dtype.itemsize == self.nbytes(name), f"{name}: {self._entries[name]} does not fill {len(outs)} slots"
+        self._read_bytes(name, outs)
+
+    def _read_bytes(self, name: str, outs: list[torch.Tensor]) -> None:
+        views = [memoryview(out.view(torch.uint8).reshape(-1).numpy()) for out in outs if out.numel()]
+        position = self._base + self._entries[name]["data_offsets"][0]
+        while views:  # a read stops at ~2 GiB on Linux, and takes at most IOV_MAX buffers
+            got = os.preadv(self._fd, views[:_IOV_MAX], position)
             if got <= 0:
                 raise ModelError(f"{self.path}: file ended inside tensor {name!r} (truncated?).")
-            done += got
-        return out
+            position += got
+            while views and got >= len(views[0]):
+                got -= len(views.pop(0))
+            if got:
+                views[0] = views[0][got:]
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -5,7 +5,10 @@ Megatron's schedule (``step.run_schedule``) with the objective's loss function (
 model or DPO); ``finalize_model_grads`` reduces the gradients and divides them by the global batch's
 count (tokens or pairs); the optimizer steps with the learning rate of the schedule. A step whose loss
 or gradient norm is not finite is skipped (no update) and counted (``roll.reliability``: too many in a row stop
-the run). After every step all ranks agree whether one got SIGTERM / SIGINT; if so they save and stop.
+the run). A step's numbers stay on the device (``update.PendingStep``) until the loop logs, saves or stops:
+then all pending steps are read at once (``_settle``), so with torch's fused Adam the steps between two logs
+never wait for the device. After every step all ranks agree whether one got SIGTERM / SIGINT; if so they save
+and stop.
 With an eval set, ``eval_strategy`` / ``eval_steps`` / ``eval_delay`` / ``eval_on_start`` evaluate when HF
 Trainer would (after the step's log, before its save), each record in train_log.jsonl at the same step.
 """
@@ -23,10 +26,12 @@ from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length
 from backends.mca.trainer.metrics import MetricsWriter, speed_meter
-from backends.mca.trainer.optim import (LRSchedule, build_optimizer, clip_and_step, grad_norm_squared,
-                                        install_hooks, schedule_for, sync_params, wrap_ddp)
+from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_for, sync_params, wrap_ddp
 from backends.mca.trainer.param_groups import apply_weight_decay
 from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjective, run_schedule
+from backends.mca.trainer.update import (SCALER_SKIPPED, SKIPPED, PendingStep, clip_and_step,
+                                         clip_and_step_on_device, grad_norm_squared, moe_losses, read_pending,
+                                         skips_on_device)
 from roll import reliability
 from roll.contract import TrainResult
 from roll.errors import Preempted
@@ -39,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
-    """One step's numbers, summed over the ranks that own them (see ``_step_numbers``)."""
+    """One step's numbers on the host, summed over the ranks that own them (``_settle``)."""
 
     loss: float
     metrics: dict[str, float]
@@ -66,6 +71,11 @@ class MegatronTrainer:
 
         self.training, self.layout, self.pad_token_id = training, layout, pad_token_id
         self.model_config = chunks[0].config
+        if self.model_config.num_moe_experts:  # Megatron's MoE loss tracker is process-wide and sized by the first
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            get_moe_layer_wise_logging_tracker().clear()  # model's layers: a later run of another depth (the
+            # parity sweep trains many in one process) indexed past its end
         self.objective = objective or LanguageModelObjective(self.model_config.vocab_size)
         for model in (chunks, getattr(self.objective, "ref_chunks", None) or []):
             if len(model) > 1:
@@ -95,6 +105,10 @@ class MegatronTrainer:
                                                 lora=getattr(chunks[0], "lora_spec", None) is not None)
         self._background = checkpointing.AsyncSaves() if training.save_async else None
         """``save_async``: the pending checkpoint write, polled after every step."""
+        self._pending: list[PendingStep] = []
+        """Steps whose numbers are still on the device (``_settle`` reads them)."""
+        self._window: list[StepStats] = []
+        """The steps since the last training record, on the host."""
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -113,7 +127,6 @@ class MegatronTrainer:
         writer = MetricsWriter(t.output_dir, total, initial_step=self.state.global_step, fresh=resume_from is None,
                                report_to=t.report_to)
         self._speed = SpeedWindow(speed_meter(self.model_config, t, self.device, dist.get_world_size()))
-        window: list[StepStats] = []
         try:
             for chunk in self.chunks:
                 chunk.train()
@@ -122,26 +135,22 @@ class MegatronTrainer:
             while self.state.global_step < total:
                 reliability.set_activity(f"training step {self.state.global_step + 1}")
                 self._speed.begin(self.state.global_step)
-                stats = self._train_step(dataset, collator, schedule)
-                self._speed.add(stats.real_tokens, self._rows_in_step(self.state.global_step - 1,
-                                                                      len(dataset)))
-                self.skips.record(stats.skipped, self.state.global_step,
-                                  self.plan.step_samples(self.state.global_step - 1, len(dataset)))
-                window.append(stats)
+                self._pending.append(self._train_step(dataset, collator, schedule))
                 writer.step_done()
                 if self._background is not None:
                     self._background.poll()  # publishes the pending checkpoint once every rank wrote it
                 step = self.state.global_step
                 if step % every(t.logging_steps, total) == 0 or step == total:
-                    writer.log(step, self._log_record(window, len(dataset)))
-                    window = []
+                    self._settle()
+                    writer.log(step, self._log_record(len(dataset)))
                 action = reliability.STOP.poll()
                 if action is reliability.Action.STOP:
-                    self._stop_on_signal(window, writer, len(dataset))
+                    self._stop_on_signal(writer, len(dataset))
                 if eval_dataset is not None and self._should_evaluate(step, total, len(dataset)):
                     self.evaluate(eval_dataset, collator, writer)
                 if action is reliability.Action.SAVE or self._should_save(step, total, len(dataset)):
                     self._save()  # the early warning (slurm_signal) saves now and trains on
+            self._settle()  # nothing left: the last step logs
             self._finish_saves()
         finally:
             writer.close()
@@ -154,6 +163,7 @@ class MegatronTrainer:
                            metrics={"skipped_steps": self.state.skipped_steps})
 
     def _save(self) -> str:
+        self._settle()  # the checkpoint keeps the skipped-step count
         reliability.set_activity(f"saving checkpoint-{self.state.global_step}")
         sync_params(self.chunks)
         return checkpointing.save(self.training.output_dir, self.chunks, self.optimizer, self.state,
@@ -168,19 +178,19 @@ class MegatronTrainer:
             reliability.set_activity("finishing the checkpoint written in the background")
             self._background.wait()
 
-    def _stop_on_signal(self, window: list[StepStats], writer: MetricsWriter, num_samples: int) -> None:
+    def _stop_on_signal(self, writer: MetricsWriter, num_samples: int) -> None:
         """Log the steps since the last log, save (``save_on_preemption``), raise ``Preempted``."""
         step = self.state.global_step
-        if window:
-            writer.log(step, self._log_record(window, num_samples))
-            window.clear()
+        self._settle()
+        if self._window:
+            writer.log(step, self._log_record(num_samples))
         where = "no checkpoint written (save_on_preemption is false)"
         if self.training.save_on_preemption:
             where = f"checkpoint written to {self._save()}; resume_from_checkpoint: true continues from it"
         self._finish_saves()
         raise Preempted(f"stopped by {reliability.STOP.name} after step {step}: {where}.")
 
-    def _train_step(self, dataset, collator, schedule: LRSchedule) -> StepStats:
+    def _train_step(self, dataset, collator, schedule: LRSchedule) -> PendingStep:
         indices = self.plan.micro_batch_indices(self.state.global_step, len(dataset))
         batches = collate_step(dataset, collator, indices, self.pad_token_id)
         for chunk in self.chunks:
@@ -188,23 +198,47 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         lr = schedule.apply(self.optimizer, self.state.global_step)
         outputs = self._forward_backward(batches, forward_only=False)
-        metrics, real, grad_norm = self._step_numbers(outputs, batches)
-        loss = metrics.pop("loss")
+        numbers = self._update(self._local_sums(outputs, batches))
         moe = moe_losses(self.model_config, len(batches))
-        # All-reduced, so every rank decides alike: a non-finite loss or grad norm, or fp16's grad scaler
-        # found inf/nan (no norm), skips the update.
-        skipped = grad_norm is None or not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not math.isfinite(loss):
-            grad_norm = None  # not logged: the loss already says the step is lost
-        if not skipped:
-            skipped = not clip_and_step(self.optimizer, grad_norm)
-        if skipped:
-            self.state.skipped_steps += 1
         self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
         self.state.global_step += 1
         # Logged as HF Trainer (transformers 5) logs it: the rate this step's update used, read before its
         # scheduler steps (Trainer._inner_training_loop, "get learning rate before update").
-        return StepStats(loss, metrics, real, grad_norm, lr, skipped, moe)
+        return PendingStep(self.state.global_step, lr, numbers, moe)
+
+    def _update(self, sums: torch.Tensor) -> torch.Tensor:
+        """All-reduce this rank's report sums (collective), then clip and update unless the loss sum or the grad
+        norm is not finite (all-reduced, so every rank decides alike), or fp16's grad scaler found inf/nan;
+        ``PendingStep.numbers``."""
+        dist.all_reduce(sums)
+        if self.optimizer.prepare_grads():  # fp16 only: the grad scaler reads its own inf check
+            return torch.cat([sums, sums.new_tensor([math.nan, SCALER_SKIPPED])])
+        square = grad_norm_squared(self.optimizer, self.device).to(sums)
+        if skips_on_device(self.optimizer):
+            skipped = clip_and_step_on_device(self.optimizer, sums[0], square)
+            return torch.cat([sums, square, skipped.reshape(1).to(sums)])
+        loss_sum, norm_square = torch.cat([sums[:1], square]).tolist()  # the step's host read
+        stepped = (math.isfinite(loss_sum) and math.isfinite(norm_square)
+                   and clip_and_step(self.optimizer, norm_square ** 0.5))
+        return torch.cat([sums, square, sums.new_tensor([0.0 if stepped else SKIPPED])])
+
+    def _settle(self) -> None:
+        """Read the pending steps' numbers (one host read, no collective) into ``_window``: the speed window's
+        tokens, the skipped-step count, ``max_consecutive_skipped_steps`` (``Diverged`` names the step that
+        reached it; the steps run since then made no checkpoint and no record)."""
+        pending, self._pending = self._pending, []
+        num_samples, size = len(self._train_dataset), self.objective.report_size
+        for entry, (values, moe) in zip(pending, read_pending(pending)):
+            metrics = self.objective.metrics(values[:size])
+            loss, skipped, square = metrics.pop("loss"), values[size + 2], values[size + 1]
+            # Not logged: fp16's scaler computed none; a non-finite loss already says the step is lost.
+            grad_norm = None if skipped == SCALER_SKIPPED or not math.isfinite(loss) else square ** 0.5
+            if skipped:
+                self.state.skipped_steps += 1
+            real = int(values[size])
+            self._speed.add(real, self._rows_in_step(entry.step - 1, num_samples))
+            self.skips.record(bool(skipped), entry.step, self.plan.step_samples(entry.step - 1, num_samples))
+            self._window.append(StepStats(loss, metrics, real, grad_norm, entry.learning_rate, bool(skipped), moe))
 
     # ---- forward / backward ---------------------------------------------------------------------
 
@@ -223,21 +257,6 @@ class MegatronTrainer:
         micro = next(data_iterator)  # every virtual stage reads the same micro-batch dicts: never mutate them
         output = model(**{key: value for key, value in micro.items() if key not in ("labels", "ref_logps")})
         return output, self.objective.loss_func(micro["labels"], micro)
-
-    def _step_numbers(self, outputs: list[dict], batches: list[dict]) -> tuple[dict[str, float], int,
-                                                                                float | None]:
-        """(the objective's metrics over the global batch, real tokens, the global grad norm; None when fp16's
-        grad scaler found inf/nan): one all-reduce of the reports, and the step's one host read, of the
-        reports and the squared norm together (collective)."""
-        sums = self._local_sums(outputs, batches)
-        dist.all_reduce(sums)
-        found_inf = self.optimizer.prepare_grads()  # fp16 only: the grad scaler reads its own inf check
-        if not found_inf:
-            sums = torch.cat([sums, grad_norm_squared(self.optimizer, self.device).to(sums)])
-        values = sums.tolist()
-        size = self.objective.report_size
-        grad_norm = None if found_inf else values[size + 1] ** 0.5
-        return self.objective.metrics(values[:size]), int(values[size]), grad_norm
 
     def _local_sums(self, outputs: list[dict], batches: list[dict]) -> torch.Tensor:
         """This rank's share of the loss reports (summed over micro-batches) and of the real tokens."""
@@ -298,7 +317,9 @@ class MegatronTrainer:
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 
-    def _log_record(self, window: list[StepStats], num_samples: int) -> dict[str, float]:
+    def _log_record(self, num_samples: int) -> dict[str, float]:
+        """The training record of ``_window`` (settled), which starts anew."""
+        window, self._window = self._window, []
         done = [s for s in window if not s.skipped] or window
         record = {"loss": sum(s.loss for s in done) / len(done)}
         for name in done[-1].metrics:
@@ -358,31 +379,3 @@ def _strategy(value) -> str:
 def every(steps: float, total: int) -> int:
     """An HF ``*_steps`` interval: a step count, or below 1 a ratio of the run (at least 1 step)."""
     return max(1, int(steps) if steps >= 1 else math.ceil(total * steps))
-
-
-def moe_losses(config, num_microbatches: int) -> dict[str, float]:
-    """The MoE losses of the last step as Megatron tracks them (before their coefficients), each averaged over
-    MoE layers, micro-batches and ranks: ``moe_aux_loss`` (load balancing, reduced by Megatron's own rule)
-    and ``moe_z_loss`` (router z-loss, which Megatron tracks per rank: summed here over every rank, then
-    divided by the ranks that hold the same layers); {} for dense models and losses that are off.
-    Collective."""
-    if not config.num_moe_experts:
-        return {}
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker, reduce_aux_losses_tracker_across_ranks)
-
-    tracker = get_moe_layer_wise_logging_tracker()
-    freq = config.moe_layer_freq
-    moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, config.num_layers, freq))
-    out = {}
-    if "load_balancing_loss" in tracker:  # moe_aux_loss_coeff 0: nothing computed
-        reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
-        values = tracker["load_balancing_loss"]["values"]
-        out["moe_aux_loss"] = values.sum().item() / (moe_layers * num_microbatches)
-    if "z_loss" in tracker:
-        values = tracker["z_loss"]["values"]
-        dist.all_reduce(values)
-        ranks_per_layer = dist.get_world_size() // config.pipeline_model_parallel_size
-        out["moe_z_loss"] = values.sum().item() / (moe_layers * num_microbatches * ranks_per_layer)
-    clear_aux_losses_tracker()
-    return out

@@ -9,7 +9,8 @@ launch), or, when it gives ``"args"``, from a roll-train command line (e.g. a re
 process group is kept (it is this worker's). Rank 0 writes {name: {"losses": [...], "grad_norms":
 [...], "log": [...], "stream_rows_read": [rows each rank read from a streamed training set itself, or
 null]}} to RESULT.json; a run with ``"count_host_reads": true`` also gets "host_reads": the
-tensor-to-host reads (``item``, ``tolist``, ``float()``, ``bool()``, ...) of each training step. Starting the interpreter and importing Megatron once for all
+tensor-to-host reads (``item``, ``tolist``, ``float()``, ``bool()``, ...) of each training step, its update
+and the reading of its numbers (``_settle``, at a log, save or stop after it) counted together. Starting the interpreter and importing Megatron once for all
 runs keeps a layout matrix affordable on 2 cores.
 """
 
@@ -30,8 +31,9 @@ HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "nump
 
 @contextlib.contextmanager
 def counting_host_reads(enabled: bool):
-    """Count ``HOST_READS`` calls inside each ``MegatronTrainer._train_step`` (one count per step; a read
-    nested in another, e.g. through the CPU platform's torch-function mode, counts once)."""
+    """Count ``HOST_READS`` calls inside each ``MegatronTrainer._train_step`` and in the ``_settle`` calls
+    after it (one count per step; a read nested in another, e.g. through the CPU platform's torch-function
+    mode, counts once)."""
     import torch
 
     from backends.mca.trainer.loop import MegatronTrainer
@@ -42,7 +44,7 @@ def counting_host_reads(enabled: bool):
         return
     state = {"step": False, "inside": False}
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-    original_step = MegatronTrainer._train_step
+    original_step, original_settle = MegatronTrainer._train_step, MegatronTrainer._settle
 
     def counted(name):
         def read(self, *args, **kwargs):
@@ -63,15 +65,22 @@ def counting_host_reads(enabled: bool):
         finally:
             state["step"] = False
 
+    def settle(self, *args, **kwargs):
+        state["step"] = bool(counts)
+        try:
+            return original_settle(self, *args, **kwargs)
+        finally:
+            state["step"] = False
+
     for name in HOST_READS:
         setattr(torch.Tensor, name, counted(name))
-    MegatronTrainer._train_step = train_step
+    MegatronTrainer._train_step, MegatronTrainer._settle = train_step, settle
     try:
         yield counts
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)
-        MegatronTrainer._train_step = original_step
+        MegatronTrainer._train_step, MegatronTrainer._settle = original_step, original_settle
 
 
 @contextlib.contextmanager
