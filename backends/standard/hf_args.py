@@ -30,6 +30,13 @@ def build_hf_args(config, deepspeed):
         return DPOConfig(**kwargs, beta=finetuning.pref_beta, **_dpo_loss(finetuning),
                          label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
                          precompute_ref_log_probs=finetuning.ref_free)  # RollDPOTrainer fills zeros
+    if finetuning.stage == "kto":
+        from trl import KTOConfig
+
+        # roll's trainer samples in the pipeline's order anyway (RollTrainerMixin); TRL refuses another strategy.
+        kwargs["train_sampling_strategy"] = "sequential"
+        return KTOConfig(**kwargs, beta=finetuning.pref_beta, desirable_weight=finetuning.kto_desirable_weight,
+                         undesirable_weight=finetuning.kto_undesirable_weight, max_length=config.data.cutoff_len)
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)
