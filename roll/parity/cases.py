@@ -41,6 +41,7 @@ BASES = {
     "sft": {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json", **_COMMON},
     "pt": {"stage": "pt", "dataset": "recipes/demo/data/arithmetic_pt.jsonl", **_COMMON},
     "dpo": {"stage": "dpo", "dataset": "recipes/demo/data/arithmetic_dpo.json", "pref_beta": 0.1, **_COMMON},
+    "kto": {"stage": "kto", "dataset": "recipes/demo/data/arithmetic_kto.json", "pref_beta": 0.1, **_COMMON},
 }
 """Recipe bases: 8 samples a step (4 x 2 micro-batches at data-parallel size 1)."""
 
@@ -256,6 +257,17 @@ CASES = (
     Case("pp2_vpp2_lora_qv", "sft", _lora(lora_rank=4, lora_alpha=16, lora_target="q_proj,v_proj"),
          layout="pp2_vpp2", model="qwen2_4l",
          measured=M(7.2e-8, 1.3e-7, None, 1.1e-6)),
+    # KTO (5 steps, the metrics too: tests/parity test_kto_metrics_on_both_backends_and_every_layout): one model
+    # for the three layouts, so that one standard run is their reference; weights and LoRA (the reference: the
+    # policy with its adapters off on mca, TRL's frozen copy of the fresh adapter on the standard backend)
+    Case("kto", "kto", {}, model="qwen2_4l", steps=5,
+         measured=None),
+    Case("tp2_kto", "kto", {}, layout="tp2", model="qwen2_4l", steps=5,
+         measured=None),
+    Case("pp2_vpp2_kto", "kto", {}, layout="pp2_vpp2", model="qwen2_4l", steps=5,
+         measured=None),
+    Case("kto_weights_lora", "kto", _lora(kto_desirable_weight=0.8, kto_undesirable_weight=1.25, pref_beta=0.5),
+         steps=5, measured=None),
 )
 
 

@@ -112,9 +112,11 @@ class Sweep:
         return out
 
 
+KTO_CASES = ("kto", "tp2_kto", "pp2_vpp2_kto", "kto_weights_lora")
 NEEDS = {"test_pref_ftx_adds_the_chosen_responses_nll_on_both_backends": ("cp2_dpo_sigmoid_ftx",),
          "test_the_moe_case_trains_with_the_balancing_loss": ("moe_default_aux_loss",),
-         "test_moe_losses_logged_alike_and_ep2_equals_ep1": ("mixtral_moe_losses", "ep2_mixtral_moe_losses")}
+         "test_moe_losses_logged_alike_and_ep2_equals_ep1": ("mixtral_moe_losses", "ep2_mixtral_moe_losses"),
+         "test_kto_metrics_on_both_backends_and_every_layout": KTO_CASES}
 """The cases each of the other tests reads."""
 
 
@@ -199,3 +201,54 @@ def test_moe_losses_logged_alike_and_ep2_equals_ep1(sweep):
     # over 513 tokens, ln 513 = 6.24, where the MoE terms would add 0.1 x 2 layers x ~1 + 0.01 x 2 x ~1.9
     for name in ("standard", "mca"):
         assert abs(logs[name][1]["loss"] - math.log(513)) < 0.05, (name, logs[name][1])
+
+
+def _first_step_rows(dataset: str, rows: int) -> list[bool]:
+    """The kto_tag of the first ``rows`` training rows: the pipeline shuffles the file once with seed 0 (a
+    permutation of the row count only: datasets draws it from numpy's generator)."""
+    import datasets
+
+    with open(os.path.join(REPO, dataset), encoding="utf-8") as fh:
+        tags = [row["kto_tag"] for row in json.load(fh)]
+    return datasets.Dataset.from_dict({"kto_tag": tags}).shuffle(seed=0)["kto_tag"][:rows]
+
+
+def test_kto_metrics_on_both_backends_and_every_layout(sweep):
+    """stage kto (issue 22). Step 1 has a closed form: the policy is the reference, so every reward and the
+    reference point are 0 and a row's loss is its weight / 2 (0.5 with both weights 1). Every logged metric
+    (loss, kl, rewards/*, logps/*) of the standard backend and mca at every step within BACKEND_KTO, also with
+    class weights and LoRA (reference: the policy without its adapters); TP2 and PP2 x VPP2 within KTO_LAYOUT
+    of TP1. Only the loss is what parity alone would see: a reward or a reference point computed wrongly on
+    one backend fails here."""
+    from roll.kto import METRICS
+    from tests.bounds import BACKEND_KTO, KTO_LAYOUT
+
+    logs = {}
+    for name in KTO_CASES:
+        (pair, *_), = sweep.pairs[name]
+        logs[name] = {backend: _records(getattr(pair, backend).output_dir) for backend in ("standard", "mca")}
+    tags = _first_step_rows("recipes/demo/data/arithmetic_kto.json", 8)
+    weighted = sum(0.8 if tag else 1.25 for tag in tags) / (2 * len(tags))
+    for name, loss in (("kto", 0.5), ("kto_weights_lora", weighted)):
+        for backend, log in logs[name].items():
+            step1 = log[1]
+            assert step1["loss"] == pytest.approx(loss, abs=1e-7) and step1["kl"] == 0.0, (name, backend, step1)
+            assert all(step1[key] == 0.0 for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"))
+    for name in KTO_CASES:  # the metrics move: later steps are not the closed form
+        assert logs[name]["mca"][5]["kl"] > 0 and logs[name]["mca"][5]["rewards/margins"] != 0, name
+
+    def gaps(log: dict, reference: dict) -> float:
+        assert sorted(log) == sorted(reference) == [1, 2, 3, 4, 5]
+        worst = 0.0
+        for step, record in reference.items():
+            keys = {"loss", *METRICS} & set(record)
+            assert keys == {"loss", *METRICS} & set(log[step]) and len(keys) == 7, (step, record)
+            worst = max([worst, *(abs(log[step][k] - record[k]) / max(1.0, abs(record[k])) for k in keys)])
+        return worst
+
+    for name in KTO_CASES:
+        gap = gaps(logs[name]["mca"], logs[name]["standard"])
+        assert gap <= BACKEND_KTO.rel, (name, gap)
+    for name in ("tp2_kto", "pp2_vpp2_kto"):
+        gap = gaps(logs[name]["mca"], logs["kto"]["mca"])
+        assert gap <= KTO_LAYOUT.rel, (name, gap)
