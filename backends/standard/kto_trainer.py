@@ -57,7 +57,7 @@ def make_kto_trainer_class():
             return dataset  # roll.data tokenized it already; TRL's prompt/completion path does not apply
 
         @contextlib.contextmanager
-        def _reference(self):
+        def _roll_reference(self):
             """The reference model, frozen: ``ref_model``, or under LoRA the policy through TRL's ``ref`` adapter
             (the adapters off when there is none)."""
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
@@ -76,24 +76,24 @@ def make_kto_trainer_class():
             with torch.no_grad():
                 kl_logps, kl_tokens = sequence_log_probs(model, *mismatched)
             logps, tokens = sequence_log_probs(model, *main)
-            with self._reference() as reference:
+            with self._roll_reference() as reference:
                 ref_logps, _ = sequence_log_probs(reference, *main)
                 ref_kl_logps, _ = sequence_log_probs(reference, *mismatched)
             group = torch.distributed.group.WORLD if self.args.world_size > 1 else None
             z = roll_kto.kl_reference_points(kl_logps[None], ref_kl_logps[None], (kl_tokens > 0)[None], group)[0]
             valid = tokens > 0
             losses, report = roll_kto.kto_losses(logps, ref_logps, inputs["kto_tags"], valid, z, self.roll_kto)
-            self._record(report)
+            self._roll_record(report)
             loss = (losses.sum() / valid.sum().clamp(min=1)).float()
             return (loss, None) if return_outputs else loss
 
-        def _record(self, report: torch.Tensor) -> None:
+        def _roll_record(self, report: torch.Tensor) -> None:
             mode = "train" if self.model.training else "eval"
             step = self.state.global_step if mode == "train" else 0  # every micro-batch of a step sees its number
             reports = self._roll_reports[mode]
             reports[step] = report if step not in reports else reports[step] + report
 
-        def _metrics(self, mode: str) -> dict[str, float]:
+        def _roll_metrics(self, mode: str) -> dict[str, float]:
             """roll.kto's metrics of each recorded step, summed over ranks, averaged over the steps (a metric over
             the steps that have it); collective."""
             reports, self._roll_reports[mode] = self._roll_reports[mode], {}
@@ -109,7 +109,7 @@ def make_kto_trainer_class():
 
         def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
             if "loss" in logs and self.model.training:
-                logs.update({k: v for k, v in self._metrics("train").items() if k != "loss"})  # HF's loss stays
+                logs.update({k: v for k, v in self._roll_metrics("train").items() if k != "loss"})  # HF's loss stays
             super().log(logs, start_time)
 
         def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
@@ -117,7 +117,7 @@ def make_kto_trainer_class():
             self._roll_reports["eval"] = {}
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
-            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in self._metrics("eval").items()})
+            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in self._roll_metrics("eval").items()})
             return output
 
         def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
