@@ -257,3 +257,29 @@ def test_llamafactory_weight_spellings_are_the_same_keys(tmp_path):
     assert (ft.kto_desirable_weight, ft.kto_undesirable_weight) == (1.5, 0.5)
     assert ft.kto_chosen_weight is None and ft.kto_rejected_weight is None
     assert os.path.basename(config.data.dataset) == "x.json"
+
+
+def test_dry_run_shows_the_class_counts_a_row_and_its_mismatched_row(tiny_model_dir, tmp_path, monkeypatch):
+    """--dry-run for stage kto (in-process: roll.router.run with dry_run): the desirable / undesirable counts,
+    the collated [2B, L] batch with kto_tags, the first row with its label and trained reply marked, and its
+    mismatched row: its own prompt, the second row's reply."""
+    import datasets
+
+    from roll import router
+    from roll.config import parse_args
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    _, config = parse_args(["recipes/demo/tiny_kto.yaml", f"model_name_or_path={tiny_model_dir}",
+                            f"output_dir={tmp_path / 'out'}"])
+    text = []
+    router.run(config, dry_run=True, out=text.append)
+    text = "".join(text)
+    with open("recipes/demo/data/arithmetic_kto.json", encoding="utf-8") as fh:
+        desirable = sum(row["kto_tag"] for row in json.load(fh))
+    assert f"kto_tag: {desirable} desirable (true), {64 - desirable} undesirable (false)" in text, text
+    assert "input_ids [4, " in text and "kto_tags [2]" in text, text
+    first, mismatched = text.split("--- first training row (kto_tag: ")[1].split("--- its mismatched row")
+    question = first.split("What is ")[1].split("?")[0]
+    reply = first.split("[TRAIN>")[1].split("<TRAIN]")[0]
+    assert first.startswith(("false, undesirable", "true, desirable")) and reply.startswith(question.split()[0])
+    assert f"What is {question}?" in mismatched and f"[TRAIN>{reply}<TRAIN]" not in mismatched
