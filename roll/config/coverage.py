@@ -176,7 +176,7 @@ ROWS: tuple[Row, ...] = (
     _row("context_parallel_size", standard=MEGATRON_ONLY, mca=Honoured(
         "tests/distributed/test_mca_platform_dist.py::test_local_attention_packed_and_context_parallel")),
     _row("moe_aux_loss_coeff moe_aux_loss_coef", standard=Honoured(
-        MOE_AUX, "pt and sft; stage dpo trains without it, with one warning (docs/mca-training.md)",
+        MOE_AUX, "pt and sft; stages dpo and kto train without it, with one warning (docs/mca-training.md)",
         parity="moe_default_aux_loss"), mca=Honoured(MOE_AUX, parity="moe_default_aux_loss")),
     _row("moe_z_loss_coeff", both=Honoured(MOE_Z, parity="mixtral_moe_losses")),
     _row("moe_expert_capacity_factor", both=Refused(
