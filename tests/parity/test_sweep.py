@@ -267,5 +267,6 @@ def test_kto_metrics_on_both_backends_and_every_layout(sweep):
     for name in KTO_CASES:
         for backend, log in logs[name].items():  # both classes in every step of this data: every metric logged
             assert sorted(log) == [1, 2, 3, 4, 5] and all({"loss", *METRICS} <= set(r) for r in log.values())
-        assert logs[name]["mca"][5]["kl"] > 0 and logs[name]["mca"][5]["rewards/margins"] != 0, name  # it moved
+        moved = logs[name]["mca"]  # past step 1 the reference point and the rewards move
+        assert max(r["kl"] for r in moved.values()) > 0.1 and moved[5]["rewards/margins"] != 0, (name, moved)
     assert_within(kto_comparisons(logs))
