@@ -129,7 +129,7 @@ DPO_LAYOUT_REWARDS = Bound(2e-5, 2.1e-6, DATE,
                            "DPO's rewards across layouts, absolute (see BACKEND_DPO_REWARDS)")
 KTO_DATE = "2026-11-27"
 BACKEND_KTO = Bound(2e-6, 1.5e-7, KTO_DATE, "KTO, standard vs mca (loss, logps; 5 steps of the parity cases kto, "
-                    "tp2_kto, pp2_vpp2_kto, kto_weights_lora): " + SUMS)
+                    "tp2_kto, pp2_vpp2_kto, kto_weights_lora_eval): " + SUMS)
 BACKEND_KTO_REWARDS = Bound(1.5e-5, 1.3e-6, KTO_DATE,
                             "KTO's kl and rewards, standard vs mca, absolute: beta x differences of log-prob sums "
                             "of ~60 nats (see BACKEND_DPO_REWARDS); kl up to 3.5")

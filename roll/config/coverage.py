@@ -161,7 +161,7 @@ ROWS: tuple[Row, ...] = (
     _row("kto_desirable_weight kto_undesirable_weight kto_chosen_weight kto_rejected_weight", both=Honoured(
         "tests/unit/test_kto.py::test_standard_kto_equals_trls_own_kto_loss_on_one_batch",
         "stage kto; kto_chosen/rejected_weight: LLaMA-Factory's spelling of the same keys",
-        parity="kto_weights_lora")),
+        parity="kto_weights_lora_eval")),
     _row("pref_ftx", both=Honoured(
         "tests/unit/test_loss.py::test_pref_ftx_adds_each_chosen_responses_mean_token_nll",
         parity="cp2_dpo_sigmoid_ftx")),
