@@ -39,7 +39,7 @@ DEMO_MODEL_DIR = ".demo/tiny-qwen2"
 """Where the demo recipes expect the tiny model (``python scripts/make_tiny_model.py --out`` it)."""
 
 DEMO_SFT_OUTPUT = "outputs/demo/tiny_sft/standard"
-"""The tiny sft model ``make demo`` trains on the standard backend (tiny_dpo starts from it)."""
+"""The tiny sft model ``make demo`` trains on the standard backend (tiny_dpo and tiny_kto start from it)."""
 
 
 def check_model_paths(config) -> None:
@@ -49,7 +49,7 @@ def check_model_paths(config) -> None:
     check_model_exists(model.model_name_or_path, "model_name_or_path")
     if model.tokenizer_name_or_path:
         check_model_exists(model.tokenizer_name_or_path, "tokenizer_name_or_path")
-    if finetuning.stage == "dpo" and finetuning.ref_model:
+    if finetuning.stage in ("dpo", "kto") and finetuning.ref_model:
         check_model_exists(finetuning.ref_model, "ref_model")
 
 
@@ -127,9 +127,9 @@ def check_tokenizer_files(model) -> None:
 
 
 def check_reference_vocab(config) -> None:
-    """DPO compares the policy's and the reference's log-probabilities of the same token ids."""
+    """DPO and KTO compare the policy's and the reference's log-probabilities of the same token ids."""
     ref = config.finetuning.ref_model
-    if config.finetuning.stage != "dpo" or not ref or config.finetuning.ref_free:
+    if config.finetuning.stage not in ("dpo", "kto") or not ref or config.finetuning.ref_free:
         return
     policy = config.model.model_name_or_path
     sizes = []
@@ -139,7 +139,7 @@ def check_reference_vocab(config) -> None:
         sizes.append(text_config(read_hf_config(path)).get("vocab_size"))
     if None not in sizes and sizes[0] != sizes[1]:
         raise ConfigError(f"ref_model={ref!r} has vocab_size {sizes[1]}, model_name_or_path={policy!r} has "
-                          f"{sizes[0]}: DPO compares both models' probabilities of the same token ids, so "
+                          f"{sizes[0]}: {config.finetuning.stage.upper()} compares both models' probabilities of the same token ids, so "
                           "the reference must share the policy's vocabulary. Set ref_model to the model the "
                           "policy starts from (or leave it unset: a frozen copy of the policy).")
 

@@ -46,7 +46,7 @@ def check_before_training(config, *, launching: bool) -> None:
                     use_mca=training.use_mca)
     if model.tokenizer_name_or_path:
         check_model_exists(model.tokenizer_name_or_path, "tokenizer_name_or_path")
-    if config.finetuning.stage == "dpo" and config.finetuning.ref_model:
+    if config.finetuning.stage in ("dpo", "kto") and config.finetuning.ref_model:
         check_model_dir(config.finetuning.ref_model, trust_remote_code=model.trust_remote_code,
                         use_mca=training.use_mca, key="ref_model")
     check_reference_vocab(config)
@@ -118,12 +118,12 @@ def check_machine(training) -> None:
 # ---- chat template ------------------------------------------------------------------------------
 
 def check_chat_template(config) -> None:
-    """sft and dpo lay conversations out with a chat template: the tokenizer's own, or ``template:``.
+    """sft, dpo and kto lay conversations out with a chat template: the tokenizer's own, or ``template:``.
 
     The library (``roll.data.load_tokenizer``) falls back to roll's 'default' template with a warning;
     roll-train refuses instead, since a model trained on a template it will not be prompted with is wasted.
     """
-    if config.finetuning.stage not in ("sft", "dpo") or config.data.template is not None:
+    if config.finetuning.stage not in ("sft", "dpo", "kto") or config.data.template is not None:
         return
     path = config.model.tokenizer_name_or_path or config.model.model_name_or_path
     if not path or not os.path.isdir(path):
@@ -156,7 +156,7 @@ def check_pickles(config) -> None:
     training = config.training
     resume = resolve_resume(training.resume_from_checkpoint, training.output_dir)
     folders = [config.model.model_name_or_path, resume]
-    if config.finetuning.stage == "dpo":
+    if config.finetuning.stage in ("dpo", "kto"):
         folders.append(config.finetuning.ref_model)
     for folder in filter(None, folders):
         unpickle.check_folder(folder)

@@ -27,6 +27,23 @@ def main() -> None:
             json.dump(rows, fh, indent=1)
     with open(os.path.join(OUT, "arithmetic_pt.jsonl"), "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(row) + "\n" for row in text)
+    with open(os.path.join(OUT, "arithmetic_kto.json"), "w", encoding="utf-8") as fh:
+        json.dump(kto_rows(pairs[:64]), fh, indent=1)
+
+
+def kto_rows(pairs: list[tuple[int, int]]) -> list[dict]:
+    """stage kto's rows (LLaMA-Factory's kto_tag format, sharegpt messages): each question once, answered right
+    (kto_tag true) or wrong (false), about 5 right to 3 wrong (its own generator: the other files stay as
+    they are)."""
+    rng = random.Random(1)
+    rows = []
+    for a, b in pairs:
+        right = rng.random() < 0.6
+        answer = a + b if right else a + b + rng.randint(1, 5)
+        rows.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                                  {"role": "assistant", "content": f"{a} plus {b} equals {answer}."}],
+                     "kto_tag": right})
+    return rows
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ test_parity_tool.py) on CPU in fp32 and builds the same comparisons; for every b
 relative gap over every step of every comparison held to it, where that gap is, and the bound's ratio to it.
 It exits 1 when a gap comes within 3x of its bound (a flaky test) or a bound is more than 100x a gap (a bound
 that a bug hides under); a bit-identical comparison counts as one fp32 rounding (1e-7) there. Cases:
-goldens, backend, layouts, resume, eval, packed, lora, dpo, pref_losses, parity_tool, param_groups, conversion, export
-(all by default; ~15 min on 2 idle cores).
+goldens, backend, layouts, resume, eval, packed, lora, dpo, pref_losses, kto, parity_tool, param_groups,
+conversion, export (all by default; ~15 min on 2 idle cores).
 Write a new measurement into tests/bounds.py with its date.
 """
 
@@ -122,6 +122,13 @@ def case_pref_losses(make, root: Path) -> list[Comparison]:
     from tests.distributed.test_mca_pref_losses_dist import pref_comparisons, pref_runs
 
     return pref_comparisons(*pref_runs(make, root))
+
+
+def case_kto(make, root: Path) -> list[Comparison]:
+    from roll.parity.cases import get_case
+    from tests.parity.test_sweep import KTO_CASES, Sweep, kto_comparisons, kto_logs
+
+    return kto_comparisons(kto_logs(Sweep(make, root, [get_case(name) for name in KTO_CASES])))
 
 
 def case_parity_tool(make, root: Path) -> list[Comparison]:

@@ -137,6 +137,15 @@ PREF_LAYOUT = Bound(1e-6, 7.7e-9, PREF_DATE, "orpo / simpo at TP2 (padded vocabu
                     "DP2 (loss, mean log-probs, orpo's NLL and log-odds), " + SUMS)
 PREF_LAYOUT_REWARDS = Bound(1e-6, 5.2e-8, PREF_DATE, "orpo / simpo rewards, margins and log_odds_ratio across "
                             "layouts, absolute")
+KTO_DATE = "2026-11-27"
+BACKEND_KTO = Bound(2e-6, 1.5e-7, KTO_DATE, "KTO, standard vs mca (loss, logps; 5 steps of the parity cases kto, "
+                    "tp2_kto, pp2_vpp2_kto, kto_weights_lora_eval): " + SUMS)
+BACKEND_KTO_REWARDS = Bound(1.5e-5, 1.3e-6, KTO_DATE,
+                            "KTO's kl and rewards, standard vs mca, absolute: beta x differences of log-prob sums "
+                            "of ~60 nats (see BACKEND_DPO_REWARDS); kl up to 3.5")
+KTO_LAYOUT = Bound(1e-6, 3.8e-8, KTO_DATE, "KTO (loss, logps) at TP2 and PP2 x VPP2 vs TP1 (mca): " + SUMS)
+KTO_LAYOUT_REWARDS = Bound(1.5e-5, 1.4e-6, KTO_DATE, "KTO's kl and rewards at TP2 and PP2 x VPP2 vs TP1, absolute "
+                           "(see BACKEND_KTO_REWARDS)")
 
 # ---- roll-parity as a user runs it (3 steps) ---------------------------------------------------------------
 PARITY_TOOL_TP1 = Bound(1e-6, 4.1e-8, DATE, "the backend gap through roll-parity's logs")

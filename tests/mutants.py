@@ -22,6 +22,7 @@ TRAINERS = "backends/standard/trainers.py"
 PREFERENCE = "roll/preference.py"
 
 MCA_UNIT = "tests/unit/test_mca_trainer.py"
+KTO_UNIT = "tests/unit/test_kto.py"
 GLM_UNIT = "tests/unit/test_mca_glm4_moe.py"
 LOSS_UNIT = "tests/unit/test_loss.py"
 MCA_MODELS = "tests/unit/test_mca_models.py"
@@ -238,7 +239,23 @@ MUTANTS: list[Mutant] = [
            "writer finished (a kill then leaves an incomplete latest checkpoint)", "roll/background_save.py",
            "if any_rank(not pending.done.is_set()):", "if False:",
            (f"{BACKGROUND}::test_published_only_after_the_writer_finished_and_older_ones_rotated",), fast=True),
+    Mutant("kto_mismatched_row_is_its_own", "kto: a row's mismatched row keeps its own completion (the KL "
+           "reference point then equals the row's own reward: TRL#1911)", "roll/data/feedback.py",
+           "prompt, completion = spans[i][0], spans[real[k - 1]][1]", "prompt, completion = spans[i]",
+           (f"{KTO_UNIT}::test_feedback_collator_docstring_example",), fast=True),
+    Mutant("kto_reference_point_not_clamped", "kto: a negative KL estimate used as the reference point",
+           "roll/kto.py", "return (stats[0] / stats[1].clamp(min=1)).clamp(min=0)",
+           "return stats[0] / stats[1].clamp(min=1)",
+           (f"{KTO_UNIT}::test_kto_loss_reference_point_and_metrics_by_hand",), fast=True),
+    Mutant("kto_weights_swapped_standard", "standard: kto_desirable_weight weighs the undesirable rows",
+           "backends/standard/kto_trainer.py", "desirable_weight=self.args.desirable_weight,",
+           "desirable_weight=self.args.undesirable_weight,",
+           (f"{KTO_UNIT}::test_standard_kto_equals_trls_own_kto_loss_on_one_batch",)),
     # ---- one or two torchrun / roll-parity launches --------------------------------------------------
+    Mutant("kto_reference_point_dropped_mca", "mca: the KTO loss measured against 0, not the KL reference point",
+           "backends/mca/trainer/kto.py", 'batch["kto_kl"] = reference[index]["logps"][:rows], z[index]',
+           'batch["kto_kl"] = reference[index]["logps"][:rows], z[index] * 0',
+           (f"{SWEEP}::test_case[kto]",)),
     Mutant("stream_resume_restarts_standard", "standard, streaming: a resumed run reads the stream from its start",
            HF_ARGS, 'kwargs["remove_unused_columns"] = False',
            'kwargs["remove_unused_columns"] = False\n    kwargs["ignore_data_skip"] = True',

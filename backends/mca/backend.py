@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @register_backend("mca")
 class McaBackend(Backend):
-    supported_stages = frozenset({"pt", "sft", "dpo"})
+    supported_stages = frozenset({"pt", "sft", "dpo", "kto"})
     supported_finetuning_types = frozenset({"full", "lora"})
 
     def __init__(self, config) -> None:
@@ -75,7 +75,7 @@ class McaBackend(Backend):
         policy = AutoModel.from_pretrained(model_args.model_name_or_path, self.config.megatron, **precision)
         ref = None
         # LoRA without ref_model: the reference is the policy with its adapters disabled (no second model).
-        if stage == "dpo" and not ft.reference_free and (ft.ref_model or ft.finetuning_type != "lora"):
+        if stage in ("dpo", "kto") and not ft.reference_free and (ft.ref_model or ft.finetuning_type != "lora"):
             ref = AutoModel.from_pretrained(ft.ref_model or model_args.model_name_or_path, self.config.megatron,
                                             **precision)
             for chunk in ref:
@@ -114,6 +114,8 @@ class McaBackend(Backend):
         from backends.mca.trainer.step import DPOObjective, LanguageModelObjective
 
         vocab_size = models.policy[0].config.vocab_size
+        if stage == "kto":
+            return self._kto_objective(vocab_size, models)
         if stage != "dpo":
             return LanguageModelObjective(vocab_size)
         ft = self.config.finetuning
@@ -124,6 +126,21 @@ class McaBackend(Backend):
         from backends.mca.lora.apply import adapters_disabled  # LoRA: the policy without its adapters
 
         return DPOObjective(vocab_size, settings, models.policy, ref_mode=lambda: adapters_disabled(models.policy))
+
+    def _kto_objective(self, vocab_size: int, models: ModelBundle):
+        """KTO against the frozen reference (LoRA without ref_model: the policy with its adapters disabled)."""
+        from backends.mca.trainer.kto import KTOObjective
+        from roll.kto import KTOSettings
+
+        ft = self.config.finetuning
+        settings = KTOSettings(beta=ft.pref_beta, desirable_weight=ft.kto_desirable_weight,
+                               undesirable_weight=ft.kto_undesirable_weight)
+        if models.ref is not None:
+            return KTOObjective(vocab_size, settings, models.policy, models.ref)
+        from backends.mca.lora.apply import adapters_disabled
+
+        return KTOObjective(vocab_size, settings, models.policy, models.policy,
+                            ref_mode=lambda: adapters_disabled(models.policy))
 
     def evaluate(self, job: TrainJob, models: ModelBundle) -> dict[str, float]:
         """``eval_loss`` on job.eval_dataset with the training loss definition (after train; the metrics of

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 @register_backend("standard")
 class StandardBackend(Backend):
-    supported_stages = frozenset({"pt", "sft", "dpo"})
+    supported_stages = frozenset({"pt", "sft", "dpo", "kto"})
     supported_finetuning_types = frozenset({"full", "lora", "freeze"})
 
     def __init__(self, config) -> None:
@@ -101,7 +101,7 @@ class StandardBackend(Backend):
 
         model_args, finetuning, training = self.config.model, self.config.finetuning, self.config.training
         M.check_causal_lm(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
-        wants_ref = stage == "dpo" and not finetuning.reference_free and (
+        wants_ref = stage in ("dpo", "kto") and not finetuning.reference_free and (
             finetuning.ref_model or finetuning.finetuning_type != "lora")  # lora: TRL's frozen "ref" adapter
         if wants_ref and finetuning.ref_model:
             M.check_causal_lm(finetuning.ref_model, trust_remote_code=model_args.trust_remote_code,
@@ -144,7 +144,13 @@ class StandardBackend(Backend):
 
         common = dict(args=self._hf_args, train_dataset=job.train_dataset, eval_dataset=job.eval_dataset,
                       processing_class=job.tokenizer)
-        if job.stage == "dpo":
+        if job.stage == "kto":
+            from backends.standard.kto_trainer import make_kto_trainer_class
+
+            trainer = make_kto_trainer_class()(model=models.policy, ref_model=models.ref, data_collator=job.collator,
+                                               **common)
+            M.moe_loss_coefficients(models.policy, self.config.megatron, job.stage)  # warns
+        elif job.stage == "dpo":
             dpo_trainer = make_dpo_trainer_class()
             trainer = dpo_trainer(model=models.policy, ref_model=models.ref,
                                   pref_ftx=self.config.finetuning.pref_ftx,

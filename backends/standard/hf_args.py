@@ -34,6 +34,13 @@ def build_hf_args(config, deepspeed):
                          label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
                          precompute_ref_log_probs=finetuning.reference_free,  # RollDPOTrainer fills zeros
                          router_aux_loss_coef=0.0)
+    if finetuning.stage == "kto":
+        from trl import KTOConfig
+
+        # roll's trainer samples in the pipeline's order anyway (RollTrainerMixin); TRL refuses another strategy.
+        kwargs["train_sampling_strategy"] = "sequential"
+        return KTOConfig(**kwargs, beta=finetuning.pref_beta, desirable_weight=finetuning.kto_desirable_weight,
+                         undesirable_weight=finetuning.kto_undesirable_weight, max_length=config.data.cutoff_len)
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)

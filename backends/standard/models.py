@@ -209,8 +209,8 @@ def moe_loss_coefficients(model: nn.Module, megatron, stage: str) -> tuple[float
         return 0.0, 0.0
     aux = float(config.router_aux_loss_coef if recipe_aux is None else recipe_aux)
     z = float(megatron.moe_z_loss_coeff or 0.0)
-    if stage == "dpo" and (aux or z):
-        warn_once(logger, "stage dpo on the standard backend trains this MoE model without the load-balancing "
+    if stage in ("dpo", "kto") and (aux or z):
+        warn_once(logger, f"stage {stage} on the standard backend trains this MoE model without the load-balancing "
                           "loss and the router z-loss (the mca backend adds them): set moe_aux_loss_coeff: 0 "
                           "(and no moe_z_loss_coeff) for the same objective on both backends.")
         return 0.0, 0.0

@@ -18,8 +18,9 @@ REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 
 @dataclass
 class FinetuningArguments:
-    stage: Literal["pt", "sft", "dpo"] = "sft"
-    """Training stage: pt (pre-training on plain text), sft (supervised fine-tuning), dpo (preference optimisation)."""
+    stage: Literal["pt", "sft", "dpo", "kto"] = "sft"
+    """Training stage: pt (pre-training on plain text), sft (supervised fine-tuning), dpo (preference optimisation),
+    kto (KTO on unpaired desirable / undesirable replies: rows with a boolean kto_tag)."""
 
     finetuning_type: Literal["full", "lora", "freeze"] = "full"
     """full: all weights; lora: low-rank adapters only; freeze: only the last freeze_trainable_layers layers."""
@@ -47,8 +48,8 @@ class FinetuningArguments:
     """With LoRA: also write base + adapter merged into a plain HF model."""
 
     pref_beta: float = 0.1
-    """DPO beta (strength of the KL constraint to the reference model); orpo: the weight of the odds-ratio term;
-    simpo: the scale of the mean log-prob difference (the SimPO paper uses 2 to 10)."""
+    """DPO and KTO beta (strength of the KL constraint to the reference model); orpo: the weight of the odds-ratio
+    term; simpo: the scale of the mean log-prob difference (the SimPO paper uses 2 to 10)."""
 
     pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = "sigmoid"
     """Preference loss of stage dpo (TRL's definitions for sigmoid, ipo, hinge). orpo and simpo use no reference
@@ -69,9 +70,22 @@ class FinetuningArguments:
     """pref_loss simpo: the target margin gamma, absolute (subtracted from pref_beta * (A_chosen - A_rejected);
     the SimPO paper's gamma_beta_ratio times pref_beta), >= 0; default 0.5 (LLaMA-Factory's and TRL's)."""
 
+    kto_desirable_weight: float = 1.0
+    """KTO: weight of a desirable row's loss (TRL's desirable_weight); with unequal classes, keep
+    desirable_weight * desirable rows / (undesirable_weight * undesirable rows) in [1, 4/3] (the KTO paper)."""
+
+    kto_undesirable_weight: float = 1.0
+    """KTO: weight of an undesirable row's loss (TRL's undesirable_weight)."""
+
+    kto_chosen_weight: float | None = None
+    """LLaMA-Factory's spelling of kto_desirable_weight (give one of them)."""
+
+    kto_rejected_weight: float | None = None
+    """LLaMA-Factory's spelling of kto_undesirable_weight (give one of them)."""
+
     ref_model: str | None = None
-    """Reference model directory for DPO; default: a frozen copy of the starting weights (none for pref_loss
-    orpo and simpo)."""
+    """Reference model directory for DPO and KTO; default: a frozen copy of the starting weights (none for
+    pref_loss orpo and simpo)."""
 
     ref_free: bool = False
     """Reference-free DPO (no reference model; implicit reference log-probs of 0)."""
@@ -108,6 +122,7 @@ class FinetuningArguments:
         if self.ref_free and self.ref_model:
             raise ConfigError("ref_free=true and ref_model are contradictory: drop one of them.")
         self._check_reference_free()
+        self._check_kto()
 
     def _check_reference_free(self) -> None:
         """simpo_gamma belongs to simpo; orpo and simpo take no reference model."""
@@ -131,8 +146,35 @@ class FinetuningArguments:
 
     @property
     def reference_free(self) -> bool:
-        """Stage dpo builds no reference model: ref_free, or a pref_loss that reads none (orpo, simpo)."""
+        """Stage dpo builds no reference model: ref_free, or a pref_loss that reads none (orpo, simpo); never with
+        stage kto (it refuses both)."""
         return self.ref_free or self.pref_loss in REFERENCE_FREE_LOSSES
+
+    def _check_kto(self) -> None:
+        """The KTO weights (LLaMA-Factory's kto_chosen/rejected_weight spelling folded in) and what stage kto
+        does not take."""
+        for alias, name in (("kto_chosen_weight", "kto_desirable_weight"),
+                            ("kto_rejected_weight", "kto_undesirable_weight")):
+            given = getattr(self, alias)
+            if given is not None and getattr(self, name) not in (1.0, given):
+                raise ConfigError(f"{alias}={given} and {name}={getattr(self, name)} are the same key "
+                                  "(LLaMA-Factory's spelling and TRL's): give one of them.")
+            if given is not None:
+                setattr(self, name, given)
+            setattr(self, alias, None)  # one field holds the value
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value}.")
+            if value != 1.0 and self.stage != "kto":
+                raise ConfigError(f"{name}={value} only applies to stage: kto; drop it for stage {self.stage}.")
+        if self.stage != "kto":
+            return
+        for name, default, why in (("pref_loss", "sigmoid", "it picks a DPO loss"),
+                                   ("pref_label_smoothing", 0.0, "it smooths the DPO sigmoid loss"),
+                                   ("ref_free", False, "KTO measures every reward against the reference model")):
+            if getattr(self, name) != default:
+                raise ConfigError(f"{name}={getattr(self, name)} does not apply to stage kto ({why}); drop it. "
+                                  "KTO takes pref_beta, kto_desirable_weight, kto_undesirable_weight and ref_model.")
 
     @property
     def lora_targets(self) -> list[str] | str:

@@ -70,9 +70,29 @@ class RunConfig:
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
-        if self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
+        if self.finetuning.stage == "kto":
+            self._check_kto()
+        elif self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
             warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
         self._clamp_workers()
+
+    def _check_kto(self) -> None:
+        """KTO's reference point is taken over each micro-batch's other rows: a micro-batch needs two."""
+        if self.data.packing:
+            raise ConfigError("packing is not supported for stage kto (each micro-batch is collated with its "
+                              "mismatched rows); set packing: false.")
+        t = self.training
+        sizes = [("per_device_train_batch_size", t.per_device_train_batch_size)]
+        if self.data.val_size or self.data.eval_dataset:
+            sizes.append(("per_device_eval_batch_size", t.per_device_eval_batch_size))
+        for key, size in sizes:
+            if size < 2:
+                raise ConfigError(
+                    f"stage kto needs {key} >= 2, got {size}: KTO's KL reference point is estimated on each "
+                    "micro-batch from its prompts paired with the other rows' replies, and a micro-batch of one "
+                    "row pairs its prompt with its own reply (TRL refuses it too). Set it to 2 or more and lower "
+                    "gradient_accumulation_steps to keep the global batch. (LLaMA-Factory's bs=1 recipes pair "
+                    "rows at tokenization time instead.)")
 
     def _clamp_workers(self) -> None:
         """Worker counts above this machine's CPU cores start hundreds of processes for nothing: clamp them

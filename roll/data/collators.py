@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from roll import IGNORE_INDEX
+from roll.data.feedback import FeedbackCollator
 from roll.data.policy import PAIR_PREFIXES, SEQUENCE_KEYS, PaddingPolicy
 
 
@@ -201,7 +202,8 @@ def _positions(positions: list[int], length: int) -> torch.Tensor:
     return torch.cat([positions, tail])
 
 
-COLLATORS = {"SequenceCollator": SequenceCollator, "PairwiseCollator": PairwiseCollator}
+COLLATORS = {"SequenceCollator": SequenceCollator, "PairwiseCollator": PairwiseCollator,
+             "FeedbackCollator": FeedbackCollator}
 
 
 def build_collator(name: str, tokenizer, policy: PaddingPolicy, data_args=None):
@@ -210,4 +212,5 @@ def build_collator(name: str, tokenizer, policy: PaddingPolicy, data_args=None):
         raise ValueError(f"unknown collator {name!r}; known: {', '.join(COLLATORS)}")
     if policy.pad_to == "max_length" and data_args is not None and policy.max_length != data_args.cutoff_len:
         raise ValueError(f"policy max_length {policy.max_length} != cutoff_len {data_args.cutoff_len}")
-    return COLLATORS[name](pad_token_id=tokenizer.pad_token_id, policy=policy)
+    extra = {"cutoff_len": data_args.cutoff_len} if name == "FeedbackCollator" and data_args is not None else {}
+    return COLLATORS[name](pad_token_id=tokenizer.pad_token_id, policy=policy, **extra)

@@ -39,12 +39,31 @@ def _example(job) -> list[str]:
         return [f"--- {side} (first training pair) ---\n"
                 + marked_text(job.tokenizer, row[f"{side}_input_ids"], row[f"{side}_labels"])
                 for side in ("chosen", "rejected")]
+    if "kto_tag" in row:
+        return _kto_example(job)
     ids, labels = row["input_ids"], row["labels"]
     header = "--- first training row ---"
     if "seq_lens" in row:
         header = f"--- first sample of the first packed row ({len(row['seq_lens'])} samples in it) ---"
         ids, labels = ids[: row["seq_lens"][0]], labels[: row["seq_lens"][0]]
     return [header + "\n" + marked_text(job.tokenizer, ids, labels)]
+
+
+def _kto_example(job) -> list[str]:
+    """stage kto: the first row with its label, and its mismatched row (its prompt with the completion of the
+    micro-batch's previous row; here the second row's, in a micro-batch of the first two)."""
+    from roll.data.feedback import mismatched_rows
+
+    rows = [job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))]
+    first = rows[0]
+    label = "desirable" if first["kto_tag"] else "undesirable"
+    out = [f"--- first training row (kto_tag: {str(first['kto_tag']).lower()}, {label}) ---\n"
+           + marked_text(job.tokenizer, first["input_ids"], first["labels"])]
+    kl = mismatched_rows(rows, getattr(job.collator, "cutoff_len", len(first["input_ids"])))[0]
+    out.append("--- its mismatched row for the KL reference point (its prompt, the completion of the "
+               f"{'second' if len(rows) > 1 else 'same'} row) ---\n"
+               + marked_text(job.tokenizer, kl["input_ids"], kl["labels"]))
+    return out
 
 
 def dry_run_report(job, stats) -> tuple[dict, str]:
@@ -55,7 +74,13 @@ def dry_run_report(job, stats) -> tuple[dict, str]:
     first = [job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))]
     summary["batch_shapes"] = {key: list(value.shape) for key, value in job.collator(first).items()}
     unit = "pairs" if "chosen_input_ids" in first[0] else "rows"
-    lines = [f"stage {job.stage}: data summary", *("  " + line for line in stats.summary_lines()),
+    classes = []
+    if "kto_tag" in first[0]:
+        desirable = sum(1 for tag in job.train_dataset["kto_tag"] if tag)
+        summary["kto_tags"] = {"desirable": desirable, "undesirable": len(job.train_dataset) - desirable}
+        classes = [f"  kto_tag: {desirable} desirable (true), {len(job.train_dataset) - desirable} undesirable "
+                   "(false) training rows"]
+    lines = [f"stage {job.stage}: data summary", *("  " + line for line in stats.summary_lines()), *classes,
              f"  collated batch of the first {len(first)} {unit}: "
              + ", ".join(f"{k} {v}" for k, v in summary["batch_shapes"].items()),
              f"trained tokens are marked {OPEN}...{CLOSE}", *_example(job)]

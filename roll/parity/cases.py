@@ -47,6 +47,7 @@ BASES = {
     "sft": {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json", **_COMMON},
     "pt": {"stage": "pt", "dataset": "recipes/demo/data/arithmetic_pt.jsonl", **_COMMON},
     "dpo": {"stage": "dpo", "dataset": "recipes/demo/data/arithmetic_dpo.json", "pref_beta": 0.1, **_COMMON},
+    "kto": {"stage": "kto", "dataset": "recipes/demo/data/arithmetic_kto.json", "pref_beta": 0.1, **_COMMON},
 }
 """Recipe bases: 8 samples a step (4 x 2 micro-batches at data-parallel size 1)."""
 
@@ -151,6 +152,9 @@ _MOE_LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01,
                "dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128}
 _EVAL = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 3, "eval_on_start": True,
          "per_device_eval_batch_size": 4}
+_KTO_EVAL = {"eval_dataset": "recipes/demo/data/arithmetic_kto.json", "eval_strategy": "steps", "eval_steps": 3,
+             "eval_on_start": True, "per_device_eval_batch_size": 4}
+"""KTO's evaluation on both backends: the training file itself (val_size would change the training order)."""
 
 CASES = (
     # --- key sets on one process --------------------------------------------------------------------------
@@ -285,6 +289,19 @@ CASES = (
     Case("pp2_vpp2_lora_qv", "sft", _lora(lora_rank=4, lora_alpha=16, lora_target="q_proj,v_proj"),
          layout="pp2_vpp2", model="qwen2_4l",
          measured=M(7.2e-8, 1.3e-7, None, 1.1e-6)),
+    # KTO (5 steps, the metrics too: tests/parity test_kto_metrics_on_both_backends_and_every_layout): one model
+    # for the three layouts, so that one standard run is their reference; weights and LoRA (the reference: the
+    # policy with its adapters off on mca, TRL's frozen copy of the fresh adapter on the standard backend) with
+    # eval_loss at steps 0, 3 and 5
+    Case("kto", "kto", {}, model="qwen2_4l", steps=5,
+         measured=M(0, 8.4e-8, None, 8.2e-6)),
+    Case("tp2_kto", "kto", {}, layout="tp2", model="qwen2_4l", steps=5,
+         measured=M(0, 8.1e-8, None, 1.4e-5)),
+    Case("pp2_vpp2_kto", "kto", {}, layout="pp2_vpp2", model="qwen2_4l", steps=5,
+         measured=M(0, 7.3e-8, None, 8.1e-6)),
+    Case("kto_weights_lora_eval", "kto", _lora(kto_desirable_weight=0.8, kto_undesirable_weight=1.25,
+                                               pref_beta=0.5, **_KTO_EVAL), steps=5,
+         measured=M(0, 1.5e-7, 3.0e-8, 2.2e-7)),
 )
 
 

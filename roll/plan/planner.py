@@ -276,8 +276,9 @@ def _state_lines(shape: ModelShape, st: Strategy, p: StageParams,
         lines.append(PlanLine("ZeRO-3 gathers", 2 * p.largest_module * st.weight_bytes,
                               "current + prefetched layer (or embedding), gathered in full"))
     ft = config.finetuning
-    if ft.stage == "dpo" and not ft.reference_free and ft.finetuning_type != "lora":  # LoRA: adapters off
-        lines.append(PlanLine("reference model", params, "frozen copy of the policy for DPO (same sharding)"))
+    if ft.stage in ("dpo", "kto") and not ft.reference_free and ft.finetuning_type != "lora":  # LoRA: adapters off
+        lines.append(PlanLine("reference model", params,
+                              f"frozen copy of the policy for {ft.stage.upper()} (same sharding)"))
     cpu = (optim if st.optimizer_on_cpu else 0.0) + (params if st.params_on_cpu else 0.0)
     return lines, cpu
 

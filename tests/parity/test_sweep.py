@@ -112,9 +112,11 @@ class Sweep:
         return out
 
 
+KTO_CASES = ("kto", "tp2_kto", "pp2_vpp2_kto", "kto_weights_lora_eval")
 NEEDS = {"test_pref_ftx_adds_the_chosen_responses_nll_on_both_backends": ("cp2_dpo_sigmoid_ftx",),
          "test_the_moe_case_trains_with_the_balancing_loss": ("moe_default_aux_loss",),
-         "test_moe_losses_logged_alike_and_ep2_equals_ep1": ("mixtral_moe_losses", "ep2_mixtral_moe_losses")}
+         "test_moe_losses_logged_alike_and_ep2_equals_ep1": ("mixtral_moe_losses", "ep2_mixtral_moe_losses"),
+         "test_kto_metrics_on_both_backends_and_every_layout": KTO_CASES}
 """The cases each of the other tests reads."""
 
 
@@ -199,3 +201,83 @@ def test_moe_losses_logged_alike_and_ep2_equals_ep1(sweep):
     # over 513 tokens, ln 513 = 6.24, where the MoE terms would add 0.1 x 2 layers x ~1 + 0.01 x 2 x ~1.9
     for name in ("standard", "mca"):
         assert abs(logs[name][1]["loss"] - math.log(513)) < 0.05, (name, logs[name][1])
+
+
+def _first_step_rows(dataset: str, rows: int) -> list[bool]:
+    """The kto_tag of the first ``rows`` training rows: the pipeline shuffles the file once with seed 0 (a
+    permutation of the row count only: datasets draws it from numpy's generator)."""
+    import datasets
+
+    with open(os.path.join(REPO, dataset), encoding="utf-8") as fh:
+        tags = [row["kto_tag"] for row in json.load(fh)]
+    return datasets.Dataset.from_dict({"kto_tag": tags}).shuffle(seed=0)["kto_tag"][:rows]
+
+
+KTO_ABSOLUTE = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins")
+"""KTO metrics that start at 0 (compared absolutely, as DPO's rewards); loss and log-probs relatively."""
+
+
+def _eval_records(output_dir: str) -> dict[int, dict]:
+    """{step: the eval record's numbers without their eval_ prefix}."""
+    with open(os.path.join(output_dir, "train_log.jsonl"), encoding="utf-8") as fh:
+        return {r["step"]: {key[len("eval_"):]: value for key, value in r.items() if key.startswith("eval_")}
+                for r in map(json.loads, filter(str.strip, fh)) if "eval_loss" in r}
+
+
+def kto_logs(sweep) -> dict[str, dict[str, dict[int, dict]]]:
+    """{case: {backend: {step: record}}} of the KTO cases, and under "eval" the eval case's eval records."""
+    logs = {}
+    for name in KTO_CASES:
+        (pair, *_), = sweep.pairs[name]
+        logs[name] = {backend: _records(getattr(pair, backend).output_dir) for backend in ("standard", "mca")}
+    (pair, *_), = sweep.pairs[KTO_CASES[-1]]
+    logs["eval"] = {backend: _eval_records(getattr(pair, backend).output_dir) for backend in ("standard", "mca")}
+    return logs
+
+
+def kto_comparisons(logs: dict) -> list:
+    """Every KTO metric, step by step: mca against the standard backend in each case (BACKEND_KTO*), TP2 and
+    PP2 x VPP2 against TP1 (KTO_LAYOUT*); also for scripts/measure_bounds.py."""
+    from roll.kto import METRICS
+    from tests.bounds import BACKEND_KTO, BACKEND_KTO_REWARDS, KTO_LAYOUT, KTO_LAYOUT_REWARDS, Comparison
+
+    pairs = [(f"{name} mca vs standard", logs[name]["mca"], logs[name]["standard"],
+              (BACKEND_KTO, BACKEND_KTO_REWARDS)) for name in (*KTO_CASES, "eval")]
+    pairs += [(f"{name} vs TP1", logs[name]["mca"], logs["kto"]["mca"], (KTO_LAYOUT, KTO_LAYOUT_REWARDS))
+              for name in ("tp2_kto", "pp2_vpp2_kto")]
+    out = []
+    for label, log, reference, bounds in pairs:
+        for metric in ("loss", *METRICS):
+            absolute = metric in KTO_ABSOLUTE
+            out.append(Comparison(f"{label} {metric}", [log[step][metric] for step in sorted(log)],
+                                  [reference[step][metric] for step in sorted(reference)], bounds[absolute],
+                                  scale=1.0 if absolute else 0.0))
+    return out
+
+
+def test_kto_metrics_on_both_backends_and_every_layout(sweep):
+    """stage kto (issue 22). Step 1 has a closed form: the policy is the reference, so every reward and the
+    reference point are 0 and a row's loss is its weight / 2 (0.5 with both weights 1). Every logged metric
+    (loss, kl, rewards/*, logps/*) of the standard backend and mca at every step within the measured backend
+    gap (tests/bounds.py), also with class weights and LoRA (reference: the policy without its adapters) and
+    its eval metrics at steps 0, 3 and 5; TP2 and PP2 x VPP2 within the measured layout gap of TP1. The loss is
+    all the parity cases compare: a reward or a reference point computed wrongly on one backend fails here."""
+    from roll.kto import METRICS
+    from tests.bounds import assert_within
+
+    logs = kto_logs(sweep)
+    tags = _first_step_rows("recipes/demo/data/arithmetic_kto.json", 8)
+    weighted = sum(0.8 if tag else 1.25 for tag in tags) / (2 * len(tags))
+    for name, loss in (("kto", 0.5), ("kto_weights_lora_eval", weighted)):
+        for backend, log in logs[name].items():
+            step1 = log[1]
+            assert step1["loss"] == pytest.approx(loss, abs=1e-7) and step1["kl"] == 0.0, (name, backend, step1)
+            assert all(step1[key] == 0.0 for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"))
+    for name in KTO_CASES:
+        for backend, log in logs[name].items():  # both classes in every step of this data: every metric logged
+            assert sorted(log) == [1, 2, 3, 4, 5] and all({"loss", *METRICS} <= set(r) for r in log.values())
+        moved = logs[name]["mca"]  # past step 1 the reference point and the rewards move
+        assert max(r["kl"] for r in moved.values()) > 0.1 and moved[5]["rewards/margins"] != 0, (name, moved)
+    for backend, evals in logs["eval"].items():  # eval_on_start, eval_steps 3 and the last step, every metric
+        assert sorted(evals) == [0, 3, 5] and all({"loss", *METRICS} <= set(r) for r in evals.values()), evals
+    assert_within(kto_comparisons(logs))

@@ -16,7 +16,7 @@ import sys
 
 from tests.helpers import REPO, output_of, torchrun
 
-RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_lora", "tiny_orpo", "tiny_simpo")
+RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_orpo", "tiny_simpo")
 BACKENDS = ("standard", "mca")
 STEPS = 5
 GOLDENS = os.path.join(REPO, "tests", "recipes", "goldens.json")

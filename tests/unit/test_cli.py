@@ -18,7 +18,7 @@ def test_help_lists_fields_with_docs():
     proc = roll_train("--help", timeout=120)
     assert proc.returncode == 0, proc.stderr
     for text in ("--learning_rate", "The initial learning rate", "--tensor_model_parallel_size",
-                 "[mca] Tensor parallel size", "--stage", "one of pt, sft, dpo", "--cutoff_len",
+                 "[mca] Tensor parallel size", "--stage", "one of pt, sft, dpo, kto", "--cutoff_len",
                  "megatron arguments (MegatronArguments):", "--make_vocab_size_divisible_by"):
         assert text in proc.stdout
     # the Megatron keys are listed in their own group, after the training group
@@ -47,7 +47,7 @@ def test_print_config_shows_overrides():
     ("learning_rat: 1.0e-5\n", [], ["learning_rat", "learning_rate"]),
     ("stage: sfx\n", [], ["sfx", "sft"]),
     ("stage: sft\n", ["learnin_rate=1"], ["learnin_rate", "learning_rate", "command line"]),
-    ("stage: SFT\n", [], ["'SFT' is not one of pt, sft, dpo (did you mean 'sft'?)"]),
+    ("stage: SFT\n", [], ["'SFT' is not one of pt, sft, dpo, kto (did you mean 'sft'?)"]),
 ])
 def test_user_mistakes_exit_nonzero_without_traceback(tmp_path, content, argv, expected):
     recipe = tmp_path / "bad.yaml"

@@ -16,7 +16,7 @@ from tests.helpers import REPO, output_of, run
 
 
 class FakeBackend(Backend):
-    supported_stages = frozenset({"pt", "sft", "dpo"})
+    supported_stages = frozenset({"pt", "sft", "dpo", "kto"})
     supported_finetuning_types = frozenset({"full"})
 
     def __init__(self, config):
@@ -72,7 +72,7 @@ def fake_backend(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("stage", ["pt", "sft", "dpo"])
+@pytest.mark.parametrize("stage", ["pt", "sft", "dpo", "kto"])
 def test_router_calls_backend_in_order(tmp_path, fake_backend, stage):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"stage": stage, "output_dir": str(tmp_path / "out")}))

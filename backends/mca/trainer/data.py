@@ -125,6 +125,11 @@ def pad_to_length(batch: dict[str, torch.Tensor], length: int, pad_token_id: int
     return out
 
 
+LOSS_INPUTS = ("labels", "ref_logps", "kto_tags", "kto_kl")
+"""Micro-batch keys only the loss function reads: never handed to the model. ``kto_tags`` (one label per
+sample, stage kto) passes from the collated batch through ``model_inputs``."""
+
+
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: int = 1,
                  cp_rank: int = 0, *, moe: bool = False) -> dict[str, Any]:
     """A collated (shifted) batch -> GPTModel keyword inputs for this context-parallel rank.
@@ -167,6 +172,9 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
         index = cp_token_index(cu.long(), cp_size, cp_rank)
         input_ids, labels, position_ids = input_ids[:, index], labels[:, index], position_ids[:, index]
         padding = None if padding is None else padding[:, index]
-    return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "attention_mask": None,
-            "labels": labels.to(device), "packed_seq_params": params,
-            "padding_mask": None if padding is None else padding.to(device)}
+    out = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "attention_mask": None,
+           "labels": labels.to(device), "packed_seq_params": params,
+           "padding_mask": None if padding is None else padding.to(device)}
+    if "kto_tags" in batch:
+        out["kto_tags"] = batch["kto_tags"].to(device)
+    return out

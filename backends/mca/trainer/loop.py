@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
-from backends.mca.trainer.data import BatchPlan, collate_step, model_inputs, pad_to_length
+from backends.mca.trainer.data import LOSS_INPUTS, BatchPlan, collate_step, model_inputs, pad_to_length
 from backends.mca.trainer.metrics import MetricsWriter, speed_meter
 from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_for, sync_params, wrap_ddp
 from backends.mca.trainer.param_groups import apply_weight_decay
@@ -255,7 +255,7 @@ class MegatronTrainer:
 
     def _forward_step(self, data_iterator, model):
         micro = next(data_iterator)  # every virtual stage reads the same micro-batch dicts: never mutate them
-        output = model(**{key: value for key, value in micro.items() if key not in ("labels", "ref_logps")})
+        output = model(**{key: value for key, value in micro.items() if key not in LOSS_INPUTS})
         return output, self.objective.loss_func(micro["labels"], micro)
 
     def _local_sums(self, outputs: list[dict], batches: list[dict]) -> torch.Tensor:
@@ -322,8 +322,9 @@ class MegatronTrainer:
         window, self._window = self._window, []
         done = [s for s in window if not s.skipped] or window
         record = {"loss": sum(s.loss for s in done) / len(done)}
-        for name in done[-1].metrics:
-            record[name] = sum(s.metrics[name] for s in done) / len(done)
+        for name in dict.fromkeys(name for s in done for name in s.metrics):  # kto: a class a step lacks
+            values = [s.metrics[name] for s in done if name in s.metrics]
+            record[name] = sum(values) / len(values)
         if window[-1].grad_norm is not None:
             record["grad_norm"] = window[-1].grad_norm
         record["learning_rate"] = window[-1].learning_rate
@@ -339,9 +340,10 @@ class MegatronTrainer:
 
     def _rows_in_step(self, step: int, num_samples: int) -> int:
         """Rows of global step ``step`` (0-based) over all ranks, for the speed window's mean real tokens
-        per row (the attention term's sequence length); a DPO pair is two rows."""
+        per row (the attention term's sequence length); a DPO pair is two rows, a KTO row two (its mismatched row)."""
         rows = self.plan.samples_in_step(step, num_samples)
-        return rows * 2 if isinstance(self.objective, DPOObjective) else rows
+        per_sample = 2 if isinstance(self.objective, DPOObjective) else getattr(self.objective, "rows_per_sample", 1)
+        return rows * per_sample
 
     def _should_save(self, step: int, total: int, num_samples: int) -> bool:
         t = self.training
