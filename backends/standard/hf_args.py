@@ -40,7 +40,8 @@ def build_hf_args(config, deepspeed):
         # roll's trainer samples in the pipeline's order anyway (RollTrainerMixin); TRL refuses another strategy.
         kwargs["train_sampling_strategy"] = "sequential"
         return KTOConfig(**kwargs, beta=finetuning.pref_beta, desirable_weight=finetuning.kto_desirable_weight,
-                         undesirable_weight=finetuning.kto_undesirable_weight, max_length=config.data.cutoff_len)
+                         undesirable_weight=finetuning.kto_undesirable_weight, max_length=config.data.cutoff_len,
+                         router_aux_loss_coef=0.0)  # as DPO above: roll's KTO trains MoE models without it here
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)
