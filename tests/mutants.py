@@ -63,6 +63,11 @@ ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("jit_fuser_runs_eager", "megatron's fused kernels (jit_fuser) run uncompiled: other numerics and "
+           "speed on a GPU", "backends/mca/lazy_jit.py", "compiled = torch.compile(fn, **options)",
+           "compiled = fn",
+           ("tests/unit/test_lazy_jit.py::test_compiles_once_on_the_first_call_with_the_options_and_binds_as_a_method",),
+           fast=True),
     Mutant("slurm_tasks_not_mapped", "srun -n 2 roll-train: each task trains alone (SLURM's variables "
            "ignored)",
            "roll/cli.py", "        _adopt_slurm(argv)\n", "",
