@@ -72,6 +72,11 @@ MUTANTS: list[Mutant] = [
            'losses[int(record["current_steps"])]', 'losses[int(record["total_steps"])]',
            ("tests/unit/test_llamafactory_parity.py::test_parse_llamafactory_log_keeps_the_losses_by_step",),
            fast=True),
+    Mutant("jit_fuser_runs_eager", "megatron's fused kernels (jit_fuser) run uncompiled: other numerics and "
+           "speed on a GPU", "backends/mca/lazy_jit.py", "compiled = torch.compile(fn, **options)",
+           "compiled = fn",
+           ("tests/unit/test_lazy_jit.py::test_compiles_once_on_the_first_call_with_the_options_and_binds_as_a_method",),
+           fast=True),
     Mutant("slurm_tasks_not_mapped", "srun -n 2 roll-train: each task trains alone (SLURM's variables "
            "ignored)",
            "roll/cli.py", "        _adopt_slurm(argv)\n", "",

@@ -6,7 +6,12 @@ backend class to ask what it supports.
 
 import warnings
 
+from backends.mca import lazy_jit
 from backends.mca.backend import McaBackend
+
+# megatron's jit_fuser is torch.compile, whose wrapper imports torch._dynamo / inductor (~3 s of CPU) in
+# every process that imports megatron; backends.mca.lazy_jit defers it to a decorated function's first call.
+lazy_jit.install()
 
 # megatron-core warns at import, once per module (7 lines per process on a CPU run), that Transformer
 # Engine and Apex are missing, and per model build that its own default cuda_graph_scope "full" is

@@ -11,7 +11,10 @@ checkpoint reader PyTorch and megatron use would unpickle anything a checkpoint 
 to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``,
 the multi-tensor scale without extra copies (``foreach_multi_tensor_scale``) in ``backends.mca.multi_tensor``,
 and one about the objective, the router z-loss's scale under TP / CP (``moe_z_loss_scale_per_token``), in
-``backends.mca.moe_loss_scale``; this module's table and ``apply_patches`` are the one entry point for all.
+``backends.mca.moe_loss_scale``; this module's table and ``apply_patches`` are the one entry point for all but one:
+``lazy_jit_fuser`` (``backends.mca.lazy_jit``: megatron's ``jit_fuser`` builds ``torch.compile`` on a
+decorated function's first call, not at import, saving ~1.5 s of CPU per process) must act before megatron is
+imported, so ``backends/mca/__init__`` installs it; it can go when megatron-core defers ``torch.compile``.
 
 Each patch says what it fixes, when it can go, and is applied exactly when the condition it fixes
 holds (``_Patch.needed``): the CUDA ones only without an accelerator, the MoE-router one whenever
