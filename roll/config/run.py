@@ -15,6 +15,7 @@ from roll.config.layout import ParallelLayout
 from roll.config.megatron import MegatronArguments
 from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
+from roll.data.dataset_info import check_sources
 from roll.errors import ConfigError
 from roll.hf_config import has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
@@ -67,6 +68,7 @@ class RunConfig:
             raise ConfigError(f"eval_strategy={evaluates} needs an evaluation set: set val_size (e.g. 0.1) "
                               "or eval_dataset, or eval_strategy: no.")
         check_streaming(self.data, self.training, self.finetuning.stage)
+        check_sources(self.data)  # the names of LLaMA-Factory's dataset registry (dataset_dir)
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")

@@ -10,6 +10,7 @@ once with ``seed`` and, with ``packing``, packed (and the packed rows shuffled w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -25,6 +26,7 @@ from roll.data import prepared
 from roll.data.fingerprint import code_digest, settings_digest, tokenizer_digest
 from roll.data.loading import Source, load_sources
 from roll.data.mixing import mix_datasets
+from roll.data.named_templates import encoder_for, pretrain_eos_id
 from roll.data.packing import pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
@@ -114,14 +116,14 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
            seed: int) -> DatasetBundle:
     start = time.perf_counter()
     stats = PreprocessStats()
-    sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset)]
+    sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset, data_args.dataset_dir)]
     stats.num_samples_in = sum(len(s.dataset) for s in sources)
     tokenized = mix_datasets([_tokenize(s, data_args, tokenizer, stage, processor, formats) for s in sources],
                              data_args, seed)
     train = _drop_skipped(tokenized, stats)
     eval_ds = None
     if data_args.eval_dataset:
-        eval_sources = [_cap(s, data_args, seed) for s in load_sources(data_args.eval_dataset)]
+        eval_sources = [_cap(s, data_args, seed) for s in load_sources(data_args.eval_dataset, data_args.dataset_dir)]
         eval_ds = _drop_skipped(_concat([_tokenize(s, data_args, tokenizer, stage, processor, formats)
                                          for s in eval_sources]), PreprocessStats())
     elif data_args.val_size:
@@ -157,12 +159,20 @@ def _cap(source: Source, data_args, seed: int) -> Source:
     # The permutation datasets' shuffle(seed=seed) draws, kept so that errors name the file's row.
     order = np.random.default_rng(seed).permutation(len(source.dataset)) if data_args.shuffle else range(n)
     rows = [int(i) for i in order[:n]]
-    return Source(source.name, source.dataset.select(rows), file_rows=rows)
+    return dataclasses.replace(source, dataset=source.dataset.select(rows), file_rows=rows)
 
 
 def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], stage: str) -> str:
-    """The row format of one source: detected from its columns unless ``formatting:`` names one."""
+    """The row format of one source: a registry entry's, else detected from its columns unless
+    ``formatting:`` names one."""
     columns = list(source.dataset.column_names)
+    if source.entry is not None:
+        fmt = source.entry.format_for(allowed, stage)
+        missing = source.entry.missing_columns(fmt, columns)
+        if missing:
+            raise DataError(f"{source.name}: {source.entry.describe()} reads the column(s) {', '.join(missing)}, "
+                            f"which the file does not have (its columns: {columns}); fix the entry's columns.")
+        return fmt
     fmt = fmts.detect(columns) if formatting == "auto" else formatting
     if fmt is None:
         raise DataError(f"{source.name}: cannot tell the row format from the columns {columns}; "
@@ -182,10 +192,17 @@ def make_processor(source: Source, *, data_args, tokenizer, stage: str, processo
                    allowed: tuple[str, ...]):
     """The stage processor (a batched map function) for one source, whose format it resolves."""
     fmt = resolve_format(source, data_args.formatting, allowed, stage)
-    options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all"},
-               "pretrain": {"packing": data_args.packing}}
+    encoder = encoder_for(data_args)
+    chat = {"encoder": encoder, "default_system": data_args.default_system,
+            "enable_thinking": data_args.enable_thinking}
+    options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all",
+                              "train_on_prompt": data_args.train_on_prompt, **chat},
+               "pairwise": chat,
+               "pretrain": {"packing": data_args.packing,
+                            "eos_id": pretrain_eos_id(tokenizer, encoder.template) if encoder else None}}
     return PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
-                                 source=source.name, file_rows=source.file_rows, **options.get(processor, {}))
+                                 source=source.name, file_rows=source.file_rows, entry=source.entry,
+                                 **options.get(processor, {}))
 
 
 def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
@@ -206,11 +223,11 @@ def fingerprint(ds, fn) -> str:
     Cheaper than letting ``datasets`` pickle the whole tokenizer (~2 s for Qwen's 151k vocab), and
     unlike that pickle it changes when roll's processing code changes, so a stale cache is never reused.
     """
-    from roll.data import formats, processors, templates
+    from roll.data import dataset_info, formats, named_templates, processors, templates
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
-                           code_digest(formats, processors, templates))
+                           code_digest(formats, processors, templates, named_templates, dataset_info))
 
 
 def _concat(parts: list):
