@@ -7,7 +7,9 @@ Output schema (the contract with both backends, see docs/data.md):
 Every processor also emits bookkeeping columns, removed after the stats are taken:
 ``_drop`` (a DROP_REASONS key, '' when kept), ``_truncated`` (bool) and ``_docs`` (samples ending in the row).
 
-Truncation to cutoff_len (``split_budget``): the prompt is trimmed before the answer. The prompt
+A named template (``template: qwen``) lays out, labels and truncates as LLaMA-Factory does
+(roll.data.named_templates). With the tokenizer's own chat template, truncation to cutoff_len
+(``split_budget``): the prompt is trimmed before the answer. The prompt
 keeps at least min(prompt, budget // 2) tokens, cut from the left (oldest context first, the
 assistant header right before the answer survives); the answer is cut from the right. In
 multi-turn conversations turns are kept in order until the budget runs out; the turn that
