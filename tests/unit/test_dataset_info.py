@@ -163,3 +163,14 @@ def test_a_registry_that_is_not_json_is_named(registry):
     (registry / "data" / "dataset_info.json").write_text("{not json")
     with pytest.raises(ConfigError, match="the dataset registry data/dataset_info.json is not valid JSON"):
         parse_args(["dataset=mapped_alpaca"])
+
+
+def test_a_registered_name_streams_the_rows_it_gives_in_memory(bpe, registry):
+    from roll.data.streaming import set_stream_length
+
+    memory = _build(bpe, dataset="mapped_chat,mapped_alpaca")
+    bundle = build_datasets(DataArguments(dataset="mapped_chat,mapped_alpaca", cutoff_len=256, shuffle=False,
+                                          streaming=True), bpe, stage="sft", processor=SFT[0], formats=SFT[1],
+                            seed=0)
+    set_stream_length(bundle.train, len(memory), 1)
+    assert [bundle.train[i]["labels"] for i in range(len(memory))] == memory["labels"]
