@@ -115,6 +115,11 @@ MUTANTS: list[Mutant] = [
            "prompt, reply = prompt[:p_keep], reply[:r_keep]",
            "prompt, reply = prompt[len(prompt) - p_keep:], reply[:r_keep]",
            (f"{NAMED_UNIT}::test_truncation_keeps_the_start_of_prompt_and_reply_and_mask_history_keeps_the_last_turn",)),
+    Mutant("system_laid_out_as_a_user_turn", "a named template without a system slot (deepseek3) lays the system "
+           "prompt out in its user slot (LLaMA-Factory: the text alone)", NAMED,
+           'object.__setattr__(self, "system", self.system or (CONTENT,))',
+           'object.__setattr__(self, "system", self.system or self.user)',
+           (f"{NAMED_UNIT}::test_default_system_replaces_the_templates_and_the_rows_own_wins",)),
     Mutant("registry_prompt_and_query_joined_by_a_space", "a registered alpaca row's prompt and query are joined by "
            "a space (LLaMA-Factory: a newline)", "roll/data/dataset_info.py", '{"instruction": "\\n".join(parts)',
            '{"instruction": " ".join(parts)',

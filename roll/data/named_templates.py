@@ -60,7 +60,7 @@ class NamedTemplate:
     assistant: tuple[Slot, ...] | None = None
     """Default: the reply then EOS (the reply alone with efficient_eos)."""
     system: tuple[Slot, ...] | None = None
-    """Default: the user slots."""
+    """Default: the system text alone (``{{content}}``), not the user slots."""
     observation: tuple[Slot, ...] | None = None
     """A tool result's slots; default: the user slots."""
     prefix: tuple[Slot, ...] = ()
@@ -79,7 +79,7 @@ class NamedTemplate:
     def __post_init__(self) -> None:
         if self.assistant is None:
             object.__setattr__(self, "assistant", (CONTENT,) if self.efficient_eos else (CONTENT, EOS))
-        object.__setattr__(self, "system", self.system or self.user)
+        object.__setattr__(self, "system", self.system or (CONTENT,))
         object.__setattr__(self, "observation", self.observation or self.user)
 
 
@@ -357,27 +357,38 @@ def to_jinja(template: NamedTemplate) -> str:
             + "{% endif %}{% endfor %}")
 
 
+def _is_token(tokenizer, text: str) -> bool:
+    found = tokenizer.convert_tokens_to_ids(text)
+    return found is not None and (found != tokenizer.unk_token_id or tokenizer.unk_token == text)
+
+
 def install(tokenizer, template: NamedTemplate) -> None:
-    """Make ``tokenizer`` what training with ``template`` needs: its first stop word as the EOS token (with
-    replace_eos, as LLaMA-Factory does: stage pt ends documents with it, and generation stops at it) and
-    ``to_jinja``'s chat template. A stop word that is no token of the tokenizer is refused: the model would
-    need a new embedding row."""
-    if template.replace_eos:
-        eos = template.stop_words[0]
-        found = tokenizer.convert_tokens_to_ids(eos)
-        if found is None or (found == tokenizer.unk_token_id and tokenizer.unk_token != eos):
-            raise ConfigError(f"template {template.name} ends replies with {eos!r}, which is no token of this "
-                              "tokenizer (the model would need a new embedding row): choose the template of the "
-                              "model's family, or leave `template:` unset to use the tokenizer's own.")
-        tokenizer.eos_token = eos
-    tokenizer.chat_template = to_jinja(template)
+    """Make ``tokenizer`` what training with ``template`` needs, as LLaMA-Factory does: its stop words are
+    special tokens (tokenized whole), the first one the EOS token with replace_eos (stage pt ends documents
+    with it, generation stops at it); and ``to_jinja``'s chat template. A stop word that is no token of the
+    tokenizer, where the template writes it or makes it the EOS, is refused: LLaMA-Factory would add it as a
+    new token, which the model has no embedding row for (the model family's own tokenizer has them)."""
+    t = template
+    written = "".join(s for slots in (t.prefix, t.system, t.user, t.assistant, t.observation) for s in slots
+                      if isinstance(s, str))
+    needed = [w for i, w in enumerate(t.stop_words) if w in written or (i == 0 and t.replace_eos)]
+    missing = [w for w in needed if not _is_token(tokenizer, w)]
+    if missing:
+        raise ConfigError(f"template {t.name} ends turns with {', '.join(map(repr, missing))}, which is no token "
+                          "of this tokenizer (the model would need a new embedding row): choose the template of "
+                          "the model's family, or leave `template:` unset to use the tokenizer's own.")
+    special = set(tokenizer.all_special_tokens)
+    extra = [w for w in t.stop_words if _is_token(tokenizer, w) and w not in special]
+    if extra:
+        tokenizer.add_special_tokens({"additional_special_tokens": extra}, replace_extra_special_tokens=False)
+    if t.replace_eos:
+        tokenizer.eos_token = t.stop_words[0]
+    tokenizer.chat_template = to_jinja(t)
 
 
 def pretrain_eos_id(tokenizer, template: NamedTemplate | None) -> int:
     """The token stage pt ends each document with: the template's own (llama3's <|end_of_text|>) when the
     tokenizer has it, else the tokenizer's EOS (after ``install``)."""
-    if template is not None and template.pretrain_eos:
-        found = tokenizer.convert_tokens_to_ids(template.pretrain_eos)
-        if found is not None and found != tokenizer.unk_token_id:
-            return found
+    if template is not None and template.pretrain_eos and _is_token(tokenizer, template.pretrain_eos):
+        return tokenizer.convert_tokens_to_ids(template.pretrain_eos)
     return tokenizer.eos_token_id

@@ -21,26 +21,29 @@ IM_START, IM_END, NL, THINK, END_THINK, NL2 = 151644, 151645, 198, 151667, 15166
 """Qwen2.5's ids of <|im_start|>, <|im_end|>, "\\n", <think>, </think>, "\\n\\n"."""
 EOS = "<eos>"
 BOS = "<bos>"
-LLAMA3_SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"]
+FAMILY_SPECIALS = {"llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                              "<|end_of_text|>"],
+                   "glm4": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]}
+"""The special tokens of the model family's own tokenizer, added to Qwen's for these templates."""
 
 
-_LOADED: dict[bool, object] = {}
+_LOADED: dict[str, object] = {}
 
 
 def _tokenizer(name: str):
-    """The Qwen2.5 tokenizer with ``name`` applied (loaded once; with llama3's special tokens added for llama3).
-    Qwen has no BOS: <|endoftext|> stands in for the templates that start with one."""
+    """The Qwen2.5 tokenizer with ``name`` applied (loaded once; with the family's special tokens added for llama3
+    and glm4). Qwen has no BOS: <|endoftext|> stands in for the templates that start with one."""
     import copy
 
     from roll.demo.tiny_model import load_qwen_tokenizer
 
-    llama = name == "llama3"
     if not _LOADED:
-        _LOADED[False] = load_qwen_tokenizer()
-        _LOADED[False].bos_token = "<|endoftext|>"
-        _LOADED[True] = copy.deepcopy(_LOADED[False])
-        _LOADED[True].add_special_tokens({"additional_special_tokens": LLAMA3_SPECIALS})
-    tokenizer = _LOADED[llama]
+        _LOADED["qwen"] = load_qwen_tokenizer()
+        _LOADED["qwen"].bos_token = "<|endoftext|>"
+        for family, specials in FAMILY_SPECIALS.items():
+            _LOADED[family] = copy.deepcopy(_LOADED["qwen"])
+            _LOADED[family].add_special_tokens({"additional_special_tokens": specials})
+    tokenizer = _LOADED[name if name in FAMILY_SPECIALS else "qwen"]
     apply_template(tokenizer, name)  # the chat template (and, llama3, the EOS) of this name, every time
     return tokenizer
 
@@ -148,6 +151,10 @@ def test_default_system_replaces_the_templates_and_the_rows_own_wins():
     tokenizer = _tokenizer("mistral")
     ids, _ = _sft(tokenizer, "mistral", own)
     assert tokenizer.decode(ids) == "<|endoftext|>[INST] Row system.\n\nHi[/INST] Hello.<|im_end|>"
+    # a template without a system slot writes the system text alone (not in its user slot)
+    tokenizer = _tokenizer("deepseek3")
+    assert _sft(tokenizer, "deepseek3", own) == _expected(tokenizer, [
+        ([BOS, "Row system.", "<｜User｜>Hi<｜Assistant｜>"], False), (["Hello.", EOS], True)])
 
 
 THOUGHT = "<think>\nadd them\n</think>\n\n"
@@ -247,5 +254,7 @@ def test_replace_eos_and_pretrain_eos():
     assert pretrain_eos_id(tokenizer, None) == tokenizer.eos_token_id
     with pytest.raises(ConfigError, match="<\\|eot_id\\|>.*no token of this tokenizer"):
         apply_template(_tokenizer("qwen"), "llama3")
+    with pytest.raises(ConfigError, match="'<\\|user\\|>', '<\\|observation\\|>', which is no token"):
+        apply_template(_tokenizer("qwen"), "glm4")  # LLaMA-Factory would add them as new tokens
     with pytest.raises(ConfigError, match="did you mean 'qwen3_nothink'"):
         DataArguments(template="qwen3_nothnk")
