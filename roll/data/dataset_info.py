@@ -7,10 +7,13 @@ working directory, as there). Each name maps to an object:
   (a Hub dataset, read with the network only); ``split`` (default ``train``, the only split of a file);
 - ``formatting``: ``alpaca`` (the default) or ``sharegpt``; ``ranking: true`` marks preference pairs (stage
   dpo reads only such entries, the other stages only the others);
-- ``columns``: which column holds each part (defaults in ``COLUMNS``): alpaca ``prompt``, ``query``,
-  ``response``, ``history``, ``system``; sharegpt ``messages``, ``system``; pairs ``chosen``, ``rejected``;
-  ``kto_tag`` (a boolean column: the reply is desirable or not; carried into the row as ``kto_tag``);
-- ``tags`` (sharegpt): the key of a turn's role and content, and the role names (defaults in ``TAGS``).
+- ``columns``: which column holds each part: alpaca ``prompt``, ``query``, ``response``, ``history``,
+  ``system``; sharegpt ``messages``, ``system``; pairs ``chosen``, ``rejected``; ``kto_tag`` (a boolean column:
+  the reply is desirable or not; carried into the row as ``kto_tag``). Without ``columns`` the defaults in
+  ``COLUMNS`` are read; with it, as in LLaMA-Factory, only the parts it names (one warning names a default
+  column the file has that is then not read);
+- ``tags`` (sharegpt): the key of a turn's role and content, and the role names: the defaults in ``TAGS``
+  without ``tags``, only those it names with it.
 
 An entry's rows are rewritten into roll's own columns (``DatasetEntry.canonical``) before the stage's
 format reads them, with LLaMA-Factory's meanings: an alpaca prompt is ``prompt`` and ``query`` joined by a
@@ -100,17 +103,28 @@ class DatasetEntry:
         return self.formatting
 
     def required(self, fmt: str) -> list[str]:
-        """The parts whose column a file must have for rows of ``fmt``."""
-        base = ["messages"] if self.formatting == "sharegpt" else ["prompt"]
-        if fmt == "alpaca":
-            base.append("response")
-        if fmt == "pairwise":
-            base += ["chosen", "rejected"]
-        return base + sorted(self.named - set(base))
+        """The parts rows of ``fmt`` cannot do without (an alpaca prompt may come from query alone)."""
+        if self.formatting == "sharegpt":
+            return ["messages"] + (["chosen", "rejected"] if fmt == "pairwise" else [])
+        return {"alpaca": ["response"], "pairwise": ["chosen", "rejected"], "text": []}.get(fmt, [])
 
     def missing_columns(self, fmt: str, columns: list[str]) -> list[str]:
-        return [f"{self.column(part)!r} (columns.{part})" for part in self.required(fmt)
-                if self.column(part) is not None and self.column(part) not in columns]
+        """What the file lacks for rows of ``fmt``: a needed part the entry names no column for, or a named
+        column the file does not have (a ConfigError message each)."""
+        unnamed = [part for part in self.required(fmt) if self.column(part) is None]
+        if fmt == "text" and self.formatting == "alpaca" and self.column("prompt") is None:
+            unnamed.append("prompt")
+        missing = [f"it names no column for {part} (with `columns`, only the columns named are read)"
+                   for part in unnamed]
+        return missing + [f"column {self.column(part)!r} (columns.{part}) is not in the file"
+                          for part in sorted(self.named) if self.column(part) not in columns]
+
+    def unread_columns(self, columns: list[str]) -> list[str]:
+        """Default columns the file has that the entry's ``columns`` leaves unread (LLaMA-Factory's meaning)."""
+        if not self.named:
+            return []
+        parts = ("messages",) if self.formatting == "sharegpt" else ("prompt", "query", "response")
+        return [f"{COLUMNS[p]!r} (columns.{p})" for p in parts if self.column(p) is None and COLUMNS[p] in columns]
 
     def canonical(self, row: dict, fmt: str) -> dict:
         """``row`` in roll's own columns (roll.data.formats) for rows of ``fmt``; RowError when malformed."""
@@ -155,7 +169,7 @@ class DatasetEntry:
 
     def _turn(self, turn: Any, where: int | str) -> dict:
         tags = dict(self.tags)
-        roles = {tags[key]: name for key, name in _ROLES.items()}
+        roles = {tags[key]: name for key, name in _ROLES.items() if tags[key] is not None}
         if not isinstance(turn, dict) or tags["role_tag"] not in turn:
             raise RowError(f"turn {where!r} of column {self.column('messages')!r} must be an object with the key "
                            f"{tags['role_tag']!r} (tags.role_tag) and {tags['content_tag']!r} (tags.content_tag)")
@@ -253,7 +267,10 @@ def parse_entry(name: str, raw: Any, registry: str, dataset_dir: str) -> Dataset
         raise ConfigError(f"{where}: split {split!r} cannot be read (a file has the split train only); drop the "
                           "key or register the rows of that split as their own file.")
     columns, named = _mapping(raw, "columns", COLUMNS, where, REFUSED_COLUMNS)
-    tags, _ = _mapping(raw, "tags", TAGS, where, {})
+    tags, tags_named = _mapping(raw, "tags", TAGS, where, {})
+    if tags_named and not {"role_tag", "content_tag"} <= tags_named:
+        raise ConfigError(f"{where}: tags must name role_tag and content_tag (with tags, only the tags named are "
+                          "read, as in LLaMA-Factory).")
     hub = located[0] == "hf_hub_url"
     location = raw[located[0]]
     if not isinstance(location, str) or not location.strip():
@@ -276,7 +293,9 @@ def _mapping(raw: dict, key: str, defaults: dict, where: str, refused: dict) -> 
             raise ConfigError(f"{where}: {key}.{name} is not a {key[:-1]} LLaMA-Factory's registry knows"
                               + (f" (did you mean {hint!r}?)" if hint else "")
                               + f"; known: {', '.join(defaults)}.")
-    return {**defaults, **given}, set(given)
+    if key not in raw:
+        return dict(defaults), set()
+    return {**{name: None for name in defaults}, **given}, set(given)  # LLaMA-Factory: only the named ones
 
 
 def registered_entries(data_args) -> dict[str, DatasetEntry]:

@@ -33,7 +33,7 @@ from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProce
 from roll.data.stats import PreprocessStats
 from roll.errors import ConfigError, DataError
 from roll.launch import local_rank
-from roll.logging import log_rank0
+from roll.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +170,12 @@ def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], st
         fmt = source.entry.format_for(allowed, stage)
         missing = source.entry.missing_columns(fmt, columns)
         if missing:
-            raise DataError(f"{source.name}: {source.entry.describe()} reads the column(s) {', '.join(missing)}, "
-                            f"which the file does not have (its columns: {columns}); fix the entry's columns.")
+            raise DataError(f"{source.name}: {source.entry.describe()}: {'; '.join(missing)} (the file's columns: "
+                            f"{columns}); fix the entry's columns.")
+        unread = source.entry.unread_columns(columns)
+        if unread:
+            warn_once(logger, f"{source.entry.describe()}: the file's column(s) {', '.join(unread)} are not read: "
+                              "with `columns`, LLaMA-Factory's registry reads only the columns it names.")
         return fmt
     fmt = fmts.detect(columns) if formatting == "auto" else formatting
     if fmt is None:

@@ -61,7 +61,8 @@ ENTRIES = {
     "mapped_chat": {"file_name": "chat.json", "formatting": "sharegpt", "columns": {"messages": "dialog"},
                     "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "me", "assistant_tag": "bot",
                              "system_tag": "boss"}},
-    "pairs": {"file_name": "pairs.json", "ranking": True, "columns": {"chosen": "good", "rejected": "bad"}},
+    "pairs": {"file_name": "pairs.json", "ranking": True,
+              "columns": {"prompt": "instruction", "chosen": "good", "rejected": "bad"}},
     "feedback": {"file_name": "fb.json", "formatting": "sharegpt", "columns": {"messages": "m", "kto_tag": "label"},
                  "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                           "assistant_tag": "assistant"}},
@@ -134,8 +135,23 @@ def test_ranking_entries_only_for_pairwise_stages(bpe, registry):
 
 def test_a_column_the_file_lacks_names_the_entry(bpe, registry):
     _registry(registry / "data", {**ENTRIES, "typo": {"file_name": "alpaca.json", "columns": {"prompt": "question"}}})
-    with pytest.raises(DataError, match=r"dataset 'typo' .* reads the column\(s\) 'question' \(columns.prompt\)"):
+    with pytest.raises(DataError, match=r"dataset 'typo' .*column 'question' \(columns.prompt\) is not in the file"):
         _build(bpe, dataset="typo")
+    _registry(registry / "data", {**ENTRIES, "no_reply": {"file_name": "alpaca.json", "columns": {"prompt": "q"}}})
+    with pytest.raises(DataError, match="'no_reply' .*: it names no column for response"):
+        _build(bpe, dataset="no_reply")
+
+
+def test_with_columns_only_the_named_columns_are_read(bpe, registry, roll_warnings):
+    """LLaMA-Factory's meaning: an entry with ``columns`` reads only the parts it names (``input`` here is not
+    read), and one warning names the default column left unread."""
+    plain = [{"instruction": "Add.", "input": "2 and 3", "output": "5."}]
+    _write(registry / "data" / "plain.json", plain)
+    _registry(registry / "data", {**ENTRIES, "partial": {"file_name": "plain.json",
+                                                         "columns": {"prompt": "instruction", "response": "output"}}})
+    same = _write(registry / "roll" / "same.json", [{"instruction": "Add.", "output": "5."}])
+    assert _build(bpe, dataset="partial")["input_ids"] == _build(bpe, dataset=same)["input_ids"]
+    assert "the file's column(s) 'input' (columns.query) are not read" in roll_warnings.text
 
 
 @pytest.mark.parametrize("entry, message", [
