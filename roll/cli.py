@@ -55,6 +55,8 @@ def format_help() -> str:
             doc = field_doc(cls, f) or "(no description)"
             lines.extend(textwrap.wrap(doc, width=100, initial_indent="      ", subsequent_indent="      "))
         lines.append("")
+    lines.append("LLaMA-Factory's other keys (read under the names above, without effect, or refused naming what "
+                 "to use): docs/keys.md, docs/llamafactory.md.")
     return "\n".join(lines)
 
 

@@ -63,11 +63,12 @@ def log_rank0(logger: logging.Logger, msg: str, *args, level: int = logging.INFO
         logger.log(level, msg, *args)
 
 
-def warn_once(logger: logging.Logger, msg: str) -> None:
-    """Warn once per process and message (e.g. for a recipe value the active backend ignores)."""
+def warn_once(logger: logging.Logger, msg: str, level: int = logging.WARNING) -> None:
+    """Warn once per process and message (e.g. for a recipe value the active backend ignores); ``level``
+    INFO for a line that reports rather than warns."""
     if msg not in _warned:
         _warned.add(msg)
-        log_rank0(logger, msg, level=logging.WARNING)
+        log_rank0(logger, msg, level=level)
 
 
 def byte_progress(total: int, desc: str, rank0_only: bool = True):

@@ -135,9 +135,9 @@ def check_chat_template(config) -> None:
     if os.path.isfile(tokenizer_config) and read_json_object(tokenizer_config, tokenizer_config,
                                                             ModelError).get("chat_template"):
         return
-    from roll.data.templates import BUILTIN_TEMPLATES
+    from roll.data.named_templates import TEMPLATES
 
-    stage, names = config.finetuning.stage, ", ".join(BUILTIN_TEMPLATES)
+    stage, names = config.finetuning.stage, ", ".join(TEMPLATES)
     raise ConfigError(f"the tokenizer in {path!r} has no chat template, which stage {stage} needs to lay out "
                       f"conversations. Set template: to one of {names} (the one the model will be prompted "
                       "with), or use a tokenizer that has a chat template.")

@@ -60,6 +60,9 @@ BURST = 'return "SLURM_JOB_ID" in os.environ and time.monotonic() - self._first_
 STREAM_UNIT = "tests/unit/test_data_streaming.py"
 STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader_gets_the_same_rows"
 
+NAMED = "roll/data/named_templates.py"
+NAMED_UNIT = "tests/unit/test_named_templates.py"
+
 ELASTIC = "backends/standard/elastic.py"
 ELASTIC_UNIT = "tests/unit/test_elastic_resume.py::test_converts_only_when_the_data_parallel_size_changed"
 ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
@@ -115,6 +118,30 @@ MUTANTS: list[Mutant] = [
            "flag computed on the device but not handed to the fused Adam)", "backends/mca/trainer/update.py",
            "        inner.optimizer.found_inf = found_inf\n", "        inner.optimizer.found_inf = None\n",
            (f"{MCA_UNIT}::test_a_step_clips_and_skips_on_the_device_as_megatron_does_on_the_host",), fast=True),
+    Mutant("reply_separator_untrained", "template: qwen trains the reply and <|im_end|> but not the newline after "
+           "it (LLaMA-Factory trains the whole reply slot; issue 30's last 2.3e-5)", NAMED,
+           "if last_turn_only and k != 0 else list(reply)",
+           "if last_turn_only and k != 0 else list(reply[:-1]) + [IGNORE_INDEX] * bool(reply)",
+           (f"{NAMED_UNIT}::test_qwen_ids_written_out",), fast=True),
+    Mutant("qwen_default_system_not_llamafactorys", "template: qwen's default system prompt is not LLaMA-Factory's "
+           "(\"You are Qwen, created by Alibaba Cloud...\": issue 30's first cause)", NAMED,
+           'default_system="You are Qwen, created by Alibaba Cloud. You are a helpful "',
+           'default_system="You are a helpful "',
+           (f"{NAMED_UNIT}::test_each_name_lays_out_llamafactorys_text_and_labels[qwen]",), fast=True),
+    Mutant("named_truncation_keeps_the_prompt_end", "a named template truncates the prompt from the left (roll's "
+           "rule for the tokenizer's template), not from the right as LLaMA-Factory does", NAMED,
+           "prompt, reply = prompt[:p_keep], reply[:r_keep]",
+           "prompt, reply = prompt[len(prompt) - p_keep:], reply[:r_keep]",
+           (f"{NAMED_UNIT}::test_truncation_keeps_the_start_of_prompt_and_reply_and_mask_history_keeps_the_last_turn",)),
+    Mutant("system_laid_out_as_a_user_turn", "a named template without a system slot (deepseek3) lays the system "
+           "prompt out in its user slot (LLaMA-Factory: the text alone)", NAMED,
+           'object.__setattr__(self, "system", self.system or (CONTENT,))',
+           'object.__setattr__(self, "system", self.system or self.user)',
+           (f"{NAMED_UNIT}::test_default_system_replaces_the_templates_and_the_rows_own_wins",)),
+    Mutant("registry_prompt_and_query_joined_by_a_space", "a registered alpaca row's prompt and query are joined by "
+           "a space (LLaMA-Factory: a newline)", "roll/data/dataset_info.py", '{"instruction": "\\n".join(parts)',
+           '{"instruction": " ".join(parts)',
+           ("tests/unit/test_dataset_info.py::test_registered_names_load_with_their_columns_and_tags",)),
     Mutant("moe_aux_coeff_times_tp", "MoE aux-loss coefficient multiplied by the TP size",
            "backends/mca/models/config.py",
            "        kwargs.update(overrides)\n        return _CONFIG_CLASSES[template.config_class](**kwargs)",

@@ -10,8 +10,8 @@ is roll-bench's ``bench`` shape (roll.bench.prepare.SHAPES: a Qwen2 of hidden 51
 Qwen2.5 vocabulary), written so that LLaMA-Factory's older transformers reads it as roll's does (the
 original Qwen2.5 tokenizer files, ``rope_theta`` and ``torch_dtype`` at the top of config.json). The data is
 generated (seeded, ``roll.bench.data.write_rows``): alpaca rows of English words, about 170 tokens a row.
-Both tools use the same chat format (ChatML with the system prompt "You are a helpful assistant.": roll's
-``template: qwen``, LLaMA-Factory's ``template: qwen`` with that ``default_system``).
+Both tools use the same chat format (``template: qwen``, LLaMA-Factory's layout, with the system prompt "You
+are a helpful assistant." as ``default_system`` for both).
 
 Each run's log file is polled while it runs, so its wall time splits into: before the first step is logged
 (start-up, data, model load, step 1), the loop (steps 2..N) and after the last step (save and exit).
@@ -98,7 +98,8 @@ def llamafactory_config(model_dir: str, data_dir: str, output_dir: str, settings
 
 
 def roll_recipe(model_dir: str, data_path: str, output_dir: str, settings: Settings) -> dict:
-    return {**common_keys(model_dir, output_dir, settings), "dataset": data_path, "template": "qwen"}
+    return {**common_keys(model_dir, output_dir, settings), "dataset": data_path, "template": "qwen",
+            "default_system": SYSTEM}
 
 
 def log_file(tool: str, output_dir: str) -> str:

@@ -125,7 +125,16 @@ ROWS: tuple[Row, ...] = (
     _row("dataset formatting", both=Honoured(
         "tests/unit/test_data_pipeline.py::test_file_types_give_the_same_rows")),
     _row("eval_dataset max_samples val_size", both=Honoured(PIPELINE)),
-    _row("template", both=Honoured("tests/unit/test_data_templates.py::test_builtin_templates")),
+    _row("dataset_dir", both=Honoured(
+        "tests/unit/test_dataset_info.py::test_registered_names_load_with_their_columns_and_tags",
+        "LLaMA-Factory's registry of dataset names (dataset_info.json)")),
+    _row("template default_system", both=Honoured(
+        "tests/unit/test_named_templates.py::test_each_name_lays_out_llamafactorys_text_and_labels",
+        "the named templates are LLaMA-Factory's layouts; unset: the tokenizer's own chat template")),
+    _row("enable_thinking preserve_thinking", both=Honoured(
+        "tests/unit/test_named_templates.py::test_qwen3_thinking_is_trained_or_prompt")),
+    _row("train_on_prompt", both=Honoured(
+        "tests/unit/test_named_templates.py::test_train_on_prompt_and_mask_history")),
     _row("train_on_last_turn_only", both=Honoured(
         "tests/unit/test_data_templates.py::test_train_on_last_turn_only")),
     _row("cutoff_len", both=Honoured(
@@ -208,6 +217,9 @@ ROWS: tuple[Row, ...] = (
         None, gap="Megatron's hybrid CPU optimizer needs a GPU; no CPU test")),
     _row("recompute_*", standard=MEGATRON_ONLY, mca=Honoured(
         "tests/unit/test_mca_models.py", "recompute changes memory, not the result")),
+    _row("bias_activation_fusion apply_rope_fusion", standard=MEGATRON_ONLY, mca=Honoured(
+        "tests/unit/test_llamafactory.py::test_fusion_flags_reach_megatron_only_with_transformer_engine",
+        "Transformer Engine's fused kernels; on Megatron-Core's local layers (CPU) no effect, said once")),
     _row("make_vocab_size_divisible_by", standard=MEGATRON_ONLY, mca=Honoured(
         "tests/distributed/test_parity_tool.py::"
         "test_tp2_with_a_padded_vocabulary_matches_the_standard_backend")),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from roll.config.coerce import closest
+from roll.data.named_templates import check_template_options
 from roll.errors import ConfigError
 
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
@@ -14,22 +15,37 @@ MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
 @dataclass
 class DataArguments:
     dataset: str | None = None
-    """One or more comma-separated sources: .json/.jsonl/.parquet/.csv/.txt files, directories of them, or a saved datasets directory."""
+    """One or more comma-separated sources: names registered in dataset_dir/dataset_info.json (LLaMA-Factory's registry), .json/.jsonl/.parquet/.csv/.txt files, directories of them, or a saved datasets directory."""
 
     eval_dataset: str | None = None
     """Sources for evaluation, same syntax as dataset (alternative to val_size)."""
+
+    dataset_dir: str = "data"
+    """The folder of dataset_info.json, the registry of dataset names (LLaMA-Factory's format; relative to the working directory); its file_name entries are relative to it."""
 
     formatting: Literal["auto", "alpaca", "sharegpt", "pairwise", "text"] = "auto"
     """Row format; 'auto' detects it from the columns."""
 
     template: str | None = None
-    """Chat template: None uses the tokenizer's own; or a built-in name ('qwen'/'chatml', 'llama3', 'default')."""
+    """Chat template: None uses the tokenizer's own; a name (qwen, qwen3, qwen3_nothink, qwen2_vl, llama3, mistral, deepseek3, glm4, chatml, default, empty) lays conversations out, labels and truncates them as LLaMA-Factory's template of that name does."""
+
+    default_system: str | None = None
+    """The system prompt of conversations that have none (replaces a named template's default one)."""
+
+    enable_thinking: bool = True
+    """Reasoning templates (qwen3): an empty thought before a reply without one is trained (false: it is prompt, and thoughts are removed from replies); false is also passed to the tokenizer's chat template."""
+
+    preserve_thinking: bool = False
+    """Reasoning templates: keep the thoughts of earlier replies (by default they are removed from the history)."""
+
+    train_on_prompt: bool = False
+    """Train on the prompt tokens too (system, user turns, role headers), not only on the replies."""
 
     cutoff_len: int = 1024
     """Maximum tokens per sample (per packed row with packing). Prompts are trimmed before answers."""
 
     train_on_last_turn_only: bool = False
-    """In multi-turn conversations, train only on the last assistant turn instead of every assistant turn."""
+    """In multi-turn conversations, train only on the last assistant turn instead of every assistant turn (LLaMA-Factory's mask_history; with a named template the last turn also comes first when truncating)."""
 
     packing: bool = False
     """Pack several samples into each cutoff_len row (never splitting one); attention never crosses samples."""
@@ -80,6 +96,9 @@ class DataArguments:
             raise ConfigError(f"preprocessing_batch_size must be positive, got {self.preprocessing_batch_size}.")
         if self.buffer_size < 1:
             raise ConfigError(f"buffer_size must be positive, got {self.buffer_size}.")
+        problem = check_template_options(self.template, self.train_on_prompt, self.train_on_last_turn_only)
+        if problem:
+            raise ConfigError(problem)
         self._check_mixing()
 
     def _check_mixing(self) -> None:

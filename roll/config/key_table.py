@@ -107,4 +107,38 @@ def render_markdown() -> str:
         for row in rows:
             names = ", ".join(f"`{k}`" for k in keys if index[k] is row)
             lines.append(f"| {names} | " + " | ".join(_cell(row.status(b)) for b in BACKENDS) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _llamafactory_lines()) + "\n"
+
+
+LLAMAFACTORY_HEADER = """
+## LLaMA-Factory's keys
+
+Keys of LLaMA-Factory's recipes that are not roll's own (`roll/config/llamafactory.py`; those it shares with
+roll are in the tables above, with one meaning). Each is read under roll's name, or has no effect on what roll
+trains (one info line says so), or, for a value that would switch on what roll does not have, is refused
+(exit 2) naming what to use. The same on both backends. docs/llamafactory.md tells the whole move.
+"""
+
+
+def _llamafactory_lines() -> list[str]:
+    from roll.config.llamafactory import KEYS, Inert, Renamed
+
+    lines = [LLAMAFACTORY_HEADER, "| key | in roll |", "|---|---|"]
+    for key, found in KEYS.items():
+        if isinstance(found, Renamed):
+            cell = f"read as `{found.target}`" + (f" ({found.note})" if found.note else "")
+        else:
+            assert isinstance(found, Inert), found
+            cell = f"no effect on training: {found.reason}"
+            if found.only is not None:
+                accepted = " or ".join(f"`{_yaml(v)}`" for v in found.only)
+                cell = f"accepted as {accepted} ({found.reason}); **refused** otherwise (exit 2): {found.use}"
+        lines.append(f"| `{key}` | {cell} |")
+    return lines
+
+
+def _yaml(value) -> str:
+    """A value as a recipe writes it."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return "{}" if value == {} else str(value)

@@ -88,6 +88,14 @@ class MegatronArguments:
     """Not available: both backends route every token to its top-k experts (drop-less; Hugging Face's MoE
     models have no capacity factor), so any value is refused."""
 
+    bias_activation_fusion: bool = False
+    """[mca] Fuse the bias add with the activation (Megatron's fused SwiGLU/GeLU) where Transformer Engine runs
+    the layers; on the local spec (CPU) no effect, said once."""
+
+    apply_rope_fusion: bool = False
+    """[mca] Apply rotary embeddings with the fused kernel where Transformer Engine runs the layers; on the
+    local spec (CPU) no effect, said once."""
+
     make_vocab_size_divisible_by: int = 1
     """[mca] Pad the embedding/output vocabulary to a multiple of this times TP (Megatron-LM's key; 128 there). Padded rows never enter the loss."""
 

@@ -10,11 +10,16 @@ from typing import Any
 
 import yaml
 
+from roll.config import llamafactory
 from roll.config.coerce import CoercionError, closest, coerce, describe, is_bool_word
 from roll.config.run import GROUPS, RunConfig
 from roll.config.training import LAUNCH_ENV_FALLBACKS
 from roll.errors import ConfigError
 from roll.slurm import log_restart, restart_count
+
+ENV_FALLBACKS = {"use_mca": "USE_MCA"}
+"""Keys read from these environment variables when neither the recipe nor the command line sets them:
+LLaMA-Factory's backend switch (``USE_MCA=1 llamafactory-cli train X.yaml``)."""
 
 FLAGS = ("help", "print_config", "dry_run", "json", "version", "plan", "prepare_data", "sbatch")
 """Command-line switches that are not config keys."""
@@ -101,6 +106,8 @@ def split_command_line(argv: list[str]) -> tuple[CliOptions, dict[str, str]]:
             takes_value = i < len(argv) and not argv[i].startswith("--") and "=" not in argv[i]
             if ref is not None and _is_bool(ref.type) and not (takes_value and is_bool_word(argv[i])):
                 value = "true"
+            elif ref is None and not takes_value and llamafactory.entry(key) is not None:
+                value = "true"  # a bare switch of LLaMA-Factory's (--plot_loss)
             elif takes_value:
                 value = argv[i]
                 i += 1
@@ -139,7 +146,10 @@ def load_recipe(path: str) -> dict[str, Any]:
 
 def _parse_cli_value(text: str, tp: Any) -> Any:
     """A command-line value read as YAML, except that ``save_strategy=no`` stays the text 'no'
-    when the key does not take a boolean (quoting is awkward on a command line)."""
+    when the key does not take a boolean (quoting is awkward on a command line). A value that is no text
+    (a LLaMA-Factory key's, already read: roll.config.llamafactory) is kept."""
+    if not isinstance(text, str):
+        return text
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -156,13 +166,16 @@ def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str 
     source_of = {}
     values: dict[str, Any] = {}
     recipe_source = f"recipe {recipe_path}" if recipe_path else "recipe"
+    recipe = llamafactory.translate(recipe, recipe_source, set(FIELDS))
+    overrides = llamafactory.translate({k: v if k in FIELDS else _parse_cli_value(v, Any)
+                                        for k, v in overrides.items()}, "the command line", set(FIELDS))
     unknown = [k for k in recipe if k not in FIELDS]
     if unknown:
         raise _unknown_key_error(unknown, recipe_source)
     unknown = [k for k in overrides if k not in FIELDS]
     if unknown:
         raise _unknown_key_error(unknown, "the command line")
-    for key, var in LAUNCH_ENV_FALLBACKS.items():
+    for key, var in {**LAUNCH_ENV_FALLBACKS, **ENV_FALLBACKS}.items():
         if os.environ.get(var, "").strip() and key not in recipe and key not in overrides:
             values[key], source_of[key] = _parse_cli_value(os.environ[var], FIELDS[key].type), f"environment variable {var}"
     restarts = restart_count()

@@ -15,6 +15,7 @@ from roll.config.layout import ParallelLayout
 from roll.config.megatron import MegatronArguments
 from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
+from roll.data.dataset_info import check_sources
 from roll.errors import ConfigError
 from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
@@ -67,6 +68,7 @@ class RunConfig:
             raise ConfigError(f"eval_strategy={evaluates} needs an evaluation set: set val_size (e.g. 0.1) "
                               "or eval_dataset, or eval_strategy: no.")
         check_streaming(self.data, self.training, self.finetuning.stage)
+        check_sources(self.data)  # the names of LLaMA-Factory's dataset registry (dataset_dir)
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
@@ -81,6 +83,10 @@ class RunConfig:
         if self.data.packing:
             raise ConfigError("packing is not supported for stage kto (each micro-batch is collated with its "
                               "mismatched rows); set packing: false.")
+        if self.data.template is not None:
+            raise ConfigError(f"template: {self.data.template} is not supported for stage kto yet: kto rows are "
+                              "laid out with the tokenizer's own chat template, not with LLaMA-Factory's named "
+                              "layouts (their trained span and truncation differ); remove `template:`.")
         t = self.training
         sizes = [("per_device_train_batch_size", t.per_device_train_batch_size)]
         if self.data.val_size or self.data.eval_dataset:

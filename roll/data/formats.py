@@ -109,7 +109,10 @@ def turns_to_messages(turns: Any, column: str) -> list[dict]:
             tag, content = turn.get("role"), turn.get("content")
         if tag not in SHAREGPT_ROLES:
             raise RowError(f"'{column}'[{i}] has role {tag!r}; expected one of {sorted(SHAREGPT_ROLES)}")
-        messages.append({"role": SHAREGPT_ROLES[tag], "content": _text(content, f"'{column}'[{i}] content")})
+        message = {"role": SHAREGPT_ROLES[tag], "content": _text(content, f"'{column}'[{i}] content")}
+        if tag == "function_call":  # an assistant turn that calls a tool (a named template lays it out apart)
+            message["function_call"] = True
+        messages.append(message)
     return messages
 
 

@@ -1,4 +1,5 @@
-"""Raw dataset loading: local files, directories of them, saved datasets, or hub names.
+"""Raw dataset loading: registered names (roll.data.dataset_info), local files, directories of them, saved
+datasets, or hub names.
 
 Each file is loaded as its own ``datasets.Dataset`` so that an error can name the file and the
 row index inside it. Loading goes through ``datasets.load_dataset``, whose arrow cache under the
@@ -13,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from roll.data.dataset_info import DatasetEntry, lookup, read_registry, unknown_name
 from roll.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,8 @@ class Source:
     file_rows: list[int] | None = None
     """The file's row index of each dataset row when only some rows were kept (max_samples), so that
     errors still name the row in the file; None when the dataset is the whole file in order."""
+    entry: DatasetEntry | None = None
+    """The registry entry the file belongs to (its format, columns and tags), when named by one."""
 
 
 def split_sources(spec: str | None) -> list[str]:
@@ -41,7 +45,23 @@ def split_sources(spec: str | None) -> list[str]:
     return parts
 
 
-def expand(spec: str) -> list[str]:
+def resolve_source(part: str, dataset_dir: str | None = None) -> tuple[list[str], DatasetEntry | None]:
+    """The files behind one ``dataset:`` entry and, for a name registered in dataset_dir/dataset_info.json,
+    its registry entry (a registered name wins over a path of the same spelling)."""
+    entry = lookup(part, dataset_dir)
+    if entry is None:
+        return expand(part, dataset_dir), None
+    if entry.hub:
+        if hub_offline():
+            raise DataError(f"{entry.describe()} is the Hub dataset {entry.location!r} (hf_hub_url), and the Hub "
+                            f"is off ({', '.join(OFFLINE_ENV)}): download its rows and register their file.")
+        return [entry.location], entry
+    if not os.path.exists(entry.location):
+        raise DataError(f"{entry.describe()}: its file_name {entry.location!r} does not exist.")
+    return expand(entry.location, dataset_dir), entry
+
+
+def expand(spec: str, dataset_dir: str | None = None) -> list[str]:
     """Files (or a saved dataset dir, or a hub name) behind one source string, in a stable order."""
     if os.path.isfile(spec):
         _builder_for(spec)
@@ -55,18 +75,19 @@ def expand(spec: str) -> list[str]:
             raise DataError(f"dataset directory {spec} has no {'/'.join(BUILDERS)} files and is not a "
                             "saved dataset.")
         return files
-    if _looks_like_hub_name(spec) and not hub_offline():
+    if _looks_like_hub_name(spec) and not hub_offline() and read_registry(dataset_dir) is None:
         return [spec]
-    hint = f" (hub names need network; one of {', '.join(OFFLINE_ENV)} is set)." if hub_offline() else "."
-    raise DataError(f"dataset source {spec!r} not found: not a file or directory{hint}")
+    hint = f" (hub names need network; one of {', '.join(OFFLINE_ENV)} is set)" if hub_offline() else ""
+    raise DataError(f"dataset source {spec!r} not found: {unknown_name(spec, dataset_dir)}{hint}.")
 
 
-def load_sources(spec: str | None) -> list[Source]:
+def load_sources(spec: str | None, dataset_dir: str | None = None) -> list[Source]:
     """Load every file behind a comma-separated ``dataset:`` value."""
     sources = []
     for part in split_sources(spec):
-        for path in expand(part):
-            sources.append(Source(name=path, dataset=_load_one(path)))
+        paths, entry = resolve_source(part, dataset_dir)
+        for path in paths:
+            sources.append(Source(name=path, dataset=_load_one(path), entry=entry))
     return sources
 
 

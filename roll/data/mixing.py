@@ -20,15 +20,15 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from roll.data.loading import expand, split_sources
+from roll.data.loading import resolve_source, split_sources
 
 STRATEGIES = ("concat", "interleave_under", "interleave_over")
 
 
-def entry_sizes(spec: str) -> list[int]:
+def entry_sizes(spec: str, dataset_dir: str | None = None) -> list[int]:
     """How many loaded sources (files) each comma-separated entry of ``spec`` is made of, in order
     (``roll.data.loading.load_sources`` loads them in this order, flattened)."""
-    return [len(expand(part)) for part in split_sources(spec)]
+    return [len(resolve_source(part, dataset_dir)[0]) for part in split_sources(spec)]
 
 
 def interleave(sources: list[Callable[[], Iterable]], strategy: str, probs: list[float] | None,
@@ -89,7 +89,7 @@ def mix_datasets(parts: list, data_args, seed: int):
     if data_args.mix_strategy == "concat":
         return concat
     lengths, start = [], 0
-    for size in entry_sizes(data_args.dataset):
+    for size in entry_sizes(data_args.dataset, data_args.dataset_dir):
         lengths.append(sum(len(p) for p in parts[start:start + size]))
         start += size
     return concat.select(mixed_indices(lengths, data_args.mix_strategy, data_args.interleave_probs, seed))

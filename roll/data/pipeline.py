@@ -10,6 +10,7 @@ once with ``seed`` and, with ``packing``, packed (and the packed rows shuffled w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -25,6 +26,7 @@ from roll.data import prepared
 from roll.data.fingerprint import code_digest, settings_digest, tokenizer_digest
 from roll.data.loading import Source, load_sources
 from roll.data.mixing import mix_datasets
+from roll.data.named_templates import encoder_for, pretrain_eos_id
 from roll.data.packing import pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.feedback import FeedbackProcessor, check_both_labels
@@ -32,7 +34,7 @@ from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProce
 from roll.data.stats import PreprocessStats
 from roll.errors import ConfigError, DataError
 from roll.launch import local_rank
-from roll.logging import log_rank0
+from roll.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +118,14 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
            seed: int) -> DatasetBundle:
     start = time.perf_counter()
     stats = PreprocessStats()
-    sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset)]
+    sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset, data_args.dataset_dir)]
     stats.num_samples_in = sum(len(s.dataset) for s in sources)
     tokenized = mix_datasets([_tokenize(s, data_args, tokenizer, stage, processor, formats) for s in sources],
                              data_args, seed)
     train = _drop_skipped(tokenized, stats)
     eval_ds = None
     if data_args.eval_dataset:
-        eval_sources = [_cap(s, data_args, seed) for s in load_sources(data_args.eval_dataset)]
+        eval_sources = [_cap(s, data_args, seed) for s in load_sources(data_args.eval_dataset, data_args.dataset_dir)]
         eval_ds = _drop_skipped(_concat([_tokenize(s, data_args, tokenizer, stage, processor, formats)
                                          for s in eval_sources]), PreprocessStats())
     elif data_args.val_size:
@@ -161,12 +163,24 @@ def _cap(source: Source, data_args, seed: int) -> Source:
     # The permutation datasets' shuffle(seed=seed) draws, kept so that errors name the file's row.
     order = np.random.default_rng(seed).permutation(len(source.dataset)) if data_args.shuffle else range(n)
     rows = [int(i) for i in order[:n]]
-    return Source(source.name, source.dataset.select(rows), file_rows=rows)
+    return dataclasses.replace(source, dataset=source.dataset.select(rows), file_rows=rows)
 
 
 def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], stage: str) -> str:
-    """The row format of one source: detected from its columns unless ``formatting:`` names one."""
+    """The row format of one source: a registry entry's, else detected from its columns unless
+    ``formatting:`` names one."""
     columns = list(source.dataset.column_names)
+    if source.entry is not None:
+        fmt = source.entry.format_for(allowed, stage)
+        missing = source.entry.missing_columns(fmt, columns)
+        if missing:
+            raise DataError(f"{source.name}: {source.entry.describe()}: {'; '.join(missing)} (the file's columns: "
+                            f"{columns}); fix the entry's columns.")
+        unread = source.entry.unread_columns(columns)
+        if unread:
+            warn_once(logger, f"{source.entry.describe()}: the file's column(s) {', '.join(unread)} are not read: "
+                              "with `columns`, LLaMA-Factory's registry reads only the columns it names.")
+        return fmt
     fmt = fmts.detect(columns) if formatting == "auto" else formatting
     if fmt is None:
         raise DataError(f"{source.name}: cannot tell the row format from the columns {columns}; "
@@ -186,10 +200,17 @@ def make_processor(source: Source, *, data_args, tokenizer, stage: str, processo
                    allowed: tuple[str, ...]):
     """The stage processor (a batched map function) for one source, whose format it resolves."""
     fmt = resolve_format(source, data_args.formatting, allowed, stage)
-    options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all"},
-               "pretrain": {"packing": data_args.packing}}
+    encoder = encoder_for(data_args)
+    chat = {"encoder": encoder, "default_system": data_args.default_system,
+            "enable_thinking": data_args.enable_thinking}
+    options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all",
+                              "train_on_prompt": data_args.train_on_prompt, **chat},
+               "pairwise": chat,
+               "pretrain": {"packing": data_args.packing,
+                            "eos_id": pretrain_eos_id(tokenizer, encoder.template) if encoder else None}}
     return PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
-                                 source=source.name, file_rows=source.file_rows, **options.get(processor, {}))
+                                 source=source.name, file_rows=source.file_rows, entry=source.entry,
+                                 **options.get(processor, {}))
 
 
 def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
@@ -210,10 +231,11 @@ def fingerprint(ds, fn) -> str:
     Cheaper than letting ``datasets`` pickle the whole tokenizer (~2 s for Qwen's 151k vocab), and
     unlike that pickle it changes when roll's processing code changes, so a stale cache is never reused.
     """
-    from roll.data import feedback, formats, processors, templates
+    from roll.data import dataset_info, feedback, formats, named_templates, processors, templates
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
-    code = (formats, processors, templates) + ((feedback,) if isinstance(fn, feedback.FeedbackProcessor) else ())
+    code = (formats, processors, templates, named_templates, dataset_info) + (
+        (feedback,) if isinstance(fn, feedback.FeedbackProcessor) else ())
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
                            code_digest(*code))
 

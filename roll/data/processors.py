@@ -7,7 +7,9 @@ Output schema (the contract with both backends, see docs/data.md):
 Every processor also emits bookkeeping columns, removed after the stats are taken:
 ``_drop`` (a DROP_REASONS key, '' when kept), ``_truncated`` (bool) and ``_docs`` (samples ending in the row).
 
-Truncation to cutoff_len (``split_budget``): the prompt is trimmed before the answer. The prompt
+A named template (``template: qwen``) lays out, labels and truncates as LLaMA-Factory does
+(roll.data.named_templates). With the tokenizer's own chat template, truncation to cutoff_len
+(``split_budget``): the prompt is trimmed before the answer. The prompt
 keeps at least min(prompt, budget // 2) tokens, cut from the left (oldest context first, the
 assistant header right before the answer survives); the answer is cut from the right. In
 multi-turn conversations turns are kept in order until the budget runs out; the turn that
@@ -25,7 +27,9 @@ from typing import Any, Callable
 
 from roll import IGNORE_INDEX
 from roll.data import formats
+from roll.data.dataset_info import DatasetEntry
 from roll.data.formats import RowError, Skip
+from roll.data.named_templates import TemplateEncoder, assemble, split_lengths, tokenize_slots
 from roll.data.templates import Renderer
 from roll.errors import DataError
 from roll.logging import warn_once
@@ -43,8 +47,9 @@ def split_budget(prompt_len: int, answer_len: int, budget: int) -> tuple[int, in
     return prompt_keep, budget - prompt_keep
 
 
-def truncate_turns(turns: list[tuple[list[int], list[int], bool]], cutoff_len: int):
-    """[(prompt_ids, reply_ids, trainable)] -> (input_ids, labels, truncated)."""
+def truncate_turns(turns: list[tuple[list[int], list[int], bool]], cutoff_len: int, train_on_prompt: bool = False):
+    """[(prompt_ids, reply_ids, trainable)] -> (input_ids, labels, truncated); ``train_on_prompt`` trains the
+    prompts (system, user turns, role headers) too."""
     input_ids: list[int] = []
     labels: list[int] = []
     truncated = False
@@ -55,8 +60,10 @@ def truncate_turns(turns: list[tuple[list[int], list[int], bool]], cutoff_len: i
             truncated = True
         if r_keep <= 0:
             break
-        input_ids += prompt[len(prompt) - p_keep:] + reply[:r_keep]
-        labels += [IGNORE_INDEX] * p_keep + (reply[:r_keep] if trainable else [IGNORE_INDEX] * r_keep)
+        kept_prompt = prompt[len(prompt) - p_keep:]
+        input_ids += kept_prompt + reply[:r_keep]
+        labels += (kept_prompt if train_on_prompt else [IGNORE_INDEX] * p_keep) + (
+            reply[:r_keep] if trainable else [IGNORE_INDEX] * r_keep)
         if truncated:
             break
     if labels:
@@ -122,6 +129,8 @@ class _Processor:
     """File name shown in errors."""
     file_rows: list[int] | None = None
     """The file's row index of each dataset row (Source.file_rows); None: dataset index = file row."""
+    entry: DatasetEntry | None = None
+    """The registry entry of the source (its columns are read into roll's own first), or None."""
 
     def parse(self, batch: dict[str, list], indices: list[int], parse_row: Callable[[dict], Any]) -> list:
         """``parse_row(row)`` for every row of the batch; a skipped row gives its :class:`Skip` instead.
@@ -131,14 +140,31 @@ class _Processor:
         parsed = []
         for row, index in zip(_rows(batch), indices):
             try:
-                parsed.append(parse_row(row))
+                parsed.append(parse_row(row if self.entry is None else self.entry.canonical(row, self.fmt)))
             except Skip as skip:
                 parsed.append(skip)
             except RowError as exc:
                 row_id = index if self.file_rows is None else self.file_rows[index]
+                entry = f", {self.entry.describe()}" if self.entry is not None else ""
                 raise DataError(f"{self.source}, row {row_id} (0-based): {exc} "
-                                f"[format: {self.fmt}]") from None
+                                f"[format: {self.fmt}{entry}]") from None
         return parsed
+
+    @staticmethod
+    def keep(out: dict[str, list], input_ids: list[int], labels: list[int], truncated: bool) -> None:
+        """One sample out (``labels[0]`` ignored: nothing predicts the first token, DESIGN.md section 2), or
+        a skipped row when no label is left to train."""
+        if labels:
+            labels[0] = IGNORE_INDEX
+        if all(label == IGNORE_INDEX for label in labels):
+            _Processor.empty(out, "no_trainable_tokens", SEQ)
+            return
+        out["input_ids"].append(input_ids)
+        out["attention_mask"].append([1] * len(input_ids))
+        out["labels"].append(labels)
+        out["_drop"].append("")
+        out["_truncated"].append(truncated)
+        out["_docs"].append(1)
 
     @staticmethod
     def empty(out: dict[str, list], reason: str, seq_keys: tuple[str, ...]) -> None:
@@ -158,15 +184,24 @@ class SupervisedProcessor(_Processor):
     """alpaca / sharegpt rows -> input_ids, attention_mask, labels (replies + end-of-turn trained)."""
 
     train_turns: str = "all"
+    train_on_prompt: bool = False
+    encoder: TemplateEncoder | None = None
+    """A named template (``template:``, roll.data.named_templates); None: the tokenizer's chat template."""
+    default_system: str | None = None
+    """With the tokenizer's chat template: the system prompt of conversations that have none."""
+    enable_thinking: bool = True
+    """With the tokenizer's chat template: false is passed to it (Qwen3's reads ``enable_thinking``)."""
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        renderer = Renderer.for_tokenizer(self.tokenizer)
+        if self.encoder is not None:
+            return self._named(batch, indices)
+        renderer = Renderer.for_tokenizer(self.tokenizer, enable_thinking=self.enable_thinking)
         out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
         limit = char_bound(self.tokenizer, self.cutoff_len)
         parsed = self.parse(batch, indices, lambda row: [
             (bounded(prompt, limit, "tail"), bounded(reply, limit, "head"), trainable)
-            for prompt, reply, trainable in renderer.turns(formats.conversation(row, self.fmt),
-                                                           self.train_turns)])
+            for prompt, reply, trainable in renderer.turns(
+                with_system(formats.conversation(row, self.fmt), self.default_system), self.train_turns)])
         texts = [text for turns in parsed if not isinstance(turns, Skip)
                  for prompt, reply, _ in turns for text in (prompt, reply)]
         token_iter = iter(_tokenize(self.tokenizer, texts))
@@ -179,39 +214,76 @@ class SupervisedProcessor(_Processor):
             if not checked:
                 check_segmentation(self.tokenizer, turns, tokenized)
                 checked = True
-            input_ids, labels, truncated = truncate_turns(tokenized, self.cutoff_len)
-            if all(label == IGNORE_INDEX for label in labels):
-                self.empty(out, "no_trainable_tokens", SEQ)
-                continue
-            out["input_ids"].append(input_ids)
-            out["attention_mask"].append([1] * len(input_ids))
-            out["labels"].append(labels)
-            out["_drop"].append("")
-            out["_truncated"].append(truncated)
-            out["_docs"].append(1)
+            self.keep(out, *truncate_turns(tokenized, self.cutoff_len, self.train_on_prompt))
         return out
+
+    def _named(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        """LLaMA-Factory's layout, labels and truncation for a named template (roll.data.named_templates)."""
+        encoder, last = self.encoder, self.train_turns == "last"
+        out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
+        limit = char_bound(self.tokenizer, self.cutoff_len)
+        parsed = self.parse(batch, indices, lambda row: encoder.turns(
+            _bounded_messages(formats.conversation(row, self.fmt), limit), last))
+        groups = [slots for turns in parsed if not isinstance(turns, Skip) for turn in turns for slots in turn]
+        token_iter = iter(tokenize_slots(self.tokenizer, groups))
+        for turns in parsed:
+            if isinstance(turns, Skip):
+                self.empty(out, turns.reason, SEQ)
+                continue
+            tokenized = [(next(token_iter), next(token_iter)) for _ in turns]
+            self.keep(out, *assemble(tokenized, self.cutoff_len, eos_id=self.tokenizer.eos_token_id,
+                                     efficient_eos=encoder.template.efficient_eos,
+                                     train_on_prompt=self.train_on_prompt, last_turn_only=last))
+        return out
+
+
+def with_system(messages: list[dict], system: str | None) -> list[dict]:
+    """``messages`` with ``system`` as their system prompt when they have none (and ``system`` is set)."""
+    if not system or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _bounded_messages(messages: list[dict], limit: int) -> list[dict]:
+    """Each message cut to ``limit`` characters from its start (a named template keeps the start of a prompt
+    and of a reply; see char_bound)."""
+    return [{**m, "content": bounded(m["content"], limit, "head")} for m in messages]
 
 
 @dataclass
 class PairwiseProcessor(_Processor):
     """Preference rows -> chosen_* / rejected_* (prompt + answer each, answer + end-of-turn trained)."""
 
+    encoder: TemplateEncoder | None = None
+    """A named template (``template:``, roll.data.named_templates); None: the tokenizer's chat template."""
+    default_system: str | None = None
+    enable_thinking: bool = True
+
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        renderer = Renderer.for_tokenizer(self.tokenizer)
         out: dict[str, list] = {k: [] for k in PAIR_SEQ + META_COLUMNS}
         limit = char_bound(self.tokenizer, self.cutoff_len)
-        parsed = self.parse(batch, indices, lambda row: self._render(renderer, row, limit))
-        texts = [text for item in parsed if not isinstance(item, Skip) for text in item]
-        token_iter = iter(_tokenize(self.tokenizer, texts))
+        if self.encoder is not None:
+            parsed = self.parse(batch, indices, lambda row: self._slots(row, limit))
+            token_iter = iter(tokenize_slots(self.tokenizer, [g for item in parsed if not isinstance(item, Skip)
+                                                              for g in item]))
+            split = split_lengths  # LLaMA-Factory's: the prompt keeps its start
+        else:
+            renderer = Renderer.for_tokenizer(self.tokenizer, enable_thinking=self.enable_thinking)
+            parsed = self.parse(batch, indices, lambda row: self._render(renderer, row, limit))
+            token_iter = iter(_tokenize(self.tokenizer, [text for item in parsed if not isinstance(item, Skip)
+                                                         for text in item]))
+            split = split_budget  # the prompt keeps its end
         for item in parsed:
             if isinstance(item, Skip):
                 self.empty(out, item.reason, PAIR_SEQ)
                 continue
             prompt, chosen, rejected = next(token_iter), next(token_iter), next(token_iter)
+            if self.encoder is not None and self.encoder.template.efficient_eos:
+                chosen, rejected = chosen + [self.tokenizer.eos_token_id], rejected + [self.tokenizer.eos_token_id]
             longest = max(len(chosen), len(rejected))
-            p_keep, a_keep = split_budget(len(prompt), longest, self.cutoff_len)
+            p_keep, a_keep = split(len(prompt), longest, self.cutoff_len)
             truncated = p_keep < len(prompt) or a_keep < longest
-            prompt = prompt[len(prompt) - p_keep:]
+            prompt = prompt[len(prompt) - p_keep:] if split is split_budget else prompt[:p_keep]
             if a_keep <= 0:
                 self.empty(out, "no_trainable_tokens", PAIR_SEQ)
                 continue
@@ -226,9 +298,20 @@ class PairwiseProcessor(_Processor):
             out["_docs"].append(1)
         return out
 
-    @staticmethod
-    def _render(renderer: Renderer, row: dict, limit: int) -> tuple[str, str, str]:
+    def _slots(self, row: dict, limit: int):
+        """(prompt, chosen, rejected) slots of a named template: each side laid out as its last turn
+        (LLaMA-Factory's encode_oneturn; the prompt is the chosen side's)."""
         prompt, chosen, rejected = formats.pair(row)
+        prompt = _bounded_messages(prompt, limit)
+        prompt_slots, chosen_slots = self.encoder.one_turn(
+            prompt + [{"role": "assistant", "content": bounded(chosen, limit, "head")}])
+        _, rejected_slots = self.encoder.one_turn(
+            prompt + [{"role": "assistant", "content": bounded(rejected, limit, "head")}])
+        return prompt_slots, chosen_slots, rejected_slots
+
+    def _render(self, renderer: Renderer, row: dict, limit: int) -> tuple[str, str, str]:
+        prompt, chosen, rejected = formats.pair(row)
+        prompt = with_system(prompt, self.default_system)
         chosen_turns = renderer.turns(prompt + [{"role": "assistant", "content": chosen}])
         rejected_turns = renderer.turns(prompt + [{"role": "assistant", "content": rejected}])
         prompt_text = "".join(p + r for p, r, _ in chosen_turns[:-1]) + chosen_turns[-1][0]
@@ -243,6 +326,8 @@ class PretrainProcessor(_Processor):
     """text rows -> text + EOS; concatenated and chunked to cutoff_len, or (packing) split per document."""
 
     packing: bool = False
+    eos_id: int | None = None
+    """The token each document ends with; None: the tokenizer's EOS (a named template may choose another)."""
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
@@ -252,7 +337,7 @@ class PretrainProcessor(_Processor):
                 self.empty(out, item.reason, SEQ)
             else:
                 texts.append(item)
-        eos = [self.tokenizer.eos_token_id]
+        eos = [self.tokenizer.eos_token_id if self.eos_id is None else self.eos_id]
         docs = [ids + eos for ids in _tokenize(self.tokenizer, texts)]
         chunks = self._per_document(docs) if self.packing else self._concatenated(docs)
         for ids, n_docs, truncated in chunks:

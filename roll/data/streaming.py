@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from roll.data.fingerprint import settings_digest
-from roll.data.loading import Source, expand, split_sources
+from roll.data.loading import Source, resolve_source, split_sources
 from roll.data.mixing import interleave
 from roll.data.packing import best_fit_decreasing
 from roll.data.processors import META_COLUMNS
@@ -75,13 +75,13 @@ def raw_batches(path: str, batch_size: int) -> Iterator[dict[str, list]]:
 
 
 def tokenized_rows(path: str, make_processor: Callable[[Source], Callable],
-                   batch_size: int) -> Iterator[dict]:
+                   batch_size: int, entry=None) -> Iterator[dict]:
     """One file's tokenized rows (meta columns included), batch by batch; ``make_processor(source)`` builds
-    the stage processor once the first batch shows the file's columns."""
+    the stage processor once the first batch shows the file's columns (``entry``: its registry entry)."""
     fn, start = None, 0
     for batch in raw_batches(path, batch_size):
         if fn is None:
-            fn = make_processor(Source(path, SimpleNamespace(column_names=list(batch))))
+            fn = make_processor(Source(path, SimpleNamespace(column_names=list(batch)), entry=entry))
         count = len(next(iter(batch.values()), []))
         out = fn(batch, list(range(start, start + count)))
         start += count
@@ -155,19 +155,19 @@ class TrainingStream:
 
     def __init__(self, data_args, make_processor: Callable[[Source], Callable], seed: int) -> None:
         self.data_args, self.make_processor, self.seed = data_args, make_processor, seed
-        self.entries = [expand(part) for part in split_sources(data_args.dataset)]
+        self.entries = [resolve_source(part, data_args.dataset_dir) for part in split_sources(data_args.dataset)]
         self.dropped: dict[str, int] = {}
 
-    def _entry(self, paths: list[str]) -> Iterator[dict]:
-        size = self.data_args.preprocessing_batch_size
-        return itertools.chain.from_iterable(tokenized_rows(p, self.make_processor, size) for p in paths)
+    def _entry(self, source: tuple[list[str], object]) -> Iterator[dict]:
+        (paths, entry), size = source, self.data_args.preprocessing_batch_size
+        return itertools.chain.from_iterable(tokenized_rows(p, self.make_processor, size, entry) for p in paths)
 
     def epoch(self, epoch: int) -> Iterator[dict]:
         args, seed = self.data_args, self.seed + epoch
         if args.mix_strategy == "concat":
-            rows = itertools.chain.from_iterable(self._entry(paths) for paths in self.entries)
+            rows = itertools.chain.from_iterable(self._entry(source) for source in self.entries)
         else:
-            makers = [lambda paths=paths: self._entry(paths) for paths in self.entries]
+            makers = [lambda source=source: self._entry(source) for source in self.entries]
             rows = (row for _, row in interleave(makers, args.mix_strategy, args.interleave_probs, seed))
         if args.shuffle:
             rows = shuffled(rows, args.buffer_size, seed)
@@ -271,8 +271,8 @@ def fingerprint(data_args, tokenizer, seed: int) -> str:
     settings = {k: v for k, v in vars(data_args).items() if k not in speed_only}
     tokenizer_parts = [str(getattr(tokenizer, attr, None))
                        for attr in ("name_or_path", "chat_template", "eos_token_id", "pad_token_id")]
-    paths = [path for part in split_sources(data_args.dataset) for path in expand(part)]
-    files = [[path, _file_sample(path)] for path in paths]
+    sources = [resolve_source(part, data_args.dataset_dir) for part in split_sources(data_args.dataset)]
+    files = [[path, _file_sample(path), repr(entry)] for paths, entry in sources for path in paths]
     return settings_digest([settings, seed], [*tokenizer_parts, len(tokenizer)], files, length=16)
 
 

@@ -1,7 +1,8 @@
 """Chat templates and the rendering that places loss masks.
 
-The default is the tokenizer's own chat template (``apply_chat_template``); ``template:`` can name a
-built-in below. Masks are found on the rendered text, not by searching tokens afterwards: for each
+Without ``template:`` conversations are laid out by the tokenizer's own chat template
+(``apply_chat_template``); a named template (``template: qwen``) is laid out by roll.data.named_templates
+instead. Masks are found on the rendered text, not by searching tokens afterwards: for each
 assistant turn i, ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of the full
 rendering, and the reply's content follows it. The trainable span is the reply plus the end-of-turn
 token right after it (the special token the template closes the turn with), so the model learns
@@ -14,28 +15,11 @@ import logging
 from dataclasses import dataclass
 
 from roll.data.formats import RowError, Skip
+from roll.data.named_templates import TEMPLATES
 from roll.logging import warn_once
 
 logger = logging.getLogger(__name__)
 
-CHATML = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-QWEN = (
-    "{%- if not messages or messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}" + CHATML
-)
-LLAMA3 = (
-    "{{ bos_token or '' }}"
-    "{%- for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{{ message['content'] + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
 DEFAULT = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
@@ -45,9 +29,8 @@ DEFAULT = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ 'Assistant: ' }}{%- endif %}"
 )
-
-BUILTIN_TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3, "default": DEFAULT}
-"""Names accepted by ``template:``."""
+"""The chat template installed in a tokenizer that has none when ``template:`` is unset (with a warning;
+roll-train refuses such a run for sft and dpo, roll.preflight.check_chat_template)."""
 
 
 @dataclass(frozen=True)
@@ -57,13 +40,16 @@ class Renderer:
     tokenizer: object
     end_of_turn: tuple[str, ...]
     """Candidate end-of-turn strings (special tokens), longest first."""
+    chat_kwargs: tuple[tuple[str, object], ...] = ()
+    """Extra variables for the chat template (``enable_thinking=False``)."""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> "Renderer":
+    def for_tokenizer(cls, tokenizer, enable_thinking: bool = True) -> "Renderer":
         specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials |= {tok.content for tok in decoder.values() if getattr(tok, "special", False)}
-        return cls(tokenizer, tuple(sorted((s for s in specials if s), key=len, reverse=True)))
+        return cls(tokenizer, tuple(sorted((s for s in specials if s), key=len, reverse=True)),
+                   () if enable_thinking else (("enable_thinking", False),))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The template's text; a template that refuses the conversation (raise_exception) skips the row."""
@@ -71,7 +57,8 @@ class Renderer:
 
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **dict(self.chat_kwargs))
         except jinja2.TemplateSyntaxError as exc:
             raise RowError(f"the chat template has a syntax error: {exc}") from None
         except jinja2.TemplateError:
@@ -101,12 +88,12 @@ class Renderer:
             raise RowError(f"the chat template does not render turn {i} incrementally (the rendering of "
                            f"the first {i} turns is not a prefix of the whole conversation), so the loss "
                            f"mask cannot be "
-                           f"placed; set `template:` to one of {', '.join(BUILTIN_TEMPLATES)}")
+                           f"placed; set `template:` to one of {', '.join(TEMPLATES)}")
         content = messages[i]["content"].strip()
         start = full.find(content, len(prefix))
         if start < 0:
             raise RowError(f"the chat template does not render assistant turn {i} verbatim; "
-                           f"set `template:` to one of {', '.join(BUILTIN_TEMPLATES)}")
+                           f"set `template:` to one of {', '.join(TEMPLATES)}")
         end = start + len(content)
         end_of_turn = next((tok for tok in self.end_of_turn if full.startswith(tok, end)), "")
         if not end_of_turn:

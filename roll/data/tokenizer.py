@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from roll.data.templates import BUILTIN_TEMPLATES, DEFAULT
+from roll.data.named_templates import TEMPLATES, check_template_options, install
+from roll.data.templates import DEFAULT
 from roll.errors import ConfigError, ModelError
 from roll.logging import warn_once
 
@@ -32,12 +33,13 @@ def load_tokenizer(model_args, data_args):
 
 
 def apply_template(tokenizer, name: str | None) -> None:
-    """Install the built-in template ``name``; None keeps the tokenizer's own ('default' if it has none)."""
+    """Prepare the tokenizer for the named template ``name`` (roll.data.named_templates.install: its EOS, its
+    chat template); None keeps the tokenizer's own chat template (roll's fallback if it has none)."""
     if name is not None:
-        if name not in BUILTIN_TEMPLATES:
-            raise ConfigError(f"unknown template {name!r}; choose one of {', '.join(BUILTIN_TEMPLATES)} "
-                              "or leave it unset to use the tokenizer's own chat template.")
-        tokenizer.chat_template = BUILTIN_TEMPLATES[name]
+        problem = check_template_options(name, False, False)
+        if problem:
+            raise ConfigError(problem)
+        install(tokenizer, TEMPLATES[name])
     elif not getattr(tokenizer, "chat_template", None):
         warn_once(logger, "the tokenizer has no chat template; using the built-in 'default' template "
                           "(set `template:` to choose another).")

@@ -1,5 +1,6 @@
-"""Loss masks checked against the rendered chat template: trained tokens are exactly the assistant
-replies plus their end-of-turn token, for alpaca, sharegpt multi-turn and pairwise rows."""
+"""Loss masks checked against the rendered chat template (the tokenizer's own: no ``template:``): trained tokens
+are exactly the assistant replies plus their end-of-turn token, for alpaca, sharegpt multi-turn and pairwise
+rows. Named templates (LLaMA-Factory's layouts): tests/unit/test_named_templates.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from roll import IGNORE_INDEX
 from roll.data.processors import PairwiseProcessor, SupervisedProcessor
+from roll.data.named_templates import TEMPLATES, to_jinja
 from roll.data.tokenizer import apply_template
 from tests.helpers import batch_of
 
@@ -132,26 +134,6 @@ def test_pairwise_prompt_and_answer_shapes(bpe, chosen, rejected, prompt_key):
     assert "Two plus three?" in bpe.decode(out["rejected_input_ids"][0])
 
 
-@pytest.mark.parametrize("name,end_of_turn,specials", [
-    ("chatml", "<|im_end|>", []),
-    ("qwen", "<|im_end|>", []),
-    ("llama3", "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
-    ("default", "<|im_end|>", []),  # the default template closes replies with eos
-])
-def test_builtin_templates(name, end_of_turn, specials):
-    from roll.demo.tiny_model import build_bpe_tokenizer
-
-    tokenizer = build_bpe_tokenizer()
-    if specials:
-        tokenizer.add_special_tokens({"additional_special_tokens": specials})
-    apply_template(tokenizer, name)
-    ids, labels = _sft(tokenizer, SHAREGPT, "sharegpt")
-    messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
-                for t in SHAREGPT["conversations"]]
-    assert_matches_rendering(tokenizer, messages, ids)
-    assert trained_runs(tokenizer, ids, labels) == [r + end_of_turn for r in REPLIES]
-
-
 def test_unknown_template_is_a_config_error(bpe):
     from roll.errors import ConfigError
 
@@ -189,7 +171,7 @@ def test_warns_when_replies_end_without_a_special_token(roll_warnings):
     from roll.demo.tiny_model import build_bpe_tokenizer
 
     tokenizer = build_bpe_tokenizer()
-    apply_template(tokenizer, "llama3")  # <|eot_id|> is not a token of this tokenizer
+    tokenizer.chat_template = to_jinja(TEMPLATES["llama3"])  # <|eot_id|> is not a token of this tokenizer
     ids, labels = _sft(tokenizer, SHAREGPT, "sharegpt")
     assert "not trained to stop" in roll_warnings.text
     assert trained_runs(tokenizer, ids, labels) == REPLIES
@@ -209,3 +191,15 @@ def test_template_that_refuses_a_conversation_skips_the_row():
     pair = {"conversations": SHAREGPT["conversations"][:3], "chosen": "A.", "rejected": "B."}
     out = PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json")(batch_of([pair]), [0])
     assert out["_drop"] == ["unrenderable"]
+
+
+def test_train_on_prompt_and_default_system_with_the_tokenizers_template(bpe):
+    """Without ``template:``: train_on_prompt trains every token the template renders (the first aside),
+    default_system is the system prompt of a conversation without one."""
+    ids, labels = _sft(bpe, SHAREGPT, "sharegpt", train_on_prompt=True)
+    assert labels == [IGNORE_INDEX] + ids[1:]
+    ids, _ = _sft(bpe, SHAREGPT, "sharegpt", default_system="Be brief.")
+    messages = [{"role": "system", "content": "Be brief."}] + [
+        {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+        for t in SHAREGPT["conversations"]]
+    assert_matches_rendering(bpe, messages, ids)

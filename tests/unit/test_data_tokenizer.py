@@ -7,7 +7,8 @@ import pytest
 from roll.config.data import DataArguments
 from roll.config.model import ModelArguments
 from roll.data import load_tokenizer
-from roll.data.templates import BUILTIN_TEMPLATES, DEFAULT
+from roll.data.named_templates import TEMPLATES, to_jinja
+from roll.data.templates import DEFAULT
 from roll.errors import ConfigError, ModelError
 
 
@@ -30,8 +31,8 @@ def test_tokenizer_from_model_dir_keeps_its_template(tiny_model_dir):
 
 
 def test_template_override(tiny_model_dir):
-    tok = load_tokenizer(ModelArguments(model_name_or_path=tiny_model_dir), DataArguments(template="llama3"))
-    assert tok.chat_template == BUILTIN_TEMPLATES["llama3"]
+    tok = load_tokenizer(ModelArguments(model_name_or_path=tiny_model_dir), DataArguments(template="qwen"))
+    assert tok.chat_template == to_jinja(TEMPLATES["qwen"])
     with pytest.raises(ConfigError, match="unknown template 'alpaca'"):
         load_tokenizer(ModelArguments(model_name_or_path=tiny_model_dir), DataArguments(template="alpaca"))
 

@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from roll.config.layout import check_num_layers
 from roll.errors import ConfigError, ModelError
-from roll.logging import log_rank0
+from roll.logging import log_rank0, warn_once
 
 if TYPE_CHECKING:
     from roll.config.megatron import MegatronArguments
@@ -228,7 +228,9 @@ def parallel_overrides(megatron: MegatronArguments | None = None, *, bf16: bool 
 
     m = megatron if megatron is not None else MegatronArguments()
     out: dict[str, Any] = {name: getattr(m, name) for name in _PARALLEL_FIELDS}
-    out.update(transformer_impl=resolve_transformer_impl(m.transformer_impl),
+    impl = resolve_transformer_impl(m.transformer_impl)
+    out.update(_fusions(m, impl))
+    out.update(transformer_impl=impl,
                make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
                moe_token_dispatcher_type=m.moe_token_dispatcher_type, moe_grouped_gemm=m.moe_grouped_gemm,
                calculate_per_token_loss=m.calculate_per_token_loss)
@@ -242,6 +244,21 @@ def parallel_overrides(megatron: MegatronArguments | None = None, *, bf16: bool 
     elif fp16:
         out.update(fp16=True, params_dtype=torch.float16)
     return out
+
+
+FUSIONS = ("bias_activation_fusion", "apply_rope_fusion")
+"""Megatron's fused kernels a recipe may ask for (LLaMA-Factory's Megatron recipes do): Transformer Engine's."""
+
+
+def _fusions(m: MegatronArguments, impl: str) -> dict[str, bool]:
+    """The fusion flags asked for, where Transformer Engine runs the layers; on the local spec they stay off
+    (its layers have no fused kernels to switch on) and one info line says so."""
+    asked = {name: True for name in FUSIONS if getattr(m, name)}
+    if impl == "transformer_engine" or not asked:
+        return asked
+    warn_once(logger, f"{', '.join(asked)}: no effect here (Megatron-Core's local layers, no Transformer Engine): "
+                      "the same training without the fused kernels.", level=logging.INFO)
+    return {}
 
 
 def _is_json(value: Any) -> bool:
