@@ -371,7 +371,8 @@ MUTANTS: list[Mutant] = [
             f"{SWEEP}::test_case[tp2_mixtral_80_aux]")),
     Mutant("dpo_moe_aux_loss_added_standard", "standard, stage dpo on an MoE model: TRL's own pooled "
            "load-balancing loss added at the model config's router_aux_loss_coef (TRL 1.16's default)",
-           "backends/standard/hf_args.py", "router_aux_loss_coef=0.0)", "router_aux_loss_coef=None)",
+           "backends/standard/hf_args.py", "# RollDPOTrainer fills zeros\n                         router_aux_loss_coef=0.0)",
+           "# RollDPOTrainer fills zeros\n                         router_aux_loss_coef=None)",
            (f"{SWEEP}::test_case[dpo_mixtral]",)),
     Mutant("moe_z_loss_dropped_standard", "standard: moe_z_loss_coeff trains without the router z-loss",
            TRAINERS, '("moe_z_loss", self.moe_z_coeff,', '("moe_z_loss", 0.0,',
