@@ -38,6 +38,7 @@ STAGES: dict[str, StageSpec] = {
     "pt": StageSpec(processor="pretrain", collator="SequenceCollator", formats=("text",)),
     "sft": StageSpec(processor="supervised", collator="SequenceCollator", formats=("alpaca", "sharegpt")),
     "dpo": StageSpec(processor="pairwise", collator="PairwiseCollator", formats=("pairwise",)),
+    "rm": StageSpec(processor="reward", collator="PairwiseCollator", formats=("pairwise",)),
 }
 
 

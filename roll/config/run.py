@@ -70,6 +70,10 @@ class RunConfig:
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
+        if self.finetuning.stage == "rm":
+            from roll import reward
+
+            reward.check_config(self)
         if self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
             warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
         self._clamp_workers()

@@ -28,6 +28,7 @@ from roll.data.mixing import mix_datasets
 from roll.data.packing import pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
+from roll.data.reward import RewardProcessor
 from roll.data.stats import PreprocessStats
 from roll.errors import ConfigError, DataError
 from roll.launch import local_rank
@@ -39,7 +40,10 @@ COUNT_BATCH_ROWS = 8192
 """Rows per batch when counting tokens (_count): at 200k alpaca rows, 65,536-row batches raised a warm start's
 peak anonymous memory from 372 to 637 MB, for no measurable speed (docs/performance.md, the data benchmark)."""
 
-PROCESSORS = {"pretrain": PretrainProcessor, "supervised": SupervisedProcessor, "pairwise": PairwiseProcessor}
+PROCESSORS = {"pretrain": PretrainProcessor, "supervised": SupervisedProcessor, "pairwise": PairwiseProcessor,
+              "reward": RewardProcessor}
+PAIRWISE = ("pairwise", "reward")
+"""Processors whose rows are pairs (``chosen_*`` / ``rejected_*``)."""
 
 
 @dataclass
@@ -54,8 +58,8 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
     """Tokenized train (and eval) datasets for ``stage`` plus the preprocessing stats."""
     if processor not in PROCESSORS:
         raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
-    if data_args.packing and processor == "pairwise":
-        raise ConfigError("packing is not supported for stage dpo; set packing: false.")
+    if data_args.packing and processor in PAIRWISE:
+        raise ConfigError(f"packing is not supported for stage {stage}; set packing: false.")
     build = functools.partial(_build, data_args, tokenizer, stage=stage, processor=processor, formats=formats,
                               seed=seed)
     with local_rank0_first():
@@ -128,7 +132,7 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
         train, eval_ds = _hold_out(train, data_args.val_size, seed)
     if data_args.shuffle:
         train = train.shuffle(seed=seed)
-    _count(train, stats, pairwise=processor == "pairwise")
+    _count(train, stats, pairwise=processor in PAIRWISE)
     if processor != "pretrain" and stats.num_truncated == len(train):  # pt chunks to cutoff_len by design
         raise DataError(f"every one of the {len(train)} training samples is longer than cutoff_len="
                         f"{data_args.cutoff_len} and was cut (prompt trimmed, answer shortened): the model "
@@ -206,11 +210,14 @@ def fingerprint(ds, fn) -> str:
     Cheaper than letting ``datasets`` pickle the whole tokenizer (~2 s for Qwen's 151k vocab), and
     unlike that pickle it changes when roll's processing code changes, so a stale cache is never reused.
     """
+    import sys
+
     from roll.data import formats, processors, templates
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
+    modules = dict.fromkeys([formats, processors, templates, sys.modules[type(fn).__module__]])  # its own too
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
-                           code_digest(formats, processors, templates))
+                           code_digest(*modules))
 
 
 def _concat(parts: list):

@@ -42,12 +42,12 @@ NOT_DATA_SETTINGS = frozenset({"tokenized_path", "overwrite_cache", "preprocessi
 def data_settings(data_args, tokenizer, *, stage: str, seed: int) -> dict:
     """What the prepared rows depend on: every row-changing data key, the stage, the seed, the tokenizer and
     roll's data-processing code (each a digest), by name."""
-    from roll.data import formats, packing, processors, templates
+    from roll.data import formats, packing, processors, reward, templates
 
     settings = {f.name: getattr(data_args, f.name) for f in dataclasses.fields(data_args)
                 if f.init and f.name not in NOT_DATA_SETTINGS}
-    settings.update(stage=stage, seed=seed, tokenizer=tokenizer_digest(tokenizer),
-                    roll_data_code=code_digest(formats, processors, templates, packing))
+    code = (formats, processors, templates, packing) + ((reward,) if stage == "rm" else ())
+    settings.update(stage=stage, seed=seed, tokenizer=tokenizer_digest(tokenizer), roll_data_code=code_digest(*code))
     return json.loads(json.dumps(settings, default=str))  # the values as they read back from the manifest
 
 
