@@ -63,6 +63,23 @@ def sequence_classification_class(hf_config: dict) -> str:
     return name
 
 
+def log_head_start(path: str, has_head: bool) -> None:
+    """Say once (rank 0) where the reward head starts."""
+    from roll.logging import log_rank0
+
+    if has_head:
+        log_rank0(logger, "stage rm: the reward head starts from %s's %s", path, HEAD)
+    else:
+        log_rank0(logger, "stage rm: %s has no %s (a causal LM): the reward head starts at zero, every reward 0 "
+                  "and the first loss ln 2 = 0.6931", path, HEAD)
+
+
+def flops_fields(hf_config: dict) -> dict:
+    """The config fields ``roll.perf`` counts a reward model's FLOPs from: its head is 1 wide, not the
+    vocabulary (the output head's ``2 * h * V`` would otherwise dominate a small model's count)."""
+    return {**hf_config, "vocab_size": 1}
+
+
 def export_config(hf_config: dict, pad_token_id: int | None) -> dict:
     """The HF ``config.json`` of a reward model from its base model's: the ``...ForSequenceClassification``
     architecture, one label (``id2label``, from which transformers derives ``num_labels``) and the pad id the

@@ -1,4 +1,4 @@
-"""Build the real HF ``TrainingArguments`` / TRL ``DPOConfig`` from roll's validated config.
+"""Build the real HF ``TrainingArguments`` / TRL ``DPOConfig`` / ``RewardConfig`` from roll's validated config.
 
 roll's TrainingArguments skips HF's ``__post_init__`` (it would initialise devices and DeepSpeed
 at parse time); this is where that set-up happens, once, inside the backend.
@@ -30,6 +30,11 @@ def build_hf_args(config, deepspeed):
         return DPOConfig(**kwargs, beta=finetuning.pref_beta, **_dpo_loss(finetuning),
                          label_smoothing=finetuning.pref_label_smoothing, max_length=config.data.cutoff_len,
                          precompute_ref_log_probs=finetuning.ref_free)  # RollDPOTrainer fills zeros
+    if finetuning.stage == "rm":
+        from trl import RewardConfig
+
+        # no centring term (roll.reward's definition); max_length only filters TRL's own tokenization, not used
+        return RewardConfig(**kwargs, max_length=config.data.cutoff_len, center_rewards_coefficient=None)
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)
