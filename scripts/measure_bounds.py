@@ -7,7 +7,7 @@ test_parity_tool.py) on CPU in fp32 and builds the same comparisons; for every b
 relative gap over every step of every comparison held to it, where that gap is, and the bound's ratio to it.
 It exits 1 when a gap comes within 3x of its bound (a flaky test) or a bound is more than 100x a gap (a bound
 that a bug hides under); a bit-identical comparison counts as one fp32 rounding (1e-7) there. Cases:
-goldens, backend, layouts, resume, eval, packed, lora, dpo, parity_tool, param_groups, conversion, export
+goldens, backend, layouts, resume, eval, packed, lora, dpo, rm, parity_tool, param_groups, conversion, export
 (all by default; ~15 min on 2 idle cores).
 Write a new measurement into tests/bounds.py with its date.
 """
@@ -116,6 +116,12 @@ def case_dpo(make, root: Path) -> list[Comparison]:
     from tests.distributed.test_mca_dpo import dpo_comparisons, dpo_runs
 
     return dpo_comparisons(*dpo_runs(make, root))
+
+
+def case_rm(make, root: Path) -> list[Comparison]:
+    from tests.distributed.test_mca_rm import rm_comparisons, rm_runs
+
+    return rm_comparisons(*rm_runs(make, root))
 
 
 def case_parity_tool(make, root: Path) -> list[Comparison]:

@@ -87,6 +87,7 @@ MID_EVAL = "tests/distributed/test_mca_train.py::test_mid_run_eval_at_the_same_s
 LAYOUTS = "tests/distributed/test_mca_train.py::test_layouts_give_the_same_losses"
 LORA = "tests/distributed/test_mca_train.py::test_lora_trajectories_across_layouts_and_backends"
 DPO = "tests/distributed/test_mca_dpo.py::test_dpo_layouts_and_backend_parity"
+RM = "tests/distributed/test_mca_rm.py::test_rm_layouts_backend_parity_and_export"
 LAUNCH = "tests/unit/test_cli.py::test_launch_command_uses_torchrun_or_deepspeed"
 SLURM_SIGNALS = "tests/distributed/test_slurm_dist.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes"
 PIPELINE = "tests/unit/test_data_pipeline.py::test_max_samples_val_size_and_eval_dataset"
@@ -141,7 +142,7 @@ ROWS: tuple[Row, ...] = (
     _row("tokenized_path", both=Honoured(
         "tests/unit/test_data_prepared.py::test_tokenized_path_round_trip_and_refusals")),
     # -- finetuning ---------------------------------------------------------------------------------------
-    _row("stage", both=Honoured(PARITY, "pt and sft; dpo: " + DPO)),
+    _row("stage", both=Honoured(PARITY, "pt and sft; dpo: " + DPO + "; rm: " + RM, parity="rm_mid_run_eval")),
     _row("finetuning_type", standard=Honoured(
         "tests/unit/test_standard_train.py::test_freeze_trains_only_the_last_layers"),
          mca=Refused("finetuning_type: full or lora", "freeze", by="McaBackend.check_support")),
@@ -155,7 +156,8 @@ ROWS: tuple[Row, ...] = (
     _row("export_merged", standard=Honoured(
         "tests/distributed/test_standard_deepspeed.py::test_lora_zero3_exports_adapter_and_merged_model"),
          mca=Honoured("tests/distributed/test_mca_lora.py::test_merged_export_equals_base_plus_adapter")),
-    _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(DPO, parity="dpo_ipo")),
+    _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(
+        DPO, "stage dpo; stage rm's loss has no beta: it warns once and ignores them", parity="dpo_ipo")),
     _row("pref_ftx", both=Honoured(
         "tests/unit/test_loss.py::test_pref_ftx_adds_each_chosen_responses_mean_token_nll",
         parity="cp2_dpo_sigmoid_ftx")),

@@ -41,6 +41,7 @@ BASES = {
     "sft": {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json", **_COMMON},
     "pt": {"stage": "pt", "dataset": "recipes/demo/data/arithmetic_pt.jsonl", **_COMMON},
     "dpo": {"stage": "dpo", "dataset": "recipes/demo/data/arithmetic_dpo.json", "pref_beta": 0.1, **_COMMON},
+    "rm": {"stage": "rm", "dataset": "recipes/demo/data/arithmetic_rm.json", **_COMMON},
 }
 """Recipe bases: 8 samples a step (4 x 2 micro-batches at data-parallel size 1)."""
 
@@ -256,6 +257,18 @@ CASES = (
     Case("pp2_vpp2_lora_qv", "sft", _lora(lora_rank=4, lora_alpha=16, lora_target="q_proj,v_proj"),
          layout="pp2_vpp2", model="qwen2_4l",
          measured=M(7.2e-8, 1.3e-7, None, 1.1e-6)),
+    # stage rm: the score head (zero at the start: step 1 is ln 2 on both) with a mid-run eval on held-out
+    # pairs (alpaca's pairwise rows); at TP2 + SP (the head whole on each TP rank), PP2 x VPP2 (the head on the
+    # last virtual stage; sharegpt pairs), and LoRA (the head trained in full, exported in the adapter as
+    # modules_to_save)
+    Case("rm_mid_run_eval", "rm", _EVAL,
+         measured=M(2.7e-9, 8.2e-8, 5.9e-8, 3.4e-5)),
+    Case("tp2_rm", "rm", {}, layout="tp2",
+         measured=M(2.7e-9, 7.1e-8, None, 4.0e-5)),
+    Case("pp2_vpp2_rm", "rm", {"dataset": "recipes/demo/data/arithmetic_dpo.json"}, layout="pp2_vpp2",
+         model="qwen2_4l", measured=M(2.7e-9, 9.6e-8, None, 4.3e-5)),
+    Case("rm_lora_all", "rm", _lora(lora_rank=4, lora_target="all"),
+         measured=M(2.7e-9, 5.7e-8, None, 1.1e-6)),
 )
 
 
