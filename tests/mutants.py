@@ -58,6 +58,7 @@ STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader
 
 RM_UNIT = "tests/unit/test_reward.py"
 MCA_RM = "tests/distributed/test_mca_rm.py::test_rm_layouts_backend_parity_and_export"
+RM_ZERO3 = "tests/distributed/test_standard_deepspeed.py::test_rm_zero3_two_processes_matches_one"
 
 ELASTIC = "backends/standard/elastic.py"
 ELASTIC_UNIT = "tests/unit/test_elastic_resume.py::test_converts_only_when_the_data_parallel_size_changed"
@@ -314,6 +315,14 @@ MUTANTS: list[Mutant] = [
     Mutant("rm_head_random_standard", "standard rm: the head starts at transformers' random init, not zero (step 1 "
            "is not ln 2, the backends start apart)", "backends/standard/reward.py", "        zero_head(model)\n",
            "        pass\n", (f"{SWEEP}::test_case[rm_mid_run_eval]", MCA_RM)),
+    Mutant("rm_head_not_zeroed_under_zero3_standard", "standard rm under ZeRO-3: the head zeroed without gathering "
+           "it (a no-op on the partitioned weight): it starts at transformers' random init",
+           "backends/standard/reward.py", "    if is_deepspeed_zero3_enabled():", "    if False:",
+           (RM_ZERO3,)),
+    Mutant("rm_eval_loss_of_batch_means_standard", "standard rm on 2 processes: eval_loss HF's mean of eval-batch "
+           "means, counting the rows accelerate repeats to even out the last batch", "backends/standard/reward.py",
+           '                    logs["eval_loss"] = loss / max(count, 1.0)', "                    pass",
+           (RM_ZERO3,)),
     Mutant("rm_labels_shifted_mca", "mca rm: labels shifted like the LM stages', so each side is scored one token "
            "early", "backends/mca/backend.py", '        if stage == "rm":  # rm\'s labels', '        if False:  # rm\'s labels',
            (f"{SWEEP}::test_case[rm_mid_run_eval]", MCA_RM)),

@@ -121,7 +121,9 @@ def make_reward_trainer_class():
     class RollRewardTrainer(SafeCheckpointMixin, SafeStepMixin, RollTrainerMixin, RewardTrainer):
         """TRL's reward loss on roll's tokenized pairs, logging ``roll.reward.METRICS`` (module docstring) as
         global sums over global pair counts since the last log (every rank's pairs, the eval set's each once),
-        as the mca backend reduces them; TRL's own are means of micro-batch means."""
+        as the mca backend reduces them; TRL's own are means of micro-batch means. ``eval_loss`` likewise: HF's
+        weights each eval batch's mean by its rows, counting the rows accelerate repeats to even out the last
+        batch over ranks."""
 
         _roll_sums: dict[str, torch.Tensor] | None = None
 
@@ -137,8 +139,9 @@ def make_reward_trainer_class():
                                                  num_items_in_batch=num_items_in_batch)
             self._metrics[mode].clear()  # TRL's accuracy, margin, min / mean / max reward, token count
             chosen, rejected = outputs.logits.detach().squeeze(-1).double().chunk(2)
-            pairs = torch.stack([torch.ones_like(chosen), (chosen > rejected).double(), chosen - rejected, chosen,
-                                 rejected], dim=-1)  # [pairs, 1 + METRICS]
+            margin = chosen - rejected
+            pairs = torch.stack([torch.ones_like(chosen), -torch.nn.functional.logsigmoid(margin), (margin > 0).double(),
+                                 margin, chosen, rejected], dim=-1)  # [pairs, count + loss + METRICS]
             sums = self.accelerator.gather_for_metrics(pairs).sum(0)
             self._roll_sums = self._roll_sums or {}
             self._roll_sums[mode] = sums + self._roll_sums.get(mode, 0)
@@ -148,9 +151,11 @@ def make_reward_trainer_class():
             mode = "train" if self.model.training else "eval"
             sums = (self._roll_sums or {}).pop(mode, None)
             if sums is not None:
-                count, *totals = sums.tolist()
+                count, loss, *totals = sums.tolist()
                 prefix = "eval_" if mode == "eval" else ""
                 logs.update({prefix + name: total / max(count, 1.0) for name, total in zip(reward.METRICS, totals)})
+                if mode == "eval" and "eval_loss" in logs:  # training's loss stays the one optimised (HF's)
+                    logs["eval_loss"] = loss / max(count, 1.0)
             super().log(logs, start_time)
 
     return RollRewardTrainer
