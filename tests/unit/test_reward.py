@@ -124,6 +124,27 @@ def test_losses_and_metrics_equal_the_formula_and_trl_on_one_batch(bpe, tmp_path
         assert mca[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
         assert standard[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
 
+    # the same pairs swapped (chosen <-> rejected): accuracy 1 - accuracy (no ties), margin negated, on both
+    swapped = [{key.replace("chosen_", "tmp_").replace("rejected_", "chosen_").replace("tmp_", "rejected_"): value
+                for key, value in feature.items()} for feature in features]
+    batch = collate(swapped)
+    mca = objective.metrics(objective.loss_func(batch["labels"], {})(position_scores(model, batch).detach()
+                                                                     .unsqueeze(-1))[2]["report"].tolist())
+    trainer.compute_loss(model, RewardBatch(collate)(swapped))
+    trainer.log({})
+    standard = trainer.state.log_history[-1]
+    for metrics in (mca, standard):
+        assert metrics["accuracy"] == pytest.approx(1 - hand["accuracy"]), metrics
+        assert metrics["margin"] == pytest.approx(-hand["margin"], rel=1e-6), metrics
+        assert metrics["rewards/chosen"] == pytest.approx(hand["rewards/rejected"], rel=1e-6), metrics
+
+
+def test_a_malformed_row_names_file_and_row(bpe):
+    from roll.errors import DataError
+
+    with pytest.raises(DataError, match=r"data/rm\.json, row 4 \(0-based\)"):
+        RewardProcessor(bpe, 64, "pairwise", "data/rm.json")(batch_of([PAIRS[0], {**PAIRS[1], "chosen": 5}]), [3, 4])
+
 
 def test_filler_pairs_count_for_nothing():
     """A pair without a mark (the mca backend's filler past the end of the data) adds no loss and no pair."""
