@@ -39,7 +39,7 @@ DEMO_MODEL_DIR = ".demo/tiny-qwen2"
 """Where the demo recipes expect the tiny model (``python scripts/make_tiny_model.py --out`` it)."""
 
 DEMO_SFT_OUTPUT = "outputs/demo/tiny_sft/standard"
-"""The tiny sft model ``make demo`` trains on the standard backend (tiny_dpo and tiny_kto start from it)."""
+"""The tiny sft model ``make demo`` trains on the standard backend (tiny_dpo, tiny_kto and tiny_rm start from it)."""
 
 
 def check_model_paths(config) -> None:

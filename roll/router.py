@@ -39,6 +39,7 @@ STAGES: dict[str, StageSpec] = {
     "sft": StageSpec(processor="supervised", collator="SequenceCollator", formats=("alpaca", "sharegpt")),
     "dpo": StageSpec(processor="pairwise", collator="PairwiseCollator", formats=("pairwise",)),
     "kto": StageSpec(processor="feedback", collator="FeedbackCollator", formats=("alpaca", "sharegpt")),
+    "rm": StageSpec(processor="reward", collator="PairwiseCollator", formats=("pairwise",)),
 }
 
 

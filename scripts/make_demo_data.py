@@ -22,7 +22,8 @@ def main() -> None:
             "rejected": {"from": "gpt", "value": f"{a} plus {b} equals {a + b + rng.randint(1, 5)}."}}
            for a, b in pairs[:64]]
     text = [{"text": f"{a} plus {b} equals {a + b}. {b} plus {a} equals {a + b}."} for a, b in pairs]
-    for name, rows in (("arithmetic_sft.json", sft), ("arithmetic_dpo.json", dpo)):
+    rm = reward_pairs(pairs)
+    for name, rows in (("arithmetic_sft.json", sft), ("arithmetic_dpo.json", dpo), ("arithmetic_rm.json", rm)):
         with open(os.path.join(OUT, name), "w", encoding="utf-8") as fh:
             json.dump(rows, fh, indent=1)
     with open(os.path.join(OUT, "arithmetic_pt.jsonl"), "w", encoding="utf-8") as fh:
@@ -43,6 +44,18 @@ def kto_rows(pairs: list[tuple[int, int]]) -> list[dict]:
         rows.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
                                   {"role": "assistant", "content": f"{a} plus {b} equals {answer}."}],
                      "kto_tag": right})
+    return rows
+
+
+def reward_pairs(pairs: list[tuple[int, int]]) -> list[dict]:
+    """Stage rm's demo pairs, in alpaca's pairwise form (instruction / input / chosen / rejected): every sum once,
+    the rejected answer off by 1 to 3 either way (its own generator: the other files stay as they were)."""
+    rng = random.Random(1)
+    rows = []
+    for a, b in pairs:
+        wrong = a + b + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if a + b + d >= 0])
+        rows.append({"instruction": f"What is {a} plus {b}?", "input": "",
+                     "chosen": f"{a} plus {b} equals {a + b}.", "rejected": f"{a} plus {b} equals {wrong}."})
     return rows
 
 

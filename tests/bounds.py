@@ -147,6 +147,17 @@ KTO_LAYOUT = Bound(1e-6, 3.8e-8, KTO_DATE, "KTO (loss, logps) at TP2 and PP2 x V
 KTO_LAYOUT_REWARDS = Bound(1.5e-5, 1.4e-6, KTO_DATE, "KTO's kl and rewards at TP2 and PP2 x VPP2 vs TP1, absolute "
                            "(see BACKEND_KTO_REWARDS)")
 
+# ---- stage rm (tests/distributed/test_mca_rm.py): loss relative, the rest (0 at step 1) absolute ------------
+RM_DATE = "2026-11-27"
+BACKEND_RM = Bound(1e-6, 8.2e-8, RM_DATE, "TRL's RewardTrainer on HF's Qwen2ForSequenceClassification vs Megatron's "
+                   "score head (loss, eval_loss): another attention and AdamW implementation, " + SUMS)
+BACKEND_RM_REWARDS = Bound(2e-5, 1.6e-6, RM_DATE, "accuracy, margin and the chosen / rejected reward means, "
+                           "absolute: rewards near 0.5 after steps at lr 5e-3, each rounded in fp32")
+RM_LAYOUT = Bound(1e-6, 6.2e-8, RM_DATE, "rm's loss at TP2 + SP, PP2, PP2 x VPP2 and CP2 vs TP1 x DP2, " + SUMS)
+RM_LAYOUT_REWARDS = Bound(1e-5, 6.3e-7, RM_DATE, "rm's accuracy, margin and reward means across layouts, absolute")
+RM_EXPORT = Bound(3e-6, 2.2e-7, RM_DATE, "the TP2 + SP exports' rewards of 32 held-out rows (transformers' forward, "
+                  "pooled by the pad id) vs the trained Megatron model's, relative to the largest reward")
+
 # ---- roll-parity as a user runs it (3 steps) ---------------------------------------------------------------
 PARITY_TOOL_TP1 = Bound(1e-6, 4.1e-8, DATE, "the backend gap through roll-parity's logs")
 PARITY_TOOL_TP2 = Bound(1e-6, 1.0e-7, DATE, "the backend gap at TP2 with a padded vocabulary")

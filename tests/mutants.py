@@ -62,6 +62,9 @@ STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader
 
 NAMED = "roll/data/named_templates.py"
 NAMED_UNIT = "tests/unit/test_named_templates.py"
+RM_UNIT = "tests/unit/test_reward.py"
+MCA_RM = "tests/distributed/test_mca_rm.py::test_rm_layouts_backend_parity_and_export"
+RM_ZERO3 = "tests/distributed/test_standard_deepspeed.py::test_rm_zero3_two_processes_matches_one"
 
 ELASTIC = "backends/standard/elastic.py"
 ELASTIC_UNIT = "tests/unit/test_elastic_resume.py::test_converts_only_when_the_data_parallel_size_changed"
@@ -109,6 +112,13 @@ MUTANTS: list[Mutant] = [
            "processes is converted but loaded DeepSpeed's own way (it refuses: traceback)", ELASTIC,
            'config["checkpoint"] = {**(config.get("checkpoint") or {}), "load_universal": True}',
            'config["checkpoint"] = config.get("checkpoint") or {}', (ELASTIC_UNIT,), fast=True),
+    Mutant("rm_scores_the_last_token", "rm: each side scored at its last token even when that is the pad id "
+           "(pad == eos), where transformers' exported model reads the token before it", "roll/data/reward.py",
+           "        if input_ids[index] != pad_token_id:", "        if True:",
+           (f"{RM_UNIT}::test_the_scored_token_is_the_one_transformers_pools",), fast=True),
+    Mutant("rm_margin_reversed_mca", "mca rm: the loss rewards the rejected answer (margin r_rejected - r_chosen)",
+           "backends/mca/trainer/reward.py", "    margin = chosen - rejected", "    margin = rejected - chosen",
+           (f"{RM_UNIT}::test_filler_pairs_count_for_nothing",), fast=True),
     Mutant("data_order_swap_mca", "mca: samples B-1 and B of the shared order swapped (crosses steps 1 and 2)",
            "backends/mca/trainer/data.py", "for i in range(first, first + self.micro_batch_size)])",
            "for i in ({self.global_batch_size - 1: self.global_batch_size, self.global_batch_size: "
@@ -396,6 +406,27 @@ MUTANTS: list[Mutant] = [
            "forwards after SLURM's own kills two srun tasks mid-save", "roll/reliability.py",
            BURST, "return False",
            ("tests/distributed/test_slurm_dist.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes",)),
+    Mutant("rm_head_random_standard", "standard rm: the head starts at transformers' random init, not zero (step 1 "
+           "is not ln 2, the backends start apart)", "backends/standard/reward.py", "        zero_head(model)\n",
+           "        pass\n", (f"{SWEEP}::test_case[rm_mid_run_eval]", MCA_RM)),
+    Mutant("rm_head_not_zeroed_under_zero3_standard", "standard rm under ZeRO-3: the head zeroed without gathering "
+           "it (a no-op on the partitioned weight): it starts at transformers' random init",
+           "backends/standard/reward.py", "    if is_deepspeed_zero3_enabled():", "    if False:",
+           (RM_ZERO3,)),
+    Mutant("rm_eval_loss_of_batch_means_standard", "standard rm on 2 processes: eval_loss HF's mean of eval-batch "
+           "means, counting the rows accelerate repeats to even out the last batch", "backends/standard/reward.py",
+           '                    logs["eval_loss"] = loss / max(count, 1.0)', "                    pass",
+           (RM_ZERO3,)),
+    Mutant("rm_labels_shifted_mca", "mca rm: labels shifted like the LM stages', so each side is scored one token "
+           "early", "backends/mca/backend.py", '        if stage == "rm":  # rm\'s labels', '        if False:  # rm\'s labels',
+           (f"{SWEEP}::test_case[rm_mid_run_eval]", MCA_RM)),
+    Mutant("rm_sp_head_gradient_doubled_mca", "mca rm at TP2 + SP: the hidden-state gradient below the score head "
+           "reduce-scattered (summed over TP) instead of sliced: twice the decoder's gradient",
+           "backends/mca/models/reward.py", "tensor_parallel_output_grad=False", "tensor_parallel_output_grad=True",
+           (f"{SWEEP}::test_case[tp2_rm]", MCA_RM)),
+    Mutant("rm_head_frozen_by_lora_mca", "mca rm with LoRA: the score head stays frozen at zero (the loss never "
+           "leaves ln 2)", "backends/mca/backend.py", "                train_score_heads(models.policy)",
+           "                pass", (f"{SWEEP}::test_case[rm_lora_all]", MCA_RM)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),

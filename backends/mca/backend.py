@@ -4,12 +4,13 @@
 parallelism, of 2 * CP under context parallelism); ``setup_distributed`` brings up torch.distributed
 and the model-parallel groups; ``load_models`` converts an HF checkpoint on the fly (or loads a
 Megatron checkpoint at any layout); ``train`` / ``evaluate`` run ``trainer.MegatronTrainer`` (Megatron
-DDP, distributed optimizer, pipeline schedules, per-token loss or DPO against a frozen reference,
-checkpoints); ``save`` exports the final model in HF format.
+DDP, distributed optimizer, pipeline schedules, per-token loss, DPO against a frozen reference or the
+reward model's pairwise loss, checkpoints); ``save`` exports the final model in HF format.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 @register_backend("mca")
 class McaBackend(Backend):
-    supported_stages = frozenset({"pt", "sft", "dpo", "kto"})
+    supported_stages = frozenset({"pt", "sft", "dpo", "kto", "rm"})
     supported_finetuning_types = frozenset({"full", "lora"})
 
     def __init__(self, config) -> None:
@@ -53,9 +54,12 @@ class McaBackend(Backend):
 
     def padding_policy(self, stage: str) -> PaddingPolicy:
         assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"
-        return PaddingPolicy.for_megatron(
+        policy = PaddingPolicy.for_megatron(
             self.config.layout, cutoff_len=self.config.data.cutoff_len,
             moe_token_dispatcher=self.config.megatron.moe_token_dispatcher_type, packing=self.config.data.packing)
+        if stage == "rm":  # rm's labels mark the scored token of each row, not next tokens: not shifted
+            policy = dataclasses.replace(policy, shift_labels=False)
+        return policy
 
     def setup_distributed(self) -> DistributedInfo:
         """Torch.distributed + Megatron parallel groups + seeds for the validated layout (idempotent)."""
@@ -72,6 +76,18 @@ class McaBackend(Backend):
 
         model_args, ft, t = self.config.model, self.config.finetuning, self.config.training
         precision = dict(bf16=t.bf16, fp16=t.fp16)
+        if stage == "rm":  # the score head in place of the LM head (backends/mca/models/reward.py)
+            from backends.mca.models.auto import has_mca_config
+            from backends.mca.models.loader import hf_weight_map
+            from backends.mca.models.reward import check_start
+            from roll.reward import HEAD, log_head_start, sequence_classification_class
+
+            path = model_args.model_name_or_path
+            check_start(path)
+            if self.config.model_hf_config() and not has_mca_config(path):  # an HF directory
+                sequence_classification_class(self.config.model_hf_config())  # a family without one fails now
+                log_head_start(path, HEAD in hf_weight_map(path))
+            precision["reward_head"] = True
         policy = AutoModel.from_pretrained(model_args.model_name_or_path, self.config.megatron, **precision)
         ref = None
         # LoRA without ref_model: the reference is the policy with its adapters disabled (no second model).
@@ -90,6 +106,10 @@ class McaBackend(Backend):
             from backends.mca.lora.apply import apply_lora
 
             models.policy = apply_lora(models.policy, ft, seed=self.config.training.seed)
+            if ft.stage == "rm":  # the reward head trains in full beside the adapters
+                from backends.mca.models.reward import train_score_heads
+
+                train_score_heads(models.policy)
         elif ft.export_merged:
             warn_once(logger, "export_merged is only used with finetuning_type=lora; ignored.")
         return models
@@ -113,6 +133,10 @@ class McaBackend(Backend):
         from backends.mca.trainer.loss import DPOSettings
         from backends.mca.trainer.step import DPOObjective, LanguageModelObjective
 
+        if stage == "rm":
+            from backends.mca.trainer.reward import RewardObjective
+
+            return RewardObjective()
         vocab_size = models.policy[0].config.vocab_size
         if stage == "kto":
             return self._kto_objective(vocab_size, models)
@@ -163,6 +187,15 @@ class McaBackend(Backend):
         if is_rank0():  # as the standard backend: the run's arguments, as JSON, secrets redacted
             os.makedirs(output_dir, exist_ok=True)
             redact.save_arguments(self.config.to_dict(), output_dir)
+        if ft.stage == "rm":  # a ...ForSequenceClassification model, or a SEQ_CLS adapter holding the head
+            from backends.mca.models import reward
+
+            if ft.finetuning_type == "lora":
+                return reward.save_reward_adapter(models.policy, output_dir, model_args.model_name_or_path,
+                                                  tokenizer_dir=tokenizer_dir)
+            reward.save_reward_hf(models.policy, output_dir, tokenizer_dir=tokenizer_dir,
+                                  pad_token_id=tokenizer.pad_token_id)
+            return output_dir
         if ft.finetuning_type != "lora":
             from backends.mca.models.export import save_hf
 

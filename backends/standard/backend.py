@@ -1,4 +1,4 @@
-"""StandardBackend: HF Trainer (pt, sft) and TRL DPOTrainer (dpo) with optional DeepSpeed ZeRO.
+"""StandardBackend: HF Trainer (pt, sft), TRL DPOTrainer (dpo) and RewardTrainer (rm) with optional DeepSpeed ZeRO.
 
 Order of work, and why it matters (research notes W1-W6 live in ``_compat``):
 ``setup_distributed`` checks the DeepSpeed file, initialises deepspeed.comm (W3) and builds the
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 @register_backend("standard")
 class StandardBackend(Backend):
-    supported_stages = frozenset({"pt", "sft", "dpo", "kto"})
+    supported_stages = frozenset({"pt", "sft", "dpo", "kto", "rm"})
     supported_finetuning_types = frozenset({"full", "lora", "freeze"})
 
     def __init__(self, config) -> None:
@@ -112,6 +112,11 @@ class StandardBackend(Backend):
         load = dict(dtype=dtype, trust_remote_code=model_args.trust_remote_code,
                     attn_implementation=model_args.attn_implementation)
         set_seed(training.seed)
+        if stage == "rm":  # a ...ForSequenceClassification model (backends/standard/reward.py)
+            from backends.standard.reward import load_reward_model
+
+            return ModelBundle(policy=load_reward_model(model_args.model_name_or_path,
+                                                        pad_token_id=tokenizer.pad_token_id, **load))
         policy = M.load_causal_lm(model_args.model_name_or_path, **load)
         ref = None
         if wants_ref:
@@ -125,13 +130,19 @@ class StandardBackend(Backend):
         from transformers import set_seed
 
         from backends.standard import models as M
+        from backends.standard import reward
 
         finetuning = self.config.finetuning
+        rm = finetuning.stage == "rm"  # its score head trains in full (backends/standard/reward.py)
         if finetuning.finetuning_type == "lora":
             set_seed(self.config.training.seed)  # the same adapter init on every rank
-            models.policy = M.apply_lora(models.policy, finetuning)
+            if rm:
+                reward.lora_targets_without_head(finetuning)
+            models.policy = M.apply_lora(models.policy, finetuning, head=reward.HEAD_MODULE if rm else None)
         elif finetuning.finetuning_type == "freeze":
             models.policy = M.apply_freeze(models.policy, finetuning.freeze_trainable_layers)
+            if rm:
+                models.policy = reward.train_head(models.policy)
         if finetuning.export_merged and finetuning.finetuning_type != "lora":
             warn_once(logger, "export_merged is only used with finetuning_type=lora; ignored.")
         return models
@@ -156,6 +167,11 @@ class StandardBackend(Backend):
                                   pref_ftx=self.config.finetuning.pref_ftx,
                                   simpo_gamma=self.config.finetuning.simpo_gamma,
                                   data_collator=PreferenceBatch(job.collator), **common)
+            M.moe_loss_coefficients(models.policy, self.config.megatron, job.stage)  # warns
+        elif job.stage == "rm":
+            from backends.standard.reward import RewardBatch, make_reward_trainer_class
+
+            trainer = make_reward_trainer_class()(model=models.policy, data_collator=RewardBatch(job.collator), **common)
             M.moe_loss_coefficients(models.policy, self.config.megatron, job.stage)  # warns
         else:
             trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)

@@ -1,4 +1,4 @@
-"""Build the real HF ``TrainingArguments`` / TRL ``DPOConfig`` from roll's validated config.
+"""Build the real HF ``TrainingArguments`` / TRL ``DPOConfig`` / ``RewardConfig`` from roll's validated config.
 
 roll's TrainingArguments skips HF's ``__post_init__`` (it would initialise devices and DeepSpeed
 at parse time); this is where that set-up happens, once, inside the backend.
@@ -42,6 +42,11 @@ def build_hf_args(config, deepspeed):
         return KTOConfig(**kwargs, beta=finetuning.pref_beta, desirable_weight=finetuning.kto_desirable_weight,
                          undesirable_weight=finetuning.kto_undesirable_weight, max_length=config.data.cutoff_len,
                          router_aux_loss_coef=0.0)  # as DPO above: roll's KTO trains MoE models without it here
+    if finetuning.stage == "rm":
+        from trl import RewardConfig
+
+        # no centring term (roll.reward's definition); max_length only filters TRL's own tokenization, not used
+        return RewardConfig(**kwargs, max_length=config.data.cutoff_len, center_rewards_coefficient=None)
     from transformers import TrainingArguments
 
     return TrainingArguments(**kwargs)

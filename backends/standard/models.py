@@ -139,12 +139,15 @@ def _output_head_name(model: nn.Module) -> str | None:
     return None
 
 
-def apply_lora(model: nn.Module, finetuning) -> nn.Module:
-    """Wrap ``model`` in a PEFT LoRA model; trainable (adapter) parameters are kept in fp32."""
+def apply_lora(model: nn.Module, finetuning, *, head: str | None = None) -> nn.Module:
+    """Wrap ``model`` in a PEFT LoRA model; trainable (adapter) parameters are kept in fp32. ``head``: a
+    sequence-classification model's head (stage rm's ``score``), trained in full and saved in the adapter
+    (PEFT's task SEQ_CLS, ``modules_to_save``), never adapted."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    targets = resolve_lora_targets(model, finetuning.lora_targets)
-    lora_config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=finetuning.lora_rank,
+    targets = [target for target in resolve_lora_targets(model, finetuning.lora_targets) if target != head]
+    task = dict(task_type=TaskType.SEQ_CLS, modules_to_save=[head]) if head else dict(task_type=TaskType.CAUSAL_LM)
+    lora_config = LoraConfig(**task, r=finetuning.lora_rank,
                              lora_alpha=finetuning.lora_alpha, lora_dropout=finetuning.lora_dropout,
                              use_rslora=finetuning.use_rslora, target_modules=targets)
     peft_model = get_peft_model(model, lora_config)
@@ -195,7 +198,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 def moe_loss_coefficients(model: nn.Module, megatron, stage: str) -> tuple[float, float]:
     """(load-balancing, router z-loss) coefficients a pt/sft run adds (``TokenMeanLossMixin``): the recipe's
     ``moe_aux_loss_coeff``, else the model config's ``router_aux_loss_coef`` (Megatron's default too), and the
-    recipe's ``moe_z_loss_coeff`` (default off); (0, 0) for a dense model. DPO trains without them here (one
+    recipe's ``moe_z_loss_coeff`` (default off); (0, 0) for a dense model. DPO and rm train without them here (one
     warning when one would apply): see docs/mca-training.md."""
     config = model.config.get_text_config()
     recipe_aux = megatron.moe_aux_loss_coeff
@@ -209,7 +212,7 @@ def moe_loss_coefficients(model: nn.Module, megatron, stage: str) -> tuple[float
         return 0.0, 0.0
     aux = float(config.router_aux_loss_coef if recipe_aux is None else recipe_aux)
     z = float(megatron.moe_z_loss_coeff or 0.0)
-    if stage in ("dpo", "kto") and (aux or z):
+    if stage in ("dpo", "kto", "rm") and (aux or z):
         warn_once(logger, f"stage {stage} on the standard backend trains this MoE model without the load-balancing "
                           "loss and the router z-loss (the mca backend adds them): set moe_aux_loss_coeff: 0 "
                           "(and no moe_z_loss_coeff) for the same objective on both backends.")

@@ -102,9 +102,13 @@ class RollTrainerMixin:
             redact.save_arguments(getattr(self, "roll_arguments", None) or self.args.to_dict(), folder)
 
     def train(self, *args, **kwargs):
-        self._roll_window = SpeedWindow(SpeedMeter(self.model.config, self.args.world_size, self.args.device,
-                                                   training_dtype(self.args.bf16, self.args.fp16)))
+        self._roll_window = SpeedWindow(SpeedMeter(self._roll_flops_config(), self.args.world_size,
+                                                   self.args.device, training_dtype(self.args.bf16, self.args.fp16)))
         return super().train(*args, **kwargs)
+
+    def _roll_flops_config(self):
+        """The config roll.perf counts the model's FLOPs from (a reward model's is its own: a 1-wide head)."""
+        return self.model.config
 
 
 class JsonlLogCallback(TrainerCallback):

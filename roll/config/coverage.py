@@ -91,6 +91,7 @@ REF_FREE_LOSSES = ("refused with pref_loss orpo and simpo, which read no referen
                    "tests/unit/test_preference.py::test_the_keys_of_the_reference_free_losses")
 PREF_LOSSES = "tests/distributed/test_mca_pref_losses_dist.py::test_orpo_and_simpo_match_across_backends_and_layouts"
 KTO = "tests/parity/test_sweep.py::test_kto_metrics_on_both_backends_and_every_layout"
+RM = "tests/distributed/test_mca_rm.py::test_rm_layouts_backend_parity_and_export"
 LAUNCH = "tests/unit/test_cli.py::test_launch_command_uses_torchrun_or_deepspeed"
 SLURM_SIGNALS = "tests/distributed/test_slurm_dist.py::test_srun_tasks_signal_burst_then_the_requeued_job_resumes"
 PIPELINE = "tests/unit/test_data_pipeline.py::test_max_samples_val_size_and_eval_dataset"
@@ -154,7 +155,8 @@ ROWS: tuple[Row, ...] = (
     _row("tokenized_path", both=Honoured(
         "tests/unit/test_data_prepared.py::test_tokenized_path_round_trip_and_refusals")),
     # -- finetuning ---------------------------------------------------------------------------------------
-    _row("stage", both=Honoured(PARITY, "pt and sft; dpo: " + DPO + "; kto: " + KTO)),
+    _row("stage", both=Honoured(PARITY, "pt and sft; dpo: " + DPO + "; kto: " + KTO + "; rm: " + RM,
+                                parity="rm_mid_run_eval")),
     _row("finetuning_type", standard=Honoured(
         "tests/unit/test_standard_train.py::test_freeze_trains_only_the_last_layers"),
          mca=Refused("finetuning_type: full or lora", "freeze", by="McaBackend.check_support")),
@@ -169,11 +171,12 @@ ROWS: tuple[Row, ...] = (
         "tests/distributed/test_standard_deepspeed.py::test_lora_zero3_exports_adapter_and_merged_model"),
          mca=Honoured("tests/distributed/test_mca_lora.py::test_merged_export_equals_base_plus_adapter")),
     _row("pref_beta pref_loss pref_label_smoothing", both=Honoured(
-        DPO, "orpo and simpo: " + PREF_LOSSES + "; their definitions: tests/unit/test_preference.py; pref_beta is "
-        "kto's beta too: " + KTO, parity="dpo_ipo")),
+        DPO, "stage dpo; orpo and simpo: " + PREF_LOSSES + "; their definitions: tests/unit/test_preference.py; "
+        "pref_beta is kto's beta too: " + KTO + "; stage rm's loss has no beta: it warns once and ignores them",
+        parity="dpo_ipo")),
     _row("simpo_gamma", both=Honoured(
         "tests/unit/test_preference.py::test_simpo_is_trls_cpo_simpo_without_its_nll_term",
-        "backend parity: " + PREF_LOSSES, parity="dpo_simpo_ftx")),
+        "backend parity: " + PREF_LOSSES + "; stage rm warns once and ignores it", parity="dpo_simpo_ftx")),
     _row("kto_desirable_weight kto_undesirable_weight kto_chosen_weight kto_rejected_weight", both=Honoured(
         "tests/unit/test_kto.py::test_standard_kto_equals_trls_own_kto_loss_on_one_batch",
         "stage kto; kto_chosen/rejected_weight: LLaMA-Factory's spelling of the same keys",

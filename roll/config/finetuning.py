@@ -1,4 +1,4 @@
-"""What is trained: the stage (pt/sft/dpo), which parameters, and the preference-loss knobs."""
+"""What is trained: the stage (pt/sft/dpo/rm), which parameters, and the preference-loss knobs."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 
 @dataclass
 class FinetuningArguments:
-    stage: Literal["pt", "sft", "dpo", "kto"] = "sft"
+    stage: Literal["pt", "sft", "dpo", "kto", "rm"] = "sft"
     """Training stage: pt (pre-training on plain text), sft (supervised fine-tuning), dpo (preference optimisation),
-    kto (KTO on unpaired desirable / undesirable replies: rows with a boolean kto_tag)."""
+    kto (KTO on unpaired desirable / undesirable replies: rows with a boolean kto_tag), rm (pairwise reward model:
+    a 1-wide head without bias, HF's ``score`` of ``...ForSequenceClassification``, read at each sequence's
+    rightmost non-pad token, zero at the start unless the checkpoint has one; loss mean over pairs of
+    -log sigmoid(r_chosen - r_rejected), so step 1 is ln 2; docs/mca-training.md, "Reward modelling")."""
 
     finetuning_type: Literal["full", "lora", "freeze"] = "full"
     """full: all weights; lora: low-rank adapters only; freeze: only the last freeze_trainable_layers layers."""

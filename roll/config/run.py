@@ -76,6 +76,10 @@ class RunConfig:
             self._check_kto()
         elif self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
             warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
+        if self.finetuning.stage == "rm":
+            from roll import reward
+
+            reward.check_config(self)
         self._clamp_workers()
 
     def _check_kto(self) -> None:

@@ -31,6 +31,7 @@ from roll.data.packing import pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.feedback import FeedbackProcessor, check_both_labels
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
+from roll.data.reward import RewardProcessor
 from roll.data.stats import PreprocessStats
 from roll.errors import ConfigError, DataError
 from roll.launch import local_rank
@@ -43,7 +44,9 @@ COUNT_BATCH_ROWS = 8192
 peak anonymous memory from 372 to 637 MB, for no measurable speed (docs/performance.md, the data benchmark)."""
 
 PROCESSORS = {"pretrain": PretrainProcessor, "supervised": SupervisedProcessor, "pairwise": PairwiseProcessor,
-              "feedback": FeedbackProcessor}
+              "feedback": FeedbackProcessor, "reward": RewardProcessor}
+PAIRWISE = ("pairwise", "reward")
+"""Processors whose rows are pairs (``chosen_*`` / ``rejected_*``)."""
 
 
 @dataclass
@@ -58,7 +61,7 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
     """Tokenized train (and eval) datasets for ``stage`` plus the preprocessing stats."""
     if processor not in PROCESSORS:
         raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
-    if data_args.packing and processor in ("pairwise", "feedback"):
+    if data_args.packing and processor in (*PAIRWISE, "feedback"):
         raise ConfigError(f"packing is not supported for stage {stage}; set packing: false.")
     build = functools.partial(_build, data_args, tokenizer, stage=stage, processor=processor, formats=formats,
                               seed=seed)
@@ -134,7 +137,7 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
         train = train.shuffle(seed=seed)
     if processor == "feedback":
         check_both_labels(train, data_args.dataset)
-    _count(train, stats, pairwise=processor == "pairwise")
+    _count(train, stats, pairwise=processor in PAIRWISE)
     if processor != "pretrain" and stats.num_truncated == len(train):  # pt chunks to cutoff_len by design
         raise DataError(f"every one of the {len(train)} training samples is longer than cutoff_len="
                         f"{data_args.cutoff_len} and was cut (prompt trimmed, answer shortened): the model "
@@ -231,13 +234,16 @@ def fingerprint(ds, fn) -> str:
     Cheaper than letting ``datasets`` pickle the whole tokenizer (~2 s for Qwen's 151k vocab), and
     unlike that pickle it changes when roll's processing code changes, so a stale cache is never reused.
     """
-    from roll.data import dataset_info, feedback, formats, named_templates, processors, templates
+    import sys
+
+    from roll.data import dataset_info, formats, named_templates, processors, templates
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
-    code = (formats, processors, templates, named_templates, dataset_info) + (
-        (feedback,) if isinstance(fn, feedback.FeedbackProcessor) else ())
+    # the processor's own module too (feedback for kto, reward for rm)
+    modules = dict.fromkeys([formats, processors, templates, named_templates, dataset_info,
+                             sys.modules[type(fn).__module__]])
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
-                           code_digest(*code))
+                           code_digest(*modules))
 
 
 def _concat(parts: list):

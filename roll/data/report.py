@@ -66,6 +66,12 @@ def _kto_example(job) -> list[str]:
     return out
 
 
+def _legend(stage: str) -> str:
+    if stage == "rm":  # its labels mark the one token each side's reward is read at (roll.data.reward)
+        return f"the token each side is scored at (the reward model's output there) is marked {OPEN}...{CLOSE}"
+    return f"trained tokens are marked {OPEN}...{CLOSE}"
+
+
 def dry_run_report(job, stats) -> tuple[dict, str]:
     """(summary dict for --json, human-readable text) for a built TrainJob and its PreprocessStats."""
     summary = {key: getattr(stats, key) for key in SUMMARY_KEYS}
@@ -83,5 +89,5 @@ def dry_run_report(job, stats) -> tuple[dict, str]:
     lines = [f"stage {job.stage}: data summary", *("  " + line for line in stats.summary_lines()), *classes,
              f"  collated batch of the first {len(first)} {unit}: "
              + ", ".join(f"{k} {v}" for k, v in summary["batch_shapes"].items()),
-             f"trained tokens are marked {OPEN}...{CLOSE}", *_example(job)]
+             _legend(job.stage), *_example(job)]
     return summary, "\n".join(lines) + "\n"

@@ -48,6 +48,7 @@ BASES = {
     "pt": {"stage": "pt", "dataset": "recipes/demo/data/arithmetic_pt.jsonl", **_COMMON},
     "dpo": {"stage": "dpo", "dataset": "recipes/demo/data/arithmetic_dpo.json", "pref_beta": 0.1, **_COMMON},
     "kto": {"stage": "kto", "dataset": "recipes/demo/data/arithmetic_kto.json", "pref_beta": 0.1, **_COMMON},
+    "rm": {"stage": "rm", "dataset": "recipes/demo/data/arithmetic_rm.json", **_COMMON},
 }
 """Recipe bases: 8 samples a step (4 x 2 micro-batches at data-parallel size 1)."""
 
@@ -302,6 +303,18 @@ CASES = (
     Case("kto_weights_lora_eval", "kto", _lora(kto_desirable_weight=0.8, kto_undesirable_weight=1.25,
                                                pref_beta=0.5, **_KTO_EVAL), steps=5,
          measured=M(0, 1.5e-7, 3.0e-8, 2.2e-7)),
+    # stage rm: the score head (zero at the start: step 1 is ln 2 on both) with a mid-run eval on held-out
+    # pairs (alpaca's pairwise rows); at TP2 + SP (the head whole on each TP rank), PP2 x VPP2 (the head on the
+    # last virtual stage; sharegpt pairs), and LoRA (the head trained in full, exported in the adapter as
+    # modules_to_save)
+    Case("rm_mid_run_eval", "rm", _EVAL,
+         measured=M(2.7e-9, 8.2e-8, 5.9e-8, 3.4e-5)),
+    Case("tp2_rm", "rm", {}, layout="tp2",
+         measured=M(2.7e-9, 7.1e-8, None, 4.0e-5)),
+    Case("pp2_vpp2_rm", "rm", {"dataset": "recipes/demo/data/arithmetic_dpo.json"}, layout="pp2_vpp2",
+         model="qwen2_4l", measured=M(2.7e-9, 9.6e-8, None, 4.3e-5)),
+    Case("rm_lora_all", "rm", _lora(lora_rank=4, lora_target="all"),
+         measured=M(2.7e-9, 5.7e-8, None, 1.1e-6)),
 )
 
 

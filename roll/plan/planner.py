@@ -286,8 +286,8 @@ def _state_lines(shape: ModelShape, st: Strategy, p: StageParams,
 def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
                  stage: int) -> tuple[list[PlanLine], float]:
     t, d = config.training, config.data
-    dpo = config.finetuning.stage == "dpo"
-    batch = t.per_device_train_batch_size * (2 if dpo else 1)  # DPO: chosen + rejected
+    pairs = config.finetuning.stage in ("dpo", "rm")
+    batch = t.per_device_train_batch_size * (2 if pairs else 1)  # DPO, rm: chosen + rejected
     p = stage_params(shape, st, config.finetuning, stage)
     lines, cpu = _state_lines(shape, st, p, config)
     recompute = st.recompute or "no"
@@ -297,7 +297,7 @@ def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
         + (f", SP over TP{st.tp}" if st.sp else "") + (f", CP{st.cp}" if st.cp > 1 else "")
         + (f", {min(st.pp - stage, t.gradient_accumulation_steps)} micro-batches in flight"
            if st.pp > 1 else "")))
-    if stage == st.pp - 1:
+    if stage == st.pp - 1 and config.finetuning.stage != "rm":  # a reward model's head is 1 wide: no logits
         vocab = -(-shape.vocab_size // st.vocab_multiple) * st.vocab_multiple
         lines.append(PlanLine("logits", d.cutoff_len * batch * vocab * 4 / st.tp,
                               f"fp32 s*b*V{f'/TP{st.tp}' if st.tp > 1 else ''}, V={vocab}"))

@@ -130,6 +130,32 @@ def test_dpo_zero3_two_processes_matches_one(tiny_model_dir, tmp_path):
         assert logged[1][key] == pytest.approx(reference[1][key], rel=1e-3, abs=1e-5), key
 
 
+def test_rm_zero3_two_processes_matches_one(tiny_model_dir, tmp_path):
+    """Stage rm under ZeRO-3 on 2 processes: the head the checkpoint lacks is zeroed whole (gathered; zeroing
+    each rank's partition alone would leave the other's), so step 1 is ln 2 as on 1 process; the losses, the rm
+    metrics and the eval metrics over 10 held-out pairs in uneven batches of 3 (accelerate repeats rows to even
+    them out over the ranks) equal the 1-process run's; the gathered export is a reward model."""
+    import math
+
+    from transformers import AutoModelForSequenceClassification
+
+    extra = dict(val_size=10, per_device_eval_batch_size=3)
+    reference = _one_process(tiny_model_dir, tmp_path / "one", "rm", **extra)
+    logged = _two_processes(tiny_model_dir, tmp_path / "two", "rm", "ds_z3.json", 4, 1, **extra)
+    assert reference[0]["loss"] == logged[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
+    for step, (ours, theirs) in enumerate(zip(logged, reference), start=1):
+        for key in ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (step, key)
+    with open(os.path.join(tmp_path / "two", "train_log.jsonl"), encoding="utf-8") as fh:
+        two = [entry for entry in map(json.loads, fh) if "eval_loss" in entry][-1]
+    with open(os.path.join(tmp_path / "one", "train_log.jsonl"), encoding="utf-8") as fh:
+        one = [entry for entry in map(json.loads, fh) if "eval_loss" in entry][-1]
+    for key in ("eval_loss", "eval_accuracy", "eval_margin", "eval_rewards/chosen"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+    model = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "two"))
+    assert model.config.num_labels == 1 and model.score.weight.abs().sum() > 0
+
+
 def test_lora_zero3_exports_adapter_and_merged_model(tiny_model_dir, tmp_path):
     """ZeRO-3 gathers the adapter for saving; the rank-0-only merge must not hang in ZeRO-3
     collectives (W4)."""

@@ -3,7 +3,7 @@ tests (tests/recipes/test_recipe_goldens.py) and for regenerating their goldens 
 
 Each recipe runs as written except for what makes it a short, fast, deterministic CPU run: the tiny
 BPE model built by ``roll.demo.tiny_model.make_tiny_model`` (the same one the tests' ``tiny_model_factory`` builds;
-tiny_dpo's model_name_or_path, the SFT demo's output, is replaced too), ``STEPS`` steps, a log line every
+tiny_dpo's and tiny_rm's model_name_or_path, the SFT demo's output, is replaced too), ``STEPS`` steps, a log line every
 step, nothing saved. The standard backend runs in this process (roll.router.run, the production path);
 the mca backend in one 1-process torchrun job that trains every recipe (one interpreter, one Megatron import).
 """
@@ -16,7 +16,7 @@ import sys
 
 from tests.helpers import REPO, output_of, torchrun
 
-RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_orpo", "tiny_simpo")
+RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_orpo", "tiny_simpo", "tiny_rm")
 BACKENDS = ("standard", "mca")
 STEPS = 5
 GOLDENS = os.path.join(REPO, "tests", "recipes", "goldens.json")

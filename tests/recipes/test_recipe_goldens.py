@@ -1,5 +1,5 @@
-"""Recipe regression tests: every demo recipe (pt, sft, dpo, lora) trains STEPS steps on CPU on each
-backend (standard: 1 process, in this process; mca: 1 process, TP1, one torchrun job for all recipes),
+"""Recipe regression tests: every demo recipe (pt, sft, dpo, kto, lora, orpo, simpo, rm) trains STEPS steps
+on CPU on each backend (standard: 1 process, in this process; mca: 1 process, TP1, one torchrun job for all recipes),
 and its loss at every step must equal the golden value in tests/recipes/goldens.json within GOLDEN, and
 the two backends must agree within BACKEND (tests/bounds.py: both measured, with the measurement written
 there). Also: every run writes loss.png.

@@ -230,8 +230,9 @@ def test_moe_aux_loss_coefficient_in_either_spelling_applies_on_both_backends(re
     assert config.megatron.moe_z_loss_coeff == 0.01 and "moe_z_loss" not in roll_warnings.text
 
 
-SHIPPED = ("qwen_sft", "qwen_pt", "qwen_dpo", "qwen_kto", "qwen_lora_sft", "qwen3_moe_sft", "llama3_sft")
-DEMO = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora")
+SHIPPED = ("qwen_sft", "qwen_pt", "qwen_dpo", "qwen_kto", "qwen_lora_sft", "qwen3_moe_sft", "llama3_sft",
+           "qwen_rm")
+DEMO = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_rm")
 
 
 def test_every_shipped_recipe_parses(monkeypatch):
@@ -258,7 +259,7 @@ def test_every_shipped_recipe_parses(monkeypatch):
         _, config = parse_args([path])
         t = config.training
         assert t.nproc_per_node == raw.get("nproc_per_node", 1) and t.nnodes == raw.get("nnodes", 1), path
-        assert config.finetuning.stage in ("pt", "sft", "dpo", "kto"), path
+        assert config.finetuning.stage in McaBackend.supported_stages, path
         assert config.finetuning.finetuning_type in McaBackend.supported_finetuning_types, path
         assert needs_launch(config) == (t.nproc_per_node * t.nnodes > 1), path
         for key in ("deepspeed", "dataset", "eval_dataset"):

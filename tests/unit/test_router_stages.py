@@ -17,7 +17,7 @@ from roll.data.pipeline import PROCESSORS
 from roll.data.policy import PaddingPolicy
 from tests.helpers import REPO, output_of, roll_train
 
-DEMO = {stage: f"recipes/demo/tiny_{stage}.yaml" for stage in ("pt", "sft", "dpo", "kto")}
+DEMO = {stage: f"recipes/demo/tiny_{stage}.yaml" for stage in ("pt", "sft", "dpo", "kto", "rm")}
 
 
 def test_stage_table_names_real_processors_collators_and_formats():
@@ -27,7 +27,7 @@ def test_stage_table_names_real_processors_collators_and_formats():
         assert set(spec.formats) <= set(FORMATS), stage
 
 
-@pytest.mark.parametrize("stage", ["pt", "sft", "dpo", "kto"])
+@pytest.mark.parametrize("stage", ["pt", "sft", "dpo", "kto", "rm"])
 def test_build_job_for_each_stage(stage, tiny_model_dir, tmp_path, monkeypatch):
     import datasets
 
@@ -38,7 +38,7 @@ def test_build_job_for_each_stage(stage, tiny_model_dir, tmp_path, monkeypatch):
     assert isinstance(job, TrainJob) and job.stage == stage
     assert stats.num_samples > 0 and stats.num_dropped == 0
     batch = job.collator([job.train_dataset[i] for i in range(3)])
-    rows = 6 if stage in ("dpo", "kto") else 3  # pairs: chosen and rejected stacked; kto: rows, mismatched rows
+    rows = 6 if stage in ("dpo", "kto", "rm") else 3  # pairs: chosen and rejected stacked; kto: rows, mismatched rows
     assert batch["input_ids"].shape[0] == rows and batch["input_ids"].shape[1] % 8 == 0
 
 

@@ -3,7 +3,8 @@
 The sharded state dict of a LoRA chunk is the model's own (``GPTModel.sharded_state_dict``), in
 which every LoRA layer places its adapters (``LoraParallelLinear.sharded_state_dict``: the split
 weight TP-sharded, the other replicated); here it is filtered to the adapter entries, so a LoRA
-checkpoint holds only ``...lora_A.<proj>`` / ``...lora_B.<proj>`` tensors (a few MB).
+checkpoint holds only ``...lora_A.<proj>`` / ``...lora_B.<proj>`` tensors (a few MB), and, for a reward model
+(stage rm), its score head ``output_layer.weight``, which trains in full beside them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def adapter_sharded_state_dict(model_chunks: Sequence[nn.Module]) -> dict:
     from backends.mca.checkpoint import sharded_model_state_dict
 
     full = sharded_model_state_dict(model_chunks)
-    return {key: {name: t for name, t in sd.items() if is_lora_param("." + name)} for key, sd in full.items()}
+    head = {"output_layer.weight"} if getattr(unwrap_model(model_chunks[0]).config, "reward_head", False) else set()
+    return {key: {name: t for name, t in sd.items() if is_lora_param("." + name) or name in head}
+            for key, sd in full.items()}
 
 
 def save_adapter_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:

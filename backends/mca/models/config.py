@@ -70,6 +70,10 @@ class McaModelConfig(TransformerConfig):
     transformer_impl: str = "local"
     """'local' (Megatron's torch modules) or 'transformer_engine': decides the weight naming layout."""
 
+    reward_head: bool = False
+    """Stage rm: the output layer is a 1-wide score head (HF's ``score``, no bias, whole on every TP rank) in
+    place of the vocabulary projection (``backends.mca.models.reward``)."""
+
     def __post_init__(self) -> None:
         if self.activation not in _ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not supported; choose one of {sorted(_ACTIVATIONS)}.")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from backends.mca.models import sharding
 from backends.mca.models.gpt import canonical_tensors, model_device
 from backends.mca.models.loader import INDEX_NAME
-from backends.mca.models.template import get_template
+from backends.mca.models.template import template_for
 from backends.mca.models.unwrap import unwrap_model
 from roll.logging import byte_progress, log_rank0
 from roll.outputs import remove_stale_weights
@@ -37,14 +37,15 @@ _POST = ("decoder.final_layernorm.", "output_layer.")
 
 
 def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int = 2 * 1024**3,
-            tokenizer_dir: str | None = None) -> None:
+            tokenizer_dir: str | None = None, config_updates: dict | None = None) -> None:
     """Write the full model in HF format to ``out_dir`` (collective: every rank must call it).
+    ``config_updates``: config.json fields the run decides (a reward model's ``pad_token_id``).
 
     ``chunks`` may be wrapped for training (Megatron DDP, Float16Module, PEFT): names and the model
     config come from the bare model (``unwrap_model``), placements from Megatron's parameter tags.
     """
     config: McaModelConfig = unwrap_model(chunks[0]).config
-    template = get_template(config.hf_model_type)
+    template = template_for(config)
     local = {name: (tensor, sharding.param_tp_kind(name, tensor, config))
              for name, tensor in canonical_tensors(chunks, config)}
     units = ["pre", *range(config.num_layers), "post"]
@@ -64,7 +65,7 @@ def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int
     if writer is not None:
         for name in remove_stale_weights(out_dir, keep=written):
             log_rank0(logger, "removed %s from %s: weights of an earlier save, another layout", name, out_dir)
-        _write_config(template.hf_config_dict(config), out_dir)
+        _write_config({**template.hf_config_dict(config), **(config_updates or {})}, out_dir)
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
         elapsed = time.perf_counter() - start

@@ -98,12 +98,17 @@ def build_model_chunks(config: McaModelConfig) -> list[torch.nn.Module]:
             config=config, transformer_layer_spec=spec, vocab_size=config.padded_vocab_size,
             max_sequence_length=config.max_sequence_length, pre_process=place.pre_process,
             post_process=place.post_process,
-            share_embeddings_and_output_weights=config.tie_embeddings_and_output_weights,
+            share_embeddings_and_output_weights=config.tie_embeddings_and_output_weights and not config.reward_head,
             position_embedding_type=config.position_embedding_type, rotary_percent=config.rotary_percent,
             rotary_base=int(config.rotary_base), rope_scaling=config.rope_scaling,
             rope_scaling_factor=config.rope_scaling_factor, vp_stage=stage if vpp else None)
         _check_offset(model, place, stage)
-        batch_major_logits(model)
+        if config.reward_head:
+            from backends.mca.models.reward import attach_score_head
+
+            attach_score_head(model)
+        else:
+            batch_major_logits(model)
         chunks.append(model.to(model_device()))  # built on the CPU (use_cpu_initialization), then moved
     tag_tensor_parallel(chunks)  # export reads them; without weight init Megatron leaves them unset
     return chunks

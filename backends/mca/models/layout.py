@@ -6,6 +6,10 @@ Two independent renamings live here so templates stay layout-free:
   experts are ``experts.linear_fc1.weight{e}``; the local spec keeps separate norms and
   ``experts.local_experts.{e}.linear_fc1.weight``.
 - *placement*: a chunk numbers its layers and experts locally; PP/VPP and EP offsets make them global.
+
+A reward model's (``reward_head``) output layer holds the 1-wide score head as ``output_layer.weight``, where
+Megatron expects it; its canonical name is ``output_layer.score.weight``, so that no rule of the vocabulary
+projection (padding, column split, tying) applies to it.
 """
 
 from __future__ import annotations
@@ -58,9 +62,14 @@ def grouped_experts(config: McaModelConfig) -> bool:
     return bool(config.num_moe_experts) and config.moe_grouped_gemm
 
 
+_SCORE_IMPL, _SCORE = "output_layer.weight", "output_layer.score.weight"
+
+
 def to_impl_name(name: str, config: McaModelConfig) -> str:
     """Canonical local-spec name (global layer index) -> the name under ``config.transformer_impl`` (and
     grouped GEMM)."""
+    if name == _SCORE and getattr(config, "reward_head", False):
+        return _SCORE_IMPL
     if config.transformer_impl == "transformer_engine":
         for local, te in _te_renames(config, name):
             if name.endswith(local):
@@ -72,6 +81,8 @@ def to_impl_name(name: str, config: McaModelConfig) -> str:
 
 def from_impl_name(name: str, config: McaModelConfig) -> str:
     """Inverse of ``to_impl_name``."""
+    if name == _SCORE_IMPL and getattr(config, "reward_head", False):
+        return _SCORE
     if config.transformer_impl == "transformer_engine":
         for local, te in _te_renames(config):
             if name.endswith(te):

@@ -29,7 +29,7 @@ from backends.mca.models import layout, sharding
 from backends.mca.models.gpt import canonical_tensors, rank_coordinates
 from backends.mca.models.mapping import Mapping
 from backends.mca.models.safetensors_io import SafetensorsFile
-from backends.mca.models.template import Template, get_template
+from backends.mca.models.template import Template, template_for
 from roll.errors import ModelError
 from roll.logging import byte_progress, log_rank0
 from roll.weights import check_weights_match
@@ -82,22 +82,33 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     them to load a chunk as any rank would, without process groups.
     """
     coords = coords if coords is not None else rank_coordinates()
-    template = get_template(config.hf_model_type)
+    template = template_for(config)
     weight_map = hf_weight_map(hf_dir)
     targets = _targets(chunks, placements, config, template)
+    _zero_absent_optional(targets, template, weight_map)
     missing = {n for t in targets.values() for n in t.hf_names} - set(weight_map)
     layer_patterns: dict[bool, set[str]] = {True: set(), False: set()}  # by layer kind: MoE or dense
     for canonical, target in targets.items():
         if "{layer}" in target.convert.mca:
             layer_patterns[config.is_moe_layer(layout.layer_index(canonical))].add(target.convert.mca)
     mtp = _multi_token_prediction(weight_map, config)
-    unused = [name for name in weight_map
-              if name not in mtp and not _used_by_model(template, name, config, layer_patterns)]
+    unused = [name for name in weight_map if name not in mtp and name not in template.ignored
+              and not _used_by_model(template, name, config, layer_patterns)]
     check_weights_match(hf_dir, missing=missing, unexpected=unused, model_type=config.hf_model_type,
                         checkpoint_size=len(weight_map))  # strict both ways, the standard backend's message
     report = LoadReport(tensors_in_checkpoint=len(weight_map))
     _stream(targets, config, hf_dir, weight_map, report, coords)
     return report
+
+
+def _zero_absent_optional(targets: dict[str, _Target], template: Template, weight_map: dict[str, str]) -> None:
+    """Parameters filled only from the template's optional HF tensors, none of which the checkpoint holds,
+    start at zero and leave ``targets`` (a reward head trained from a causal LM)."""
+    for canonical in [c for c, t in targets.items()
+                      if set(t.hf_names) <= set(template.optional) and not set(t.hf_names) & set(weight_map)]:
+        with torch.no_grad():
+            for param in targets.pop(canonical).params:
+                param.zero_()
 
 
 def _used_by_model(template: Template, hf_name: str, config: McaModelConfig,

@@ -34,9 +34,10 @@ _COLUMN = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.bias",
 _SWIGLU = ".linear_fc1.weight"
 _ROW = (".linear_proj.weight", ".linear_fc2.weight")
 _REPLICATED = ("layernorm.weight", "layernorm.bias", ".mlp.router.weight", ".mlp.router.expert_bias",
-               ".shared_experts.gate_weight", ".linear_proj.bias", ".linear_fc2.bias")
+               ".shared_experts.gate_weight", ".linear_proj.bias", ".linear_fc2.bias", "output_layer.score.weight")
 """Parameters Megatron keeps whole on every TP rank (and leaves untagged): norms, router, the
-shared-expert gate, and the biases of row-parallel linears (added after the reduce)."""
+shared-expert gate, the biases of row-parallel linears (added after the reduce), and a reward model's
+1-wide score head (``backends.mca.models.reward``)."""
 
 
 def tp_kind(name: str, config: McaModelConfig) -> Kind:

@@ -44,6 +44,10 @@ class Template:
     """Family-specific HF -> Megatron config logic (e.g. RoPE scaling) that a key table cannot express."""
     config_class: str = "McaModelConfig"
     """The ``backends.mca.models.config`` class the family's config is (McaMLAModelConfig: multi-latent attention)."""
+    optional: tuple[str, ...] = ()
+    """HF tensors a checkpoint may lack: their Megatron parameter then starts at zero (a reward head)."""
+    ignored: tuple[str, ...] = ()
+    """HF tensors a checkpoint may hold that this model does not use (a causal LM's head in a reward model)."""
     _hf_regex: list[tuple[re.Pattern, Mapping, int]] = field(default_factory=list, repr=False)
     _mca_regex: list[tuple[re.Pattern, Mapping]] = field(default_factory=list, repr=False)
 
@@ -138,6 +142,17 @@ def get_template(model_type: str) -> Template:
                          "supported family, config.json's model_type is wrong: use the config.json that came "
                          "with them.)")
     return _TEMPLATES[model_type]
+
+
+def template_for(config: Any) -> Template:
+    """The template of a built model's config: its family's, or for a reward model (``reward_head``, stage rm)
+    the family's with the 1-wide ``score`` head in place of ``lm_head`` (``backends.mca.models.reward``)."""
+    template = get_template(config.hf_model_type)
+    if getattr(config, "reward_head", False):
+        from backends.mca.models.reward import reward_template
+
+        return reward_template(template)
+    return template
 
 
 def _get_path(data: dict, path: str) -> Any:

@@ -1,4 +1,4 @@
-"""MegatronTrainer: the training loop (pt, sft, dpo) on Megatron-Core model chunks.
+"""MegatronTrainer: the training loop (pt, sft, dpo, rm) on Megatron-Core model chunks.
 
 One optimizer step: this rank's micro-batches of the global batch (``data.BatchPlan``) go through
 Megatron's schedule (``step.run_schedule``) with the objective's loss function (``step``: language
@@ -340,7 +340,8 @@ class MegatronTrainer:
 
     def _rows_in_step(self, step: int, num_samples: int) -> int:
         """Rows of global step ``step`` (0-based) over all ranks, for the speed window's mean real tokens
-        per row (the attention term's sequence length); a DPO pair is two rows, a KTO row two (its mismatched row)."""
+        per row (the attention term's sequence length); a DPO or rm pair is two rows, a KTO row two (its
+        mismatched row)."""
         rows = self.plan.samples_in_step(step, num_samples)
         per_sample = 2 if isinstance(self.objective, DPOObjective) else getattr(self.objective, "rows_per_sample", 1)
         return rows * per_sample

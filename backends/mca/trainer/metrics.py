@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
+from roll import reward
 from roll.logging import is_rank0, warn_once
 from roll.perf import SpeedMeter, training_dtype
 from roll.train_log import append_record, start_train_log, train_log_path
@@ -88,6 +89,8 @@ def speed_meter(model_config, training, device, world_size: int) -> SpeedMeter:
     """roll.perf's meter for a Megatron model: FLOPs from the HF config the McaModelConfig carries
     (``hf_config``), or, for a config built without one, from its Megatron fields under HF names."""
     fields = dict(model_config.hf_config) if model_config.hf_config else hf_fields(model_config)
+    if getattr(model_config, "reward_head", False):
+        fields = reward.flops_fields(fields)
     return SpeedMeter(fields, world_size, device, training_dtype(training.bf16, training.fp16))
 
 

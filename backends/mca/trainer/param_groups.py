@@ -23,7 +23,7 @@ import torch
 
 from backends.mca.lora.apply import is_lora_param
 from backends.mca.models.gpt import canonical_tensors
-from backends.mca.models.template import get_template
+from backends.mca.models.template import template_for
 from backends.mca.models.unwrap import unwrap_model
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def hf_names_of(name: str, config: McaModelConfig) -> tuple[str, ...]:
     """The HF parameters a Megatron parameter (canonical global name) holds; () for a LoRA adapter."""
     if is_lora_param(name):
         return ()
-    return get_template(config.hf_model_type).match_mca(name).hf_names
+    return template_for(config).match_mca(name).hf_names
 
 
 def no_decay_parameters(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
