@@ -417,6 +417,9 @@ MUTANTS: list[Mutant] = [
            "means, counting the rows accelerate repeats to even out the last batch", "backends/standard/reward.py",
            '                    logs["eval_loss"] = loss / max(count, 1.0)', "                    pass",
            (RM_ZERO3,)),
+    Mutant("rm_head_not_in_lora_checkpoint_mca", "mca rm with LoRA: the adapter-only checkpoint leaves the trained "
+           "head out (the save fails: the optimizer holds the head's state)", "backends/mca/lora/checkpoint.py",
+           "is_lora_param(\".\" + name) or name in head}", "is_lora_param(\".\" + name)}", (MCA_RM,)),
     Mutant("rm_labels_shifted_mca", "mca rm: labels shifted like the LM stages', so each side is scored one token "
            "early", "backends/mca/backend.py", '        if stage == "rm":  # rm\'s labels', '        if False:  # rm\'s labels',
            (f"{SWEEP}::test_case[rm_mid_run_eval]", MCA_RM)),

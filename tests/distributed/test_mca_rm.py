@@ -59,13 +59,16 @@ def standard_run(tmp_path, base: dict, **overrides) -> dict:
 
 def rm_runs(make_model, tmp_path) -> tuple[dict, dict]:
     """The standard backend (TRL's RewardTrainer, one process) and, in one 2-process torchrun job, Megatron at
-    TP1 x DP2, TP2 + SP (exported), PP2, PP2 x VPP2, CP2 and LoRA at TP2 + SP (exported)."""
+    TP1 x DP2, TP2 + SP (exported), PP2, PP2 x VPP2, CP2 and LoRA at TP2 + SP (exported; and the same run
+    saved at step 3 and resumed from its adapter-only checkpoint)."""
     model = make_model("qwen2", num_layers=4)  # tied embeddings: a reward model is built untied
     base = {**RM, "model_name_or_path": model, "output_dir": str(tmp_path / "out")}
     standard = standard_run(tmp_path, base, per_device_train_batch_size=8)
     gas2 = {"gradient_accumulation_steps": 2}
     tp2 = {**gas2, "tensor_model_parallel_size": 2, "sequence_parallel": True}
     export = {"save_hf_model": True}
+    lora = {**tp2, "finetuning_type": "lora", "lora_target": "all", "learning_rate": 1e-2,
+            "lr_scheduler_type": "constant", "save_async": False}  # constant: a run to step 3 is the full run's start
     result = train_runs(tmp_path, base, [
         {"name": "tp1_dp2"},
         {"name": "tp2_sp", "overrides": {**tp2, **export, "output_dir": str(tmp_path / "tp2")}, "export": True},
@@ -73,9 +76,11 @@ def rm_runs(make_model, tmp_path) -> tuple[dict, dict]:
         {"name": "pp2_vpp2", "overrides": {**gas2, "pipeline_model_parallel_size": 2,
                                            "virtual_pipeline_model_parallel_size": 2}},
         {"name": "cp2", "overrides": {**gas2, "context_parallel_size": 2}},
-        {"name": "tp2_lora", "overrides": {**tp2, **export, "finetuning_type": "lora", "lora_target": "all",
-                                           "learning_rate": 1e-2, "output_dir": str(tmp_path / "lora")},
-         "export": True},
+        {"name": "tp2_lora", "overrides": {**lora, **export, "output_dir": str(tmp_path / "lora")}, "export": True},
+        {"name": "tp2_lora_to_step3", "overrides": {**lora, "max_steps": 3, "save_strategy": "steps", "save_steps": 3,
+                                                    "output_dir": str(tmp_path / "resumed")}},
+        {"name": "tp2_lora_resumed", "overrides": {**lora, "resume_from_checkpoint": True,
+                                                   "output_dir": str(tmp_path / "resumed")}},
     ], worker="reward_checks.py")
     return standard, result
 
@@ -102,7 +107,8 @@ def test_rm_layouts_backend_parity_and_export(tiny_model_factory, tmp_path):
     eval on 16 held-out pairs equals the standard backend's (TRL) within the measured backend gap, and TP2 + SP,
     PP2, PP2 x VPP2 and CP2 equal TP1 x DP2 within the measured layout gap. The TP2 exports (full: a
     Qwen2ForSequenceClassification; LoRA: a SEQ_CLS adapter holding the head) load in transformers and score
-    the held-out pairs as the trained Megatron model does (tests/bounds.py RM_EXPORT)."""
+    the held-out pairs as the trained Megatron model does (tests/bounds.py RM_EXPORT). The LoRA run resumed from
+    its step-3 checkpoint (adapters and the fully trained head) repeats the uninterrupted run exactly."""
     standard, result = rm_runs(tiny_model_factory, tmp_path)
     reference = result["tp1_dp2"]
     assert reference["log"][0]["loss"] == pytest.approx(math.log(2), abs=1e-12)
@@ -114,6 +120,8 @@ def test_rm_layouts_backend_parity_and_export(tiny_model_factory, tmp_path):
         assert len(run["mca_rewards"]) == len(run["hf_rewards"]) == 32, run  # 16 held-out pairs
         assert len(set(run["mca_rewards"])) == 32, run  # a trained head: no two rows alike
         assert run["config"]["num_labels"] == 1 and run["config"]["pad_token_id"] is not None, run["config"]
+    resumed = result["tp2_lora_to_step3"]["log"] + result["tp2_lora_resumed"]["log"]
+    assert [e["loss"] for e in resumed] == [e["loss"] for e in result["tp2_lora"]["log"]]  # the head in the checkpoint
     assert result["tp2_sp"]["config"]["architectures"] == ["Qwen2ForSequenceClassification"]
     assert result["tp2_lora"]["config"]["task_type"] == "SEQ_CLS"
     assert "score" in result["tp2_lora"]["config"]["modules_to_save"]
