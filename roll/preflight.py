@@ -118,12 +118,12 @@ def check_machine(training) -> None:
 # ---- chat template ------------------------------------------------------------------------------
 
 def check_chat_template(config) -> None:
-    """sft, dpo and kto lay conversations out with a chat template: the tokenizer's own, or ``template:``.
+    """sft, dpo, kto and rm lay conversations out with a chat template: the tokenizer's own, or ``template:``.
 
     The library (``roll.data.load_tokenizer``) falls back to roll's 'default' template with a warning;
     roll-train refuses instead, since a model trained on a template it will not be prompted with is wasted.
     """
-    if config.finetuning.stage not in ("sft", "dpo", "kto") or config.data.template is not None:
+    if config.finetuning.stage not in ("sft", "dpo", "kto", "rm") or config.data.template is not None:
         return
     path = config.model.tokenizer_name_or_path or config.model.model_name_or_path
     if not path or not os.path.isdir(path):
@@ -138,6 +138,9 @@ def check_chat_template(config) -> None:
     from roll.data.named_templates import TEMPLATES
 
     stage, names = config.finetuning.stage, ", ".join(TEMPLATES)
+    if stage == "kto":  # roll.config.run refuses template: for kto (its rows use the tokenizer's template)
+        raise ConfigError(f"the tokenizer in {path!r} has no chat template, which stage kto needs to lay out "
+                          "conversations (kto does not take `template:` yet): use a tokenizer that has one.")
     raise ConfigError(f"the tokenizer in {path!r} has no chat template, which stage {stage} needs to lay out "
                       f"conversations. Set template: to one of {names} (the one the model will be prompted "
                       "with), or use a tokenizer that has a chat template.")

@@ -49,3 +49,23 @@ def test_bad_paths_are_clear_errors(tmp_path):
         load_tokenizer(ModelArguments(), DataArguments())
     with pytest.raises(ModelError, match="cannot load a tokenizer"):
         load_tokenizer(ModelArguments(model_name_or_path=str(tmp_path)), DataArguments())
+
+
+@pytest.mark.parametrize("stage, refused", [("sft", True), ("dpo", True), ("kto", True), ("rm", True),
+                                            ("pt", False)])
+def test_roll_train_refuses_a_tokenizer_without_chat_template_for_conversation_stages(bare_tokenizer_dir,
+                                                                                      stage, refused):
+    from roll.config.parser import resolve
+    from roll.preflight import check_chat_template
+
+    config = resolve({"model_name_or_path": bare_tokenizer_dir, "stage": stage, "dataset": "x.json",
+                      "per_device_train_batch_size": 2}, {}, None)
+    if refused:
+        with pytest.raises(ConfigError, match=f"has no chat template, which stage {stage} needs"):
+            check_chat_template(config)
+    else:
+        check_chat_template(config)
+    if stage != "kto":  # kto refuses template: at config time (tests/unit/test_kto.py)
+        check_chat_template(resolve({"model_name_or_path": bare_tokenizer_dir, "stage": stage,
+                                     "dataset": "x.json", "per_device_train_batch_size": 2,
+                                     "template": "default"}, {}, None))
