@@ -142,9 +142,10 @@ class SlurmTask:
         return self.ntasks == self.nnodes
 
 
-def read_task(environ: MutableMapping[str, str] = os.environ) -> SlurmTask | None:
+def read_task(environ: MutableMapping[str, str] | None = None) -> SlurmTask | None:
     """This process's task of a SLURM step with several tasks; None outside a step (the batch shell has
     SLURM_NTASKS and SLURM_PROCID but no SLURM_STEP_ID) or in a step of one task."""
+    environ = os.environ if environ is None else environ  # now: datasets' map(num_proc) replaces os.environ
     ntasks = environ.get("SLURM_STEP_NUM_TASKS") or (environ.get("SLURM_NTASKS") if "SLURM_STEP_ID" in environ
                                                       else None)
     if not ntasks or "SLURM_PROCID" not in environ or _int(environ, "SLURM_STEP_NUM_TASKS", ntasks) <= 1:
@@ -213,10 +214,11 @@ def _first_host(task: SlurmTask) -> str:
     return task.hosts[0]
 
 
-def adopt(keys: dict, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+def adopt(keys: dict, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Map SLURM's variables into ``environ`` when this process is a task of a multi-task step and no
     launcher placed it (see the module doc); returns what was set ({} when nothing). One log line (task 0)
     says what came from SLURM."""
+    environ = os.environ if environ is None else environ  # now: datasets' map(num_proc) replaces os.environ
     if any(environ.get(var) for var in TORCHRUN_VARS):
         return {}
     task = read_task(environ)
@@ -242,8 +244,9 @@ def adopt(keys: dict, environ: MutableMapping[str, str] = os.environ) -> dict[st
 
 # ---- restarts -----------------------------------------------------------------------------------
 
-def restart_count(environ: MutableMapping[str, str] = os.environ) -> int:
+def restart_count(environ: MutableMapping[str, str] | None = None) -> int:
     """SLURM_RESTART_COUNT: how often this job was requeued (0 on its first run or outside SLURM)."""
+    environ = os.environ if environ is None else environ  # now: datasets' map(num_proc) replaces os.environ
     text = environ.get("SLURM_RESTART_COUNT", "").strip()
     return int(text) if text.isdigit() else 0
 
@@ -252,10 +255,11 @@ REQUEUE_TIMEOUT_S = 60.0
 """How long ``scontrol requeue`` may take (slurmctld answers in milliseconds unless it is down or busy)."""
 
 
-def requeue(environ: MutableMapping[str, str] = os.environ, timeout: float = REQUEUE_TIMEOUT_S) -> str:
+def requeue(environ: MutableMapping[str, str] | None = None, timeout: float = REQUEUE_TIMEOUT_S) -> str:
     """Requeue this job (``scontrol requeue $SLURM_JOB_ID``): SLURM then stops every process of it and runs
     the same script again with SLURM_RESTART_COUNT + 1. Returns the sentence for the run's last message,
     saying what to do when it failed (the checkpoint is written either way)."""
+    environ = os.environ if environ is None else environ  # now: datasets' map(num_proc) replaces os.environ
     import subprocess
 
     job = environ.get("SLURM_JOB_ID")
@@ -279,8 +283,9 @@ def requeue(environ: MutableMapping[str, str] = os.environ, timeout: float = REQ
             f"operation is presently disabled'), or requeue it yourself: scontrol requeue {job}.")
 
 
-def log_restart(restarts: int, output_dir: str, environ: MutableMapping[str, str] = os.environ) -> None:
+def log_restart(restarts: int, output_dir: str, environ: MutableMapping[str, str] | None = None) -> None:
     """One line (global rank 0, not again in the ranks roll-train launched): the requeued job's resume."""
+    environ = os.environ if environ is None else environ  # now: datasets' map(num_proc) replaces os.environ
     if environ.get("RANK", "0") != "0" or environ.get("ROLL_LAUNCHED"):
         return
     from roll.checkpoints import last_checkpoint

@@ -155,3 +155,14 @@ def test_sbatch_prints_a_script_for_the_command(environ_restored, capsys, tmp_pa
     assert cli.main(["recipes/demo/tiny_sft.yaml", "--sbatch", "slurm_signal=USR2"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("exec srun roll-train recipes/demo/tiny_sft.yaml "
                                                      "slurm_signal=USR2")
+
+
+def test_the_mapping_reaches_the_current_os_environ(environ_restored, monkeypatch):
+    """datasets' ``map(num_proc=...)`` (5.2) ends by assigning a copy to ``os.environ``: a default argument
+    bound to the old object at import sent the mapping nowhere (``roll-train`` then ran as world size 1 when
+    a LLaMA-Factory recipe's dry run had tokenized in the same process before)."""
+    # what datasets does (with a copy of os.environ; a plain dict here, so nothing reaches the real environment)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    os.environ.update(_task(procid=1, localid=1, nodeid=0, ntasks=2, nodes="localhost", per_node="2"))
+    assert slurm.read_task() is not None
+    assert slurm.adopt({})["WORLD_SIZE"] == "2" and os.environ["WORLD_SIZE"] == "2"
