@@ -67,8 +67,9 @@ class OutputDirLock:
         remove_created(os.path.dirname(self.path), self.created)
 
 
-def takes_lock(training, environ=os.environ) -> bool:
+def takes_lock(training, environ=None) -> bool:
     """Whether this process takes the output_dir lock (see the module doc for who holds it)."""
+    environ = os.environ if environ is None else environ  # now: datasets' map(num_proc) replaces os.environ
     from roll.launch import LAUNCHED_ENV, inside_launcher
 
     if inside_launcher():

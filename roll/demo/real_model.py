@@ -58,8 +58,9 @@ class RealModelUnavailable(RollError):
     """The real model could not be obtained (no registry, no pip, no ``gguf`` package, a wrong download)."""
 
 
-def default_model_dir(environ=os.environ) -> Path:
+def default_model_dir(environ=None) -> Path:
     """``$ROLL_CACHE/real-models/smollm2-135m-instruct``; ROLL_CACHE defaults to ``$XDG_CACHE_HOME/roll``."""
+    environ = os.environ if environ is None else environ  # now: datasets' map(num_proc) replaces os.environ
     root = environ.get(CACHE_ENV) or os.path.join(
         environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "roll")
     return Path(root) / "real-models" / MODEL_NAME

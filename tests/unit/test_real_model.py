@@ -143,3 +143,10 @@ def test_the_real_model_knows_the_capital_of_france(real_model_dir):
 
     assert manifest_matches(Path(real_model_dir)) or os.environ.get(DIR_ENV)
     assert "Paris" in generate_reply(real_model_dir, "What is the capital of France?", max_new_tokens=10)
+
+
+def test_the_cache_follows_the_current_os_environ(monkeypatch):
+    """datasets' map(num_proc) assigns a copy to os.environ: a default argument bound at import missed a later
+    ROLL_CACHE (the full suite's fake conversion then overwrote the user's real cache)."""
+    monkeypatch.setattr(os, "environ", {**os.environ, "ROLL_CACHE": "/elsewhere"})
+    assert default_model_dir() == Path("/elsewhere/real-models/smollm2-135m-instruct")
