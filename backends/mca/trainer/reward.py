@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from backends.mca.trainer.step import REPORT
+from backends.mca.trainer.step import pair_loss_output, pair_metrics
 from roll import IGNORE_INDEX
 from roll.reward import METRICS
 
@@ -69,13 +69,9 @@ class RewardObjective:
     def loss_func(self, labels: torch.Tensor, micro: dict) -> Callable:
         def loss_func(scores: torch.Tensor):
             rewards, marks = pooled_rewards(scores[..., 0], labels)
-            losses, stats, pairs = reward_losses(rewards, marks)
-            loss_sum = losses.sum()
-            report = torch.cat([torch.stack([loss_sum.detach(), pairs.double()]), stats.double()])
-            return loss_sum.float(), pairs.to(torch.int), {REPORT: report}
+            return pair_loss_output(*reward_losses(rewards, marks))
 
         return loss_func
 
     def metrics(self, sums: list[float]) -> dict[str, float]:
-        pairs = max(sums[1], 1.0)
-        return {"loss": sums[0] / pairs, **{name: value / pairs for name, value in zip(METRICS, sums[2:])}}
+        return pair_metrics(sums, METRICS)

@@ -26,6 +26,20 @@ REPORT = "report"
 """Key of the report vector in what a loss function hands back to the schedule."""
 
 
+def pair_loss_output(losses: torch.Tensor, stats: torch.Tensor, pairs: torch.Tensor):
+    """A pairwise objective's loss-function result (dpo, rm): the loss sum, the pairs it counts, and the report
+    [loss sum, pairs, *stats] that ``pair_metrics`` turns into per-pair means."""
+    loss_sum = losses.sum()
+    report = torch.cat([torch.stack([loss_sum.detach(), pairs.double()]), stats.double()])
+    return loss_sum.float(), pairs.to(torch.int), {REPORT: report}
+
+
+def pair_metrics(sums: list[float], names) -> dict[str, float]:
+    """The summed reports of ``pair_loss_output`` as per-pair means: loss, then ``names`` for the stats."""
+    pairs = max(sums[1], 1.0)
+    return {"loss": sums[0] / pairs, **{name: value / pairs for name, value in zip(names, sums[2:])}}
+
+
 def run_schedule(chunks: list[torch.nn.Module], micro: list[dict], forward_step: Callable, *,
                  forward_only: bool, seq_length: int) -> list[dict]:
     """Forward (and backward) over ``micro``; the loss functions' reports, on the last stage only."""
@@ -110,13 +124,9 @@ class DPOObjective:
         def loss_func(logits: torch.Tensor):
             logps, tokens = L.sequence_log_probs(logits, labels, self.vocab_size)
             reference = torch.zeros_like(logps) if ref_logps is None else ref_logps.to(logps)
-            losses, stats, pairs = L.dpo_losses(logps, reference, tokens, self.settings)
-            loss_sum = losses.sum()
-            report = torch.cat([torch.stack([loss_sum.detach(), pairs.double()]), stats.double()])
-            return loss_sum.float(), pairs.to(torch.int), {REPORT: report}
+            return pair_loss_output(*L.dpo_losses(logps, reference, tokens, self.settings))
 
         return loss_func
 
     def metrics(self, sums: list[float]) -> dict[str, float]:
-        pairs = max(sums[1], 1.0)
-        return {"loss": sums[0] / pairs, **{name: value / pairs for name, value in zip(self.metric_names, sums[2:])}}
+        return pair_metrics(sums, self.metric_names)
