@@ -1,0 +1,69 @@
+"""A tiny Qwen2.5-VL built locally from a config (no downloads): the vision-language model of the tests and the
+VL demo. Its image processor is transformers' PIL one (``Qwen2VLImageProcessorPil``): no torchvision."""
+
+from __future__ import annotations
+
+import os
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen2-VL's vision special tokens, added to the tiny BPE tokenizer (the real Qwen2.5 one has them)."""
+
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+"""The vision tower, tiny: 2 blocks of width 32 (one windowed, one full attention as in the real model's
+pattern), 14-pixel patches merged 2x2 into tokens of the language model's width 64."""
+
+TINY_IMAGE_PIXELS = dict(min_pixels=56 * 56, max_pixels=112 * 112)
+"""Images resized to between 4 and 16 language-model tokens (each token 28x28 pixels after the 2x2 merge)."""
+
+
+def build_vl_tokenizer():
+    """The tiny BPE tokenizer (roll.demo.tiny_model) with Qwen2-VL's vision special tokens added."""
+    from roll.demo.tiny_model import build_bpe_tokenizer
+
+    tok = build_bpe_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
+    return tok
+
+
+def tiny_vl_config(tok, *, num_layers: int = 2, tie_word_embeddings: bool = True, **overrides):
+    """A Qwen2.5-VL config for ``tok``: the tiny Qwen2 language model of roll.demo.tiny_model (hidden 64, 4 heads /
+    2 KV groups) with M-RoPE sections 2/3/3 of its 8 rotary frequencies, and ``TINY_VISION``."""
+    import transformers as T
+
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6},
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    ids = {f"{name}_token_id": tok.convert_tokens_to_ids(token) for name, token in
+           (("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"), ("image", "<|image_pad|>"),
+            ("video", "<|video_pad|>"))}
+    config = T.Qwen2_5_VLConfig(text_config=text, vision_config=dict(TINY_VISION),
+                                tie_word_embeddings=tie_word_embeddings, **ids)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def tiny_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=TINY_VISION["patch_size"],
+                                    merge_size=TINY_VISION["spatial_merge_size"],
+                                    temporal_patch_size=TINY_VISION["temporal_patch_size"], **TINY_IMAGE_PIXELS)
+
+
+def make_tiny_vl_model(out_dir: str, seed: int = 0, **config_overrides) -> str:
+    """Build a tiny random Qwen2.5-VL, its tokenizer and image processor, saved to ``out_dir``. Returns out_dir."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tok = build_vl_tokenizer()
+    config = tiny_vl_config(tok, **config_overrides)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    tiny_image_processor().save_pretrained(out_dir)
+    return out_dir
