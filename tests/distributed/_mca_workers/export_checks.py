@@ -21,7 +21,6 @@ last step) differs from the trained model by what the last step moved.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -96,37 +95,23 @@ def observe() -> None:
     MegatronTrainer._train_step, McaBackend.save = observed_step, observed_save
 
 
-def main() -> None:
-    from roll.config.parser import resolve
-    from roll.logging import setup_logging
+def run_one(spec: dict, item: dict) -> dict | None:
     from roll.router import run
 
-    spec_file, result_file = sys.argv[1:]
-    with open(spec_file, encoding="utf-8") as fh:
-        spec = json.load(fh)
-    setup_logging("WARNING")
-    dist.init_process_group("gloo")
-    observe()
-    results = {}
-    for item in spec["runs"]:
-        OBSERVED.clear()
-        recipe = {**spec["base"], "use_mca": True, "nproc_per_node": dist.get_world_size(),
-                  "save_hf_model": True}
-        config = resolve(recipe, {key: str(value) for key, value in item.get("overrides", {}).items()}, None)
-        result = run(config)
-        if dist.get_rank() == 0:
-            trained, export, before = OBSERVED["trained"], OBSERVED["export"], OBSERVED["before"]
-            results[item["name"]] = {
-                "losses": [entry["loss"] for entry in result.log_history if "loss" in entry],
-                "export_vs_trained": (export - trained).abs().max().item(),
-                "last_step_moved": (trained - before).abs().max().item(),
-                "logit_scale": trained.abs().max().item()}
-        dist.barrier()
-    if dist.get_rank() == 0:
-        with open(result_file, "w", encoding="utf-8") as fh:
-            json.dump(results, fh)
-    dist.destroy_process_group()
+    from spec_runs import recipe_config
+
+    OBSERVED.clear()
+    result = run(recipe_config(spec, item, save_hf_model=True))
+    if dist.get_rank() != 0:
+        return None
+    trained, export, before = OBSERVED["trained"], OBSERVED["export"], OBSERVED["before"]
+    return {"losses": [entry["loss"] for entry in result.log_history if "loss" in entry],
+            "export_vs_trained": (export - trained).abs().max().item(),
+            "last_step_moved": (trained - before).abs().max().item(),
+            "logit_scale": trained.abs().max().item()}
 
 
 if __name__ == "__main__":
-    main()
+    from spec_runs import main
+
+    main(run_one, setup=observe)

@@ -90,39 +90,27 @@ def export_rewards(config, batch: dict) -> tuple[list[float], dict]:
     return logits[:, 0].double().tolist(), fields
 
 
-def main() -> None:
-    from roll.config.parser import resolve
-    from roll.logging import setup_logging
+def run_one(spec: dict, item: dict) -> dict:
     from roll.router import run
 
-    spec_file, result_file = sys.argv[1:]
-    with open(spec_file, encoding="utf-8") as fh:
-        spec = json.load(fh)
-    setup_logging("WARNING")
-    dist.init_process_group("gloo")
-    observe()
-    results = {}
-    for item in spec["runs"]:
-        recipe = {**spec["base"], "use_mca": True, "nproc_per_node": dist.get_world_size()}
-        config = resolve(recipe, {key: str(value) for key, value in item.get("overrides", {}).items()}, None)
-        OBSERVED.clear()
-        OBSERVED["export"] = item.get("export", False)
-        result = run(config)
-        entry = {"log": [e for e in result.log_history if "loss" in e],
-                 "eval": {k: v for k, v in result.metrics.items() if k.startswith("eval_")}}
-        if OBSERVED["export"] and dist.get_rank() == 0:
-            from transformers import AutoTokenizer
+    from spec_runs import recipe_config
 
-            OBSERVED["pad_token_id"] = AutoTokenizer.from_pretrained(config.model.model_name_or_path).pad_token_id
-            entry["mca_rewards"] = OBSERVED["mca_rewards"]
-            entry["hf_rewards"], entry["config"] = export_rewards(config, OBSERVED["batch"])
-        results[item["name"]] = entry
-        dist.barrier()
-    if dist.get_rank() == 0:
-        with open(result_file, "w", encoding="utf-8") as fh:
-            json.dump(results, fh)
-    dist.destroy_process_group()
+    config = recipe_config(spec, item)
+    OBSERVED.clear()
+    OBSERVED["export"] = item.get("export", False)
+    result = run(config)
+    entry = {"log": [e for e in result.log_history if "loss" in e],
+             "eval": {k: v for k, v in result.metrics.items() if k.startswith("eval_")}}
+    if OBSERVED["export"] and dist.get_rank() == 0:
+        from transformers import AutoTokenizer
+
+        OBSERVED["pad_token_id"] = AutoTokenizer.from_pretrained(config.model.model_name_or_path).pad_token_id
+        entry["mca_rewards"] = OBSERVED["mca_rewards"]
+        entry["hf_rewards"], entry["config"] = export_rewards(config, OBSERVED["batch"])
+    return entry
 
 
 if __name__ == "__main__":
-    main()
+    from spec_runs import main
+
+    main(run_one, setup=observe)

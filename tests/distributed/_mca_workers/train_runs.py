@@ -17,7 +17,6 @@ runs keeps a layout matrix affordable on 2 cores.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
@@ -101,41 +100,28 @@ def streamed_datasets():
         streaming.share_stream = original
 
 
-def main() -> None:
+def run_one(spec: dict, item: dict) -> dict:
     import torch.distributed as dist
 
-    from roll.config.parser import parse_args, resolve
-    from roll.logging import setup_logging
+    from roll.config.parser import parse_args
     from roll.router import run
 
-    spec_file, result_file = sys.argv[1:]
-    with open(spec_file, encoding="utf-8") as fh:
-        spec = json.load(fh)
-    setup_logging("WARNING")
-    dist.init_process_group("gloo")
-    results = {}
-    for item in spec["runs"]:
-        if "args" in item:
-            config = parse_args(item["args"] + [f"nproc_per_node={dist.get_world_size()}"])[1]
-        else:
-            recipe = {**spec.get("base", {}), "use_mca": True, "nproc_per_node": dist.get_world_size()}
-            config = resolve(recipe, {key: str(value) for key, value in item.get("overrides", {}).items()}, None)
-        with counting_host_reads(item.get("count_host_reads", False)) as host_reads, \
-                streamed_datasets() as seen:
-            result = run(config)
-        log = [entry for entry in result.log_history if "loss" in entry]
-        stream_rows = [None] * dist.get_world_size()  # rows each rank read from a stream itself
-        dist.all_gather_object(stream_rows, sum(getattr(d, "rows_read", 0) for d in seen) if seen else None)
-        results[item["name"]] = {"losses": [entry["loss"] for entry in log],
-                                 "grad_norms": [entry.get("grad_norm") for entry in log], "log": log,
-                                 "metrics": result.metrics, "host_reads": host_reads,
-                                 "stream_rows_read": stream_rows}
-        dist.barrier()
-    if dist.get_rank() == 0:
-        with open(result_file, "w", encoding="utf-8") as fh:
-            json.dump(results, fh)
-    dist.destroy_process_group()
+    from spec_runs import recipe_config
+
+    if "args" in item:
+        config = parse_args(item["args"] + [f"nproc_per_node={dist.get_world_size()}"])[1]
+    else:
+        config = recipe_config(spec, item)
+    with counting_host_reads(item.get("count_host_reads", False)) as host_reads, streamed_datasets() as seen:
+        result = run(config)
+    log = [entry for entry in result.log_history if "loss" in entry]
+    stream_rows = [None] * dist.get_world_size()  # rows each rank read from a stream itself
+    dist.all_gather_object(stream_rows, sum(getattr(d, "rows_read", 0) for d in seen) if seen else None)
+    return {"losses": [entry["loss"] for entry in log], "grad_norms": [entry.get("grad_norm") for entry in log],
+            "log": log, "metrics": result.metrics, "host_reads": host_reads, "stream_rows_read": stream_rows}
 
 
 if __name__ == "__main__":
-    main()
+    from spec_runs import main
+
+    main(run_one)
