@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,6 +42,18 @@ def _signal_handlers_left_as_found(request):
     if left:
         pytest.fail(f"{request.node.nodeid} left signal handlers installed: "
                     + ", ".join(f"{sig.name}: {handler!r}" for sig, handler in left.items()), pytrace=False)
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    """``write(**keys) -> path``: a recipe YAML with those keys in the test's tmp_path (a test file may define
+    its own ``recipe`` fixture over this one)."""
+    def write(**values) -> str:
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return str(path)
+
+    return write
 
 
 @pytest.fixture(scope="session")

@@ -14,16 +14,6 @@ from roll.errors import ConfigError, ModelError
 from tests.helpers import roll_train
 
 
-@pytest.fixture
-def recipe(tmp_path):
-    def write(**values) -> str:
-        path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(values))
-        return str(path)
-
-    return write
-
-
 def test_precedence_defaults_recipe_command_line(recipe):
     path = recipe(learning_rate=1.0e-4, cutoff_len=256, stage="sft")
     _, config = parse_args([path, "learning_rate=3e-5", "--stage", "pt"])

@@ -7,7 +7,6 @@ import os
 import re
 
 import pytest
-import yaml
 
 from roll.config import parse_args
 from roll.config.coverage import ALL_ROWS, BACKENDS, Honoured, Refused
@@ -59,16 +58,6 @@ def test_every_honoured_key_names_its_test_or_says_why_not():
 
 REFUSALS = [(backend, key, INDEX[key].status(backend)) for key in INDEX for backend in BACKENDS
             if isinstance(INDEX[key].status(backend), Refused)]
-
-
-@pytest.fixture
-def recipe(tmp_path):
-    def write(**values) -> str:
-        path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(values))
-        return str(path)
-
-    return write
 
 
 @pytest.mark.parametrize("backend, key, status", REFUSALS, ids=[f"{b}-{k}" for b, k, _ in REFUSALS])

@@ -31,16 +31,6 @@ def test_the_table_holds_only_keys_roll_does_not_have():
             assert bool(found.use) == (found.only is not None), key  # a refusal always names what to use
 
 
-@pytest.fixture
-def recipe(tmp_path):
-    def write(**values) -> str:
-        path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(values))
-        return str(path)
-
-    return write
-
-
 def test_renamed_keys_take_roll_names(recipe):
     _, config = parse_args([recipe(mask_history=True, neat_packing=True, disable_shuffling=True, flash_attn="fa2",
                                    evaluation_strategy="no", enable_liger_kernel=False,
