@@ -114,7 +114,7 @@ class Sweep:
 
 KTO_CASES = ("kto", "tp2_kto", "pp2_vpp2_kto", "kto_weights_lora_eval")
 MOE_STAGE_CASES = {"kto": ("kto_moe", "tp2_ep2_kto_moe"), "rm": ("rm_moe", "ep2_rm_moe"),
-                   "orpo": ("dpo_orpo_moe", "ep2_dpo_orpo_moe"), "simpo": ("dpo_simpo_ftx_moe", "ep2_dpo_simpo_ftx_moe")}
+                   "orpo": ("dpo_orpo_ftx_moe", "ep2_dpo_orpo_ftx_moe"), "simpo": ("dpo_simpo_ftx_moe", "ep2_dpo_simpo_ftx_moe")}
 """Issue 22's stages and losses on the Qwen3-MoE: {stage or loss: (the EP1 case, the EP2 case)}."""
 NEEDS = {"test_pref_ftx_adds_the_chosen_responses_nll_on_both_backends": ("cp2_dpo_sigmoid_ftx",),
          "test_the_moe_case_trains_with_the_balancing_loss": ("moe_default_aux_loss",),
@@ -332,7 +332,7 @@ def moe_stage_comparisons(logs: dict) -> list:
 
 
 def test_new_stages_on_moe_ep2_equal_ep1(sweep):
-    """Issue 22's stages and losses (kto, rm, orpo, simpo with pref_ftx) on a Qwen3-MoE: every logged metric of
+    """Issue 22's stages and losses (kto, rm, orpo and simpo with pref_ftx) on a Qwen3-MoE: every logged metric of
     5 steps on mca equals the standard backend's within the measured backend gap, and mca with the experts on 2
     ranks (EP2 x DP2; kto: TP2 x EP2 at DP1) equals EP1 within the measured layout gap (tests/bounds.py
     *_MOE_STAGES*). Step 1 in closed form where the loss has one (kto 0.5 with kl 0; rm ln 2, the zero head),
