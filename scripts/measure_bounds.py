@@ -7,7 +7,7 @@ test_parity_tool.py) on CPU in fp32 and builds the same comparisons; for every b
 relative gap over every step of every comparison held to it, where that gap is, and the bound's ratio to it.
 It exits 1 when a gap comes within 3x of its bound (a flaky test) or a bound is more than 100x a gap (a bound
 that a bug hides under); a bit-identical comparison counts as one fp32 rounding (1e-7) there. Cases:
-goldens, backend, layouts, resume, eval, packed, lora, dpo, pref_losses, kto, rm, parity_tool, param_groups,
+goldens, backend, layouts, resume, eval, packed, lora, dpo, pref_losses, kto, moe_stages, rm, parity_tool, param_groups,
 conversion, export (all by default; ~15 min on 2 idle cores).
 Write a new measurement into tests/bounds.py with its date.
 """
@@ -129,6 +129,14 @@ def case_kto(make, root: Path) -> list[Comparison]:
     from tests.parity.test_sweep import KTO_CASES, Sweep, kto_comparisons, kto_logs
 
     return kto_comparisons(kto_logs(Sweep(make, root, [get_case(name) for name in KTO_CASES])))
+
+
+def case_moe_stages(make, root: Path) -> list[Comparison]:
+    from roll.parity.cases import get_case
+    from tests.parity.test_sweep import MOE_STAGE_CASES, Sweep, moe_stage_comparisons, moe_stage_logs
+
+    cases = [get_case(name) for pair in MOE_STAGE_CASES.values() for name in pair]
+    return moe_stage_comparisons(moe_stage_logs(Sweep(make, root, cases)))
 
 
 def case_rm(make, root: Path) -> list[Comparison]:

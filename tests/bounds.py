@@ -174,3 +174,14 @@ CONVERT_PARALLEL = Bound(1.5e-4, 1.4e-5, DATE,
 EXPORT_LOGITS = Bound(5e-6, 3.5e-7, DATE,
                       "transformers' eager attention and matmuls vs Megatron's on the same weights (TP2: "
                       "split matmuls); relative to the largest logit")
+
+# ---- issue 22's stages on a Qwen3-MoE (parity cases *_moe; test_sweep.py::test_new_stages_on_moe_ep2_equal_ep1) ---
+MOE_DATE = "2026-11-27"
+BACKEND_MOE_STAGES = Bound(1.5e-6, 1.4e-7, MOE_DATE, "kto, rm, orpo, simpo+ftx on the Qwen3-MoE, standard vs mca at EP1 "
+                           "(loss, logps, orpo's nll): HF's expert loop vs Megatron's, " + SUMS)
+BACKEND_MOE_STAGES_REWARDS = Bound(2e-5, 1.7e-6, MOE_DATE, "their rewards, margins, accuracies, kl and log-odds, "
+                                   "standard vs mca at EP1, absolute (the largest: simpo's rewards, beta 2 x a mean log-prob)")
+MOE_EP2_STAGES = Bound(1e-6, 2.6e-8, MOE_DATE, "the same on mca at EP2 x DP2 (kto: TP2 x EP2, DP1) vs EP1: tokens sent "
+                       "to the experts' ranks and back, expert gradients reduced apart, " + SUMS)
+MOE_EP2_STAGES_REWARDS = Bound(1e-5, 1.0e-6, MOE_DATE, "their rewards, margins, accuracies, kl and log-odds at EP2 vs "
+                               "EP1, absolute (the largest: kto's kl, about 3 at step 5)")

@@ -417,6 +417,13 @@ MUTANTS: list[Mutant] = [
            "means, counting the rows accelerate repeats to even out the last batch", "backends/standard/reward.py",
            '                    logs["eval_loss"] = loss / max(count, 1.0)', "                    pass",
            (RM_ZERO3,)),
+    Mutant("rm_head_reduced_as_expert_mca", "mca rm on an MoE model at EP2 x DP2: the score head tagged as an "
+           "expert weight (Megatron's allreduce=False), so its gradient is reduced over the expert-data-parallel "
+           "group (1 rank) instead of DP2 and each rank's head drifts (loss 6.5e-4 apart at step 5, weights 0.85)",
+           "backends/mca/models/reward.py",
+           "        self.weight = nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))\n",
+           "        self.weight = nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))\n"
+           "        self.weight.allreduce = False\n", (f"{SWEEP}::test_case[ep2_rm_moe]",)),
     Mutant("rm_head_not_in_lora_checkpoint_mca", "mca rm with LoRA: the adapter-only checkpoint leaves the trained "
            "head out (the save fails: the optimizer holds the head's state)", "backends/mca/lora/checkpoint.py",
            "is_lora_param(\".\" + name) or name in head}", "is_lora_param(\".\" + name)}", (MCA_RM,)),

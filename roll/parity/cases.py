@@ -70,8 +70,12 @@ LAYOUTS = {
                                  "overlap_param_gather": True}),
     "cp2": Layout(2, 1, {"context_parallel_size": 2}),
     "ep2": Layout(2, 2, {"expert_model_parallel_size": 2}),
+    "tp2_ep2": Layout(2, 1, {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                             "expert_tensor_parallel_size": 1}),
 }
-"""The mca run's parallel layouts (the standard run is one process whatever the layout)."""
+"""The mca run's parallel layouts (the standard run is one process whatever the layout). tp2_ep2 is expert
+parallelism at data-parallel size 1 (each rank holds 2 of the 4 experts whole, ETP1; sequence parallelism on, as
+Megatron requires): for a loss whose definition depends on the data-parallel size (KTO's reference point)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ def _lora(**keys) -> dict:
 
 _WARMUP = {"warmup_steps": 3}
 _SIMPO_FTX = {"pref_loss": "simpo", "pref_beta": 2.0, "simpo_gamma": 0.3, "pref_ftx": 0.5}
+_MOE_OFF = {"moe_aux_loss_coeff": 0.0}
+_ORPO_FTX_MOE = {"pref_loss": "orpo", "pref_ftx": 0.5, **_MOE_OFF}
 _MOE_LOSSES = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01,
                "dataset": "recipes/demo/data/uneven_sft.json", "cutoff_len": 128}
 _EVAL = {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 3, "eval_on_start": True,
@@ -315,6 +321,29 @@ CASES = (
          model="qwen2_4l", measured=M(2.7e-9, 9.6e-8, None, 4.3e-5)),
     Case("rm_lora_all", "rm", _lora(lora_rank=4, lora_target="all"),
          measured=M(2.7e-9, 5.7e-8, None, 1.1e-6)),
+    # pref_ftx with another DPO loss, at TP2 + SP (its NLL from vocab-parallel log-probs; sigmoid + ftx:
+    # cp2_dpo_sigmoid_ftx, simpo: dpo_simpo_ftx, orpo: dpo_orpo_ftx_moe)
+    Case("tp2_dpo_hinge_ftx", "dpo", {"pref_loss": "hinge", "pref_ftx": 0.5}, layout="tp2", steps=5,
+         measured=M(2.2e-8, 4.6e-8, None, 2.4e-6)),
+    # issue 22's stages and losses on the Qwen3-MoE (4 experts), 5 steps, at EP1 and EP2 (EP2 vs EP1 and the
+    # metrics: test_new_stages_on_moe_ep2_equal_ep1). The MoE losses off on both runs, as in dpo_mixtral: the
+    # standard backend's dpo / kto / rm train without them. rm, orpo (with pref_ftx) and simpo at EP2 x DP2 (the
+    # score head and the dense weights reduced over DP2, the experts over their expert-data-parallel group of 1);
+    # kto at TP2 x EP2 (DP1), because its reference point is a mean over the data-parallel ranks (docs/kto.md)
+    Case("kto_moe", "kto", _MOE_OFF, model="moe", steps=5, measured=M(0, 3.3e-8, None, 5.9e-6)),
+    Case("tp2_ep2_kto_moe", "kto", _MOE_OFF, layout="tp2_ep2", model="moe", steps=5,
+         measured=M(0, 4.5e-8, None, 1.5e-5)),
+    Case("rm_moe", "rm", _MOE_OFF, model="moe", steps=5, measured=M(2.7e-9, 9.7e-8, None, 3.8e-5)),
+    Case("ep2_rm_moe", "rm", _MOE_OFF, layout="ep2", model="moe", steps=5,
+         measured=M(2.7e-9, 9.7e-8, None, 3.8e-5)),
+    Case("dpo_orpo_ftx_moe", "dpo", _ORPO_FTX_MOE, model="moe", steps=5,
+         measured=M(6.5e-9, 4.7e-8, None, 2.1e-6)),
+    Case("ep2_dpo_orpo_ftx_moe", "dpo", _ORPO_FTX_MOE, layout="ep2", model="moe", steps=5,
+         measured=M(6.5e-9, 4.6e-8, None, 2.0e-6)),
+    Case("dpo_simpo_ftx_moe", "dpo", {**_SIMPO_FTX, **_MOE_OFF}, model="moe", steps=5,
+         measured=M(5.6e-8, 1.1e-7, None, 8.4e-5)),
+    Case("ep2_dpo_simpo_ftx_moe", "dpo", {**_SIMPO_FTX, **_MOE_OFF}, layout="ep2", model="moe", steps=5,
+         measured=M(5.6e-8, 1.0e-7, None, 8.4e-5)),
 )
 
 

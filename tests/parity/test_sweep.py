@@ -113,10 +113,14 @@ class Sweep:
 
 
 KTO_CASES = ("kto", "tp2_kto", "pp2_vpp2_kto", "kto_weights_lora_eval")
+MOE_STAGE_CASES = {"kto": ("kto_moe", "tp2_ep2_kto_moe"), "rm": ("rm_moe", "ep2_rm_moe"),
+                   "orpo": ("dpo_orpo_ftx_moe", "ep2_dpo_orpo_ftx_moe"), "simpo": ("dpo_simpo_ftx_moe", "ep2_dpo_simpo_ftx_moe")}
+"""Issue 22's stages and losses on the Qwen3-MoE: {stage or loss: (the EP1 case, the EP2 case)}."""
 NEEDS = {"test_pref_ftx_adds_the_chosen_responses_nll_on_both_backends": ("cp2_dpo_sigmoid_ftx",),
          "test_the_moe_case_trains_with_the_balancing_loss": ("moe_default_aux_loss",),
          "test_moe_losses_logged_alike_and_ep2_equals_ep1": ("mixtral_moe_losses", "ep2_mixtral_moe_losses"),
-         "test_kto_metrics_on_both_backends_and_every_layout": KTO_CASES}
+         "test_kto_metrics_on_both_backends_and_every_layout": KTO_CASES,
+         "test_new_stages_on_moe_ep2_equal_ep1": tuple(name for pair in MOE_STAGE_CASES.values() for name in pair)}
 """The cases each of the other tests reads."""
 
 
@@ -281,3 +285,68 @@ def test_kto_metrics_on_both_backends_and_every_layout(sweep):
     for backend, evals in logs["eval"].items():  # eval_on_start, eval_steps 3 and the last step, every metric
         assert sorted(evals) == [0, 3, 5] and all({"loss", *METRICS} <= set(r) for r in evals.values()), evals
     assert_within(kto_comparisons(logs))
+
+
+def moe_stage_logs(sweep) -> dict[str, dict[str, dict[int, dict]]]:
+    """{stage: {"standard" | "mca" | "mca_ep2": {step: record}}} of MOE_STAGE_CASES (the EP2 case's standard
+    run is the EP1 case's)."""
+    logs = {}
+    for stage, (ep1, ep2) in MOE_STAGE_CASES.items():
+        (pair, *_), = sweep.pairs[ep1]
+        (pair_ep2, *_), = sweep.pairs[ep2]
+        logs[stage] = {"standard": _records(pair.standard.output_dir), "mca": _records(pair.mca.output_dir),
+                       "mca_ep2": _records(pair_ep2.mca.output_dir)}
+    return logs
+
+
+def stage_metrics(stage: str) -> tuple[str, ...]:
+    """``loss`` and the metrics both backends log for ``stage`` (kto, rm) or reference-free loss (orpo, simpo)."""
+    from roll import kto, preference, reward
+
+    return ("loss", *{"kto": kto.METRICS, "rm": reward.METRICS, **preference.METRICS}[stage])
+
+
+def _relative(metric: str) -> bool:
+    """Compared relatively: the losses and log-prob means; the rest (rewards, margins, accuracies, kl, log-odds:
+    0 at step 1 or crossing 0) on the scale of 1, as KTO_ABSOLUTE and the rm / pref tests do."""
+    return metric in ("loss", "nll_loss") or metric.startswith("logps/")
+
+
+def moe_stage_comparisons(logs: dict) -> list:
+    """Every metric of each stage on the MoE model, step by step: mca EP1 against the standard backend
+    (BACKEND_MOE_STAGES*), mca EP2 against mca EP1 (MOE_EP2_STAGES*); also for scripts/measure_bounds.py."""
+    from tests.bounds import (BACKEND_MOE_STAGES, BACKEND_MOE_STAGES_REWARDS, MOE_EP2_STAGES,
+                              MOE_EP2_STAGES_REWARDS, Comparison)
+
+    out = []
+    for stage, log in logs.items():
+        for label, values, reference, bounds in (
+                ("mca vs standard", log["mca"], log["standard"], (BACKEND_MOE_STAGES_REWARDS, BACKEND_MOE_STAGES)),
+                ("mca EP2 vs EP1", log["mca_ep2"], log["mca"], (MOE_EP2_STAGES_REWARDS, MOE_EP2_STAGES))):
+            for metric in stage_metrics(stage):
+                relative = _relative(metric)
+                out.append(Comparison(f"{stage} {label} {metric}", [values[s][metric] for s in sorted(values)],
+                                      [reference[s][metric] for s in sorted(reference)], bounds[relative],
+                                      scale=0.0 if relative else 1.0))
+    return out
+
+
+def test_new_stages_on_moe_ep2_equal_ep1(sweep):
+    """Issue 22's stages and losses (kto, rm, orpo and simpo with pref_ftx) on a Qwen3-MoE: every logged metric of
+    5 steps on mca equals the standard backend's within the measured backend gap, and mca with the experts on 2
+    ranks (EP2 x DP2; kto: TP2 x EP2 at DP1) equals EP1 within the measured layout gap (tests/bounds.py
+    *_MOE_STAGES*). Step 1 in closed form where the loss has one (kto 0.5 with kl 0; rm ln 2, the zero head),
+    and every run trains (its loss moves)."""
+    from tests.bounds import assert_within
+
+    logs = moe_stage_logs(sweep)
+    for stage, runs in logs.items():
+        for run, log in runs.items():
+            assert sorted(log) == [1, 2, 3, 4, 5] and all(set(stage_metrics(stage)) <= set(r) for r in log.values()), \
+                (stage, run, log)
+            assert abs(log[5]["loss"] - log[1]["loss"]) > 1e-4, (stage, run, log)  # rm: 5e-4 at lr 1e-3
+            if stage == "kto":
+                assert log[1]["loss"] == pytest.approx(0.5, abs=1e-7) and log[1]["kl"] == 0.0, (run, log[1])
+            if stage == "rm":
+                assert log[1]["loss"] == pytest.approx(math.log(2), abs=1e-7), (run, log[1])
+    assert_within(moe_stage_comparisons(logs))

@@ -48,6 +48,12 @@ def test_every_key_set_has_a_one_process_case_and_every_layout_a_case():
     assert any(c.overrides.get("use_rslora") for c in CASES)
     assert any(c.model == "moe" and "moe_aux_loss_coeff" not in c.overrides
                and "uneven" in c.overrides.get("dataset", "") for c in CASES)
+    # issue 22: each new stage and loss on a MoE model at EP2, and pref_ftx with the DPO-family losses
+    at_ep2 = {(c.base, c.overrides.get("pref_loss")) for c in CASES if c.model in ("moe", "mixtral")
+              and LAYOUTS[c.layout].keys.get("expert_model_parallel_size", 1) > 1}
+    assert {("kto", None), ("rm", None), ("dpo", "orpo"), ("dpo", "simpo")} <= at_ep2, at_ep2
+    with_ftx = {c.overrides.get("pref_loss", "sigmoid") for c in CASES if c.overrides.get("pref_ftx")}
+    assert {"sigmoid", "hinge", "orpo", "simpo"} <= with_ftx, with_ftx
 
 
 def test_adapter_configs_must_agree_on_rank_scaling_and_targets(tmp_path):
