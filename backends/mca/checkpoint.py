@@ -111,6 +111,8 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from backends.mca.checkpoint_direct import direct_load_strategy
+
     _require_model_chunks(model_chunks)
     if not is_dist_checkpoint(ckpt_dir):
         raise ModelError(f"{ckpt_dir} is not a Megatron distributed checkpoint (no metadata.json from "
@@ -118,7 +120,7 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     start = time.perf_counter()
     sharded = sharded_model_state_dict(model_chunks)
     with user_errors_of(ckpt_dir):
-        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir,
+        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=direct_load_strategy(),
                                                               strict=StrictHandling.RETURN_ALL)
     if not_in_checkpoint:
         raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
