@@ -170,7 +170,7 @@ def _read_in_place(fd: int, info, req, planner) -> bool:
             or not target.is_contiguous()):
         return False
     if target.numel():
-        _preadv_exact(fd, memoryview(target.view(torch.uint8).reshape(-1).numpy()), info.offset + data_offset)
+        _preadv_exact(fd, memoryview(target.reshape(-1).view(torch.uint8).numpy()), info.offset + data_offset)
     planner.commit_tensor(req, target)
     return True
 
