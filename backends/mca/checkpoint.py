@@ -81,7 +81,7 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from backends.mca.checkpoint_io import direct_load_strategy
+    from backends.mca.checkpoint_io import direct_load_strategy, merge_in_place
 
     _require_model_chunks(model_chunks)
     if not is_dist_checkpoint(ckpt_dir):
@@ -89,6 +89,7 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
                          "dist_checkpointing); point to the directory save_checkpoint wrote.")
     start = time.perf_counter()
     sharded = sharded_model_state_dict(model_chunks)
+    merge_in_place(sharded)
     with user_errors_of(ckpt_dir), byte_progress(0, "read Megatron weights") as bar:
         state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=direct_load_strategy(bar),
                                                               strict=StrictHandling.RETURN_ALL)

@@ -230,3 +230,27 @@ def test_bench_times_a_process_with_its_peak_memory_and_cpu():
         row.update(startup_s=2.0, startup_rss_gb=0.5)
     table = "\n".join(report.conversion_table(rows))
     assert "| hf2mca | 1.000 | 4.0 | 0.250 | 2.00 | 0.500 | - | 2.70 | 2.20 | ok |" in table, table
+
+
+def test_fused_gate_up_merges_into_the_parameter_itself():
+    """Megatron saves the fused gate/up weight as two halves (a ShardedTensorFactory) and on load concatenates
+    them into a new tensor, every layer's held until the state dict is applied; ``merge_in_place`` returns the
+    parameter the halves were loaded into instead, the same values as Megatron's own merge."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from backends.mca.checkpoint_io import merge_in_place
+
+    param = torch.zeros(6, 4)
+    factory = apply_swiglu_sharded_factory(ShardedTensor.from_rank_offsets("fc1", param), ())
+    state = {"decoder": {"fc1": factory}}
+    merge_in_place(state)
+    assert state["decoder"]["fc1"] is factory and isinstance(factory, ShardedTensorFactory)
+    halves = [sh.data for sh in factory.build()]  # what the load writes into
+    for i, half in enumerate(halves):
+        half.copy_(torch.arange(12.0).reshape(3, 4) + 100 * i)
+    merged = factory.merge_fn(halves)
+    assert merged.data_ptr() == param.data_ptr() and torch.equal(merged, torch.cat(halves))
+    copies = [half.clone() for half in halves]  # pieces elsewhere (a loader that did not read in place)
+    elsewhere = factory.merge_fn(copies)
+    assert elsewhere.data_ptr() != param.data_ptr() and torch.equal(elsewhere, torch.cat(copies))
