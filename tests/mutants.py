@@ -437,7 +437,7 @@ MUTANTS: list[Mutant] = [
     Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",
-           ("tests/unit/test_convert_streaming.py::test_fused_gate_up_merges_into_the_parameter_itself",), fast=True),
+           ("tests/unit/test_convert_streaming.py::test_fused_gate_up_merges_into_the_parameter_itself",)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),
