@@ -437,6 +437,14 @@ MUTANTS: list[Mutant] = [
     Mutant("rm_head_frozen_by_lora_mca", "mca rm with LoRA: the score head stays frozen at zero (the loss never "
            "leaves ln 2)", "backends/mca/backend.py", "                train_score_heads(models.policy)",
            "                pass", (f"{SWEEP}::test_case[rm_lora_all]", MCA_RM)),
+    Mutant("checkpoint_read_ignores_stride", "mca checkpoint loads: a stored tensor that is not contiguous (a "
+           "transpose) is read byte for byte into a contiguous parameter, its elements out of order",
+           "backends/mca/checkpoint_io.py", "or (numel > 1 and record.stride != expected_stride)", "or False",
+           ("tests/unit/test_convert_streaming.py::test_stored_tensor_finds_whole_contiguous_tensors_only",), fast=True),
+    Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
+           "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
+           "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",
+           ("tests/unit/test_convert_streaming.py::test_fused_gate_up_merges_into_the_parameter_itself",)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),

@@ -23,7 +23,7 @@ from torch import nn
 from backends.mca.models.unwrap import unwrap_model
 from roll.errors import ModelError, RollError
 from roll.unpickle import UntrustedPickle
-from roll.logging import log_rank0
+from roll.logging import byte_progress, log_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -57,49 +57,19 @@ def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, sync_files
     """
     from megatron.core import dist_checkpointing
 
+    from backends.mca.checkpoint_io import in_process_save_strategy
+
     _require_model_chunks(model_chunks)
     os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
     start = time.perf_counter()
-    dist_checkpointing.save(sharded_model_state_dict(model_chunks), ckpt_dir,
-                            sharded_strategy=in_process_save_strategy(sync_files=sync_files))
+    with byte_progress(0, "write Megatron weights") as bar:
+        dist_checkpointing.save(sharded_model_state_dict(model_chunks), ckpt_dir,
+                                sharded_strategy=in_process_save_strategy(sync_files=sync_files, progress=bar))
     elapsed = time.perf_counter() - start
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(ckpt_dir, "*.distcp")))  # every rank's files
     log_rank0(logger, "saved model checkpoint (torch_dist, %.2f GB) to %s in %.1fs (%.2f GB/s%s)", size / 1e9,
               ckpt_dir, elapsed, size / 1e9 / elapsed, "" if sync_files else ", not fsync'ed")
-
-
-def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True):
-    """A synchronous ``torch_dist`` save strategy that writes from this process.
-
-    Megatron 0.16's default (``TorchDistSaveShardedStrategy``) is built for asynchronous saves: even a
-    synchronous ``dist_checkpointing.save`` starts a ``spawn`` multiprocessing manager (a fresh interpreter
-    that re-imports the caller: 3.1 s of a 4.7 s save of the 0.47 GB bench model) and forks one writer
-    process per file. This strategy keeps Megatron's translation of sharded tensors and its planner and
-    hands them to PyTorch's own ``FileSystemWriter``, whose ``thread_count`` threads write one
-    ``__<rank>_<i>.distcp`` file each straight from the tensors (fsync'ed unless ``sync_files`` is off).
-    The files, ``.metadata`` and Megatron's ``metadata.json`` / ``common.pt`` are the same format, so
-    ``load_checkpoint`` (Megatron's loader) reads them at any layout.
-    """
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict)
-    import torch
-    from torch.distributed import checkpoint as dcp
-
-    class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir) -> None:
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=sync_files)
-            planner = MCoreSavePlanner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
-            crc32 = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)  # torch.load never checks it (0.3 s per 0.5 GB)
-            try:
-                dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
-            finally:
-                torch.serialization.set_crc32_options(crc32)
-
-    return InProcessSaveStrategy("torch_dist", 1, thread_count=thread_count)
 
 
 def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
@@ -111,14 +81,17 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from backends.mca.checkpoint_io import direct_load_strategy, merge_in_place
+
     _require_model_chunks(model_chunks)
     if not is_dist_checkpoint(ckpt_dir):
         raise ModelError(f"{ckpt_dir} is not a Megatron distributed checkpoint (no metadata.json from "
                          "dist_checkpointing); point to the directory save_checkpoint wrote.")
     start = time.perf_counter()
     sharded = sharded_model_state_dict(model_chunks)
-    with user_errors_of(ckpt_dir):
-        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir,
+    merge_in_place(sharded)
+    with user_errors_of(ckpt_dir), byte_progress(0, "read Megatron weights") as bar:
+        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=direct_load_strategy(bar),
                                                               strict=StrictHandling.RETURN_ALL)
     if not_in_checkpoint:
         raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
@@ -130,7 +103,9 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
         if missing or result.unexpected_keys:
             raise ModelError(f"checkpoint {ckpt_dir} does not fit model chunk {name}: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}.")
-    log_rank0(logger, "loaded model checkpoint %s in %.1fs", ckpt_dir, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    log_rank0(logger, "loaded model checkpoint %s (%.2f GB on this rank) in %.1fs (%.2f GB/s)", ckpt_dir, bar.n / 1e9,
+              elapsed, bar.n / 1e9 / max(elapsed, 1e-9))
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """roll-bench's conversion timings: ``roll-convert hf2mca`` and ``mca2hf`` on the bench model, next to a
-raw read of the same safetensors files (``safetensors.torch.load_file``).
+raw read of the same safetensors files (``safetensors.torch.load_file``) and a raw copy of them (read into
+new memory, written to a new file: every conversion must do at least that, so it is this machine's floor).
 
 Each is a subprocess timed from outside (what a user waits for). A second number subtracts the start-up
 of a process that only imports the converter (Python, torch, transformers, megatron), which no
@@ -27,6 +28,22 @@ start = time.perf_counter()
 files = sorted(glob.glob(sys.argv[1] + '/*.safetensors'))
 n = sum(t.clone().numel() for f in files for t in load_file(f).values())
 print(json.dumps({"read_s": time.perf_counter() - start, "elements": n}))
+"""
+
+_RAW_COPY = """
+import glob, json, os, sys, time
+import torch
+start, cpu = time.perf_counter(), time.process_time()
+os.makedirs(sys.argv[2], exist_ok=True)
+for path in sorted(glob.glob(sys.argv[1] + '/*.safetensors')):
+    data = memoryview(torch.empty(os.path.getsize(path), dtype=torch.uint8).numpy())  # new memory, as a model's
+    with open(path, 'rb', buffering=0) as src:
+        done = 0
+        while done < len(data):
+            done += src.readinto(data[done:])
+    with open(os.path.join(sys.argv[2], os.path.basename(path)), 'wb') as dst:
+        dst.write(data)
+print(json.dumps({"read_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}))
 """
 
 
@@ -93,6 +110,12 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
     wall, status, out, rss, cpu = _timed([py, "-c", _RAW_READ, model_dir], timeout)
     read_s = json.loads(out.strip().splitlines()[-1])["read_s"] if status == "ok" else None
     rows.append(_row("raw read (safetensors load_file + clone)", size, wall, status, net=read_s, rss=rss))
+    wall, status, out, rss, cpu = _timed([py, "-c", _RAW_COPY, model_dir, os.path.join(root, "convert", "copy")],
+                                         timeout)
+    copied = json.loads(out.strip().splitlines()[-1]) if status == "ok" else {}
+    rows.append(_row("raw copy (read into new memory + write a new file)", size, wall, status,
+                     net=copied.get("read_s"), rss=rss))
+    rows[-1]["net_cpu_s"] = round(copied["cpu_s"], 2) if copied else None
     for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
         cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
         wall, status, _, rss, cpu = _timed(cmd, timeout)

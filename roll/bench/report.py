@@ -143,7 +143,7 @@ def conversion_table(rows: list[dict]) -> list[str]:
                      f"| {_num(r.get('net_cpu_s'), '.2f')} | {_num(rss, '.2f')} "
                      f"| {_num(ratio, '.2f')} | {r['status'][:80]} |")
     lines.append("")
-    lines.append("net s: the raw read's own load_file time; for roll-convert, the wall time minus the "
+    lines.append("net s: the raw rows' own time inside their process; for roll-convert, the wall time minus the "
                  f"start-up of a process that only imports the converter ({rows[0]['startup_s']:.1f} s); net CPU s: "
                  "the same for user + system CPU time, which other jobs on the machine move far less. "
                  f"Peak RSS: the kernel's high-water mark of each process; net peak / model subtracts the "

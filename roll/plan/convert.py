@@ -9,9 +9,11 @@ One process converting at TP1/PP1 holds the whole model once, in the Megatron dt
   the fused parameter), at another dtype through one input tensor at a time (the embedding is the
   largest); under TP a fused q/k/v or gate/up needs its inputs plus the fused result, the bound below. The Megatron checkpoint is written from the
   parameters themselves (PyTorch's FileSystemWriter threads: no staging copy).
-- Megatron -> HF (``roll-convert mca2hf``): PyTorch's reader stages one tensor at a time before copying
-  it into the model; the HF file being assembled (at most ``--max-shard-gb``) holds copies of the split
-  q/k/v and gate/up tensors and references to the rest.
+- Megatron -> HF (``roll-convert mca2hf``): at the saved layout every tensor is read straight into the model
+  and the gate/up halves merge into the parameter itself (``backends/mca/checkpoint_io.py``); at another
+  layout PyTorch's reader stages one tensor at a time before copying it in (the embedding is the largest,
+  the bound below). The HF file being assembled (at most ``--max-shard-gb``) holds copies of the split q/k/v
+  tensors and references to the rest.
 
 Ranks of a parallel layout hold their share of the weights instead of all of them; the extra terms stay.
 """
@@ -54,7 +56,7 @@ def conversion_memory(shape: ModelShape, hf_bytes: int = 2, megatron_bytes: int 
     fused = max(qkv, gate_up) * (hf_bytes + hf_bytes)  # the inputs, then their concatenation
     cast = v * h * hf_bytes if hf_bytes != megatron_bytes else 0  # a renamed tensor read at another dtype
     weights = shape.total_params() * megatron_bytes
-    largest = v * h * megatron_bytes  # the embedding, staged once by PyTorch's reader
+    largest = v * h * megatron_bytes  # the embedding, staged by PyTorch's reader when loading at another layout
     return ConversionMemory(weights=weights, hf2mca_extra=max(fused, cast),
                             mca2hf_extra=max(largest, (qkv + gate_up) * megatron_bytes) + max_shard_bytes)
 

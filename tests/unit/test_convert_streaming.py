@@ -8,7 +8,11 @@ and ``roll-convert`` writes Megatron checkpoints from its own process with a pro
   tensors held at any moment are one tensor, below the largest shard (a whole-model read would hold all
   of them);
 - one subprocess: ``roll-convert hf2mca`` then ``mca2hf`` with process creation made to fail (Megatron's
-  default writer spawns a manager and forks writers), bit-exact round trip, a byte progress bar on stderr.
+  default writer spawns a manager and forks writers), bit-exact round trip, a byte progress bar on stderr
+  for each of the four phases, and every tensor of the Megatron checkpoint read straight into the model
+  (``backends.mca.checkpoint_io``: one positioned read, not PyTorch's three copies);
+- ``checkpoint_io.stored_tensor`` on ``torch.save`` archives: it finds the bytes of a whole contiguous tensor
+  (checked against ``torch.load``) and declines every other layout, which must go through PyTorch's reader.
 """
 
 from __future__ import annotations
@@ -113,12 +117,20 @@ def refuse(*args, **kwargs):
     raise RuntimeError("conversion started a process")
 os.fork = refuse
 multiprocessing.process.BaseProcess.start = refuse
-from backends.mca import convert_cli
+from backends.mca import checkpoint_io, convert_cli
 from roll.logging import setup_logging
 setup_logging()
+reads = {True: 0, False: 0}
+in_place = checkpoint_io._read_in_place
+def counted(*args):
+    done = in_place(*args)
+    reads[done] += 1
+    return done
+checkpoint_io._read_in_place = counted
 hf, mca, back = sys.argv[1:4]
 assert convert_cli.run(["hf2mca", "--input", hf, "--output", mca]) == 0
 assert convert_cli.run(["mca2hf", "--input", mca, "--output", back, "--max-shard-gb", "0.00005"]) == 0
+print("tensors read in place", reads[True], "through PyTorch's reader", reads[False])
 """
 
 
@@ -130,10 +142,60 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
     assert os.path.isfile(os.path.join(mca, "metadata.json")) and glob.glob(os.path.join(mca, "*.distcp"))
     a, b = _weights(hf), _weights(back)
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
-    for bar in ("read HF weights: 100%", "write HF weights: 100%"):
+    for bar in ("read HF weights: 100%", "write Megatron weights: 100%", "read Megatron weights: 100%",
+                "write HF weights: 100%"):
         assert bar in proc.stderr and "B/s]" in proc.stderr, output_of(proc)
-    for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "GB/s"):
+    for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "loaded model checkpoint", "GB/s"):
         assert log in proc.stderr, output_of(proc)
+    tensors = sum(1 for name in a if not name.endswith("_extra_state"))  # fused in Megatron: fewer, never 0
+    counts = [int(word) for word in proc.stdout.split("tensors read in place")[1].split() if word.isdigit()]
+    assert counts[0] >= tensors // 2 and counts[1] == 0, proc.stdout  # every tensor in place
+
+
+def _archive(tmp_path, value, name: str) -> tuple[str, int, int]:
+    """``value`` saved by ``torch.save`` (CRC off, as roll's writer) after 37 bytes of other data: (path,
+    offset, length), the way a ``.distcp`` file holds each tensor."""
+    path = str(tmp_path / name)
+    crc32 = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        with open(path, "wb") as fh:
+            fh.write(b"x" * 37)
+            torch.save(value, fh)
+    finally:
+        torch.serialization.set_crc32_options(crc32)
+    return path, 37, os.path.getsize(path) - 37
+
+
+def test_stored_tensor_finds_whole_contiguous_tensors_only(tmp_path):
+    from backends.mca.checkpoint_io import stored_tensor
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    found = {}
+    cases = {"whole": base, "bf16": base.to(torch.bfloat16), "scalar": torch.tensor(3.5),
+             "transposed": base.t(), "offset_view": base[1:], "half_of_it": base.chunk(2)[0],
+             "not_a_tensor": {"a": base}}
+    for name, value in cases.items():
+        path, offset, length = _archive(tmp_path, value, name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found[name] = stored_tensor(fd, offset, length)
+            if found[name] is not None:
+                data_offset, dtype, size = found[name]
+                out = torch.empty(size, dtype=dtype)
+                os.preadv(fd, [memoryview(out.reshape(-1).view(torch.uint8).numpy())], offset + data_offset)
+                with open(path, "rb") as fh:
+                    fh.seek(offset)
+                    assert torch.equal(out, torch.load(fh, weights_only=True)), name  # the reader's own view
+        finally:
+            os.close(fd)
+    assert {name for name, hit in found.items() if hit} == {"whole", "bf16", "scalar"}, found
+    assert found["whole"][1:] == (torch.float32, [4, 6]) and found["bf16"][1] == torch.bfloat16
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert stored_tensor(fd, 0, 37) is None  # not an archive at all
+    finally:
+        os.close(fd)
 
 
 def test_conversion_memory_of_a_7b_shape_by_hand():
@@ -168,3 +230,27 @@ def test_bench_times_a_process_with_its_peak_memory_and_cpu():
         row.update(startup_s=2.0, startup_rss_gb=0.5)
     table = "\n".join(report.conversion_table(rows))
     assert "| hf2mca | 1.000 | 4.0 | 0.250 | 2.00 | 0.500 | - | 2.70 | 2.20 | ok |" in table, table
+
+
+def test_fused_gate_up_merges_into_the_parameter_itself():
+    """Megatron saves the fused gate/up weight as two halves (a ShardedTensorFactory) and on load concatenates
+    them into a new tensor, every layer's held until the state dict is applied; ``merge_in_place`` returns the
+    parameter the halves were loaded into instead, the same values as Megatron's own merge."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    from backends.mca.checkpoint_io import merge_in_place
+
+    param = torch.zeros(6, 4)
+    factory = apply_swiglu_sharded_factory(ShardedTensor.from_rank_offsets("fc1", param), ())
+    state = {"decoder": {"fc1": factory}}
+    merge_in_place(state)
+    assert state["decoder"]["fc1"] is factory and isinstance(factory, ShardedTensorFactory)
+    halves = [sh.data for sh in factory.build()]  # what the load writes into
+    for i, half in enumerate(halves):
+        half.copy_(torch.arange(12.0).reshape(3, 4) + 100 * i)
+    merged = factory.merge_fn(halves)
+    assert merged.data_ptr() == param.data_ptr() and torch.equal(merged, torch.cat(halves))
+    copies = [half.clone() for half in halves]  # pieces elsewhere (a loader that did not read in place)
+    elsewhere = factory.merge_fn(copies)
+    assert elsewhere.data_ptr() != param.data_ptr() and torch.equal(elsewhere, torch.cat(copies))
