@@ -17,6 +17,7 @@ from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
 from roll.data.dataset_info import check_sources
 from roll.errors import ConfigError
+from roll.data.vision import check_config as vision_check_config
 from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
 
@@ -68,6 +69,7 @@ class RunConfig:
             raise ConfigError(f"eval_strategy={evaluates} needs an evaluation set: set val_size (e.g. 0.1) "
                               "or eval_dataset, or eval_strategy: no.")
         check_streaming(self.data, self.training, self.finetuning.stage)
+        vision_check_config(self)  # what a vision-language model cannot do yet (docs/vl.md)
         check_sources(self.data)  # the names of LLaMA-Factory's dataset registry (dataset_dir)
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
