@@ -203,11 +203,19 @@ class VisionSupervisedProcessor(SupervisedProcessor):
 
         def with_images(row: dict):
             paths = image_paths(next(values), self.media_dir)
-            self._row_images.append((paths, [self.vision.num_tokens(open_image(p)) for p in paths]))
+            self._row_images.append((paths, [self._num_tokens(p) for p in paths]))
             return parse_row(expand_placeholders(row, [self.vision.expand(n) for n in self._row_images[-1][1]]))
 
         self._row_images = []
         return super().parse(batch, indices, with_images)
+
+    def _num_tokens(self, path: str) -> int:
+        image = open_image(path)
+        try:
+            return self.vision.num_tokens(image)
+        except ValueError as exc:  # e.g. an aspect ratio over 200 (LLaMA-Factory squeezes such images first)
+            raise RowError(f"image file {path!r} ({image.size[0]}x{image.size[1]} pixels): the model's image "
+                           f"processor refuses it: {exc}") from None
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out = super().__call__(batch, indices)
