@@ -58,6 +58,7 @@ class RunConfig:
         backend_cls = get_backend_class(self.backend_name)
         backend_cls.check_support(self.finetuning.stage, self.finetuning.finetuning_type)
         refuse_unhonoured(self)  # the keys roll/config/coverage.py marks refused on this backend
+        vision_check_config(self)  # what a vision-language model cannot do yet (docs/vl.md), before mca's checks
         if self.training.use_mca:
             self._validate_mca()
         else:
@@ -69,7 +70,6 @@ class RunConfig:
             raise ConfigError(f"eval_strategy={evaluates} needs an evaluation set: set val_size (e.g. 0.1) "
                               "or eval_dataset, or eval_strategy: no.")
         check_streaming(self.data, self.training, self.finetuning.stage)
-        vision_check_config(self)  # what a vision-language model cannot do yet (docs/vl.md)
         check_sources(self.data)  # the names of LLaMA-Factory's dataset registry (dataset_dir)
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
