@@ -70,7 +70,8 @@ def _with(switch: str) -> Inert:
     return Inert(f"read with {switch} only, which is off (any other value of it is refused)")
 
 
-MULTIMODAL = Inert("a multimodal setting: roll trains text models, on text rows")
+MULTIMODAL = Inert("a multimodal setting roll does not read: it trains on text and images (docs/vl.md), not videos "
+                   "or audio")
 INFERENCE = Inert("an inference setting: roll-train does not generate")
 SPEED = Inert("speed or memory only: the same training")
 PPO = Inert("read by stage ppo only, which roll does not train (stages pt, sft, dpo)")

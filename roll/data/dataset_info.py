@@ -58,8 +58,8 @@ LOCATIONS = ("file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url"
 KEYS = frozenset(LOCATIONS + ("formatting", "ranking", "columns", "tags", "split", "subset", "folder",
                               "num_samples"))
 REFUSED_COLUMNS = {
-    "videos": "multimodal rows (videos) are not supported: roll trains text models",
-    "audios": "multimodal rows (audios) are not supported: roll trains text models",
+    "videos": "multimodal rows (videos) are not supported: roll reads text and images (docs/vl.md)",
+    "audios": "multimodal rows (audios) are not supported: roll reads text and images (docs/vl.md)",
     "tools": "tool descriptions are not laid out into the system prompt yet: drop columns.tools (the "
              "function-call and observation turns themselves are read)",
 }
