@@ -152,6 +152,7 @@ def apply_lora(model: nn.Module, finetuning, *, head: str | None = None, vision:
         from backends.standard.vision import lora_modules
 
         targets = lora_modules(model, targets, finetuning)
+        shown = sorted({name.rsplit(".", 1)[-1] for name in targets})
     task = dict(task_type=TaskType.SEQ_CLS, modules_to_save=[head]) if head else dict(task_type=TaskType.CAUSAL_LM)
     lora_config = LoraConfig(**task, r=finetuning.lora_rank,
                              lora_alpha=finetuning.lora_alpha, lora_dropout=finetuning.lora_dropout,
