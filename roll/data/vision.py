@@ -267,7 +267,8 @@ class VisionCollator:
 
     Example (a row with one 100 x 60 image and a text-only row; the tiny demo's processor: 14-pixel patches,
     2 x 2 merge): ``[{..., "images": ["/d/a.png"]}, {..., "images": []}]`` -> the base batch plus
-    ``pixel_values`` [32, 1176] and ``image_grid_thw`` [[1, 4, 8]]. No image in the micro-batch: no such keys.
+    ``mm_token_type_ids`` [2, L] (1 at the 8 ``<|image_pad|>`` of row 0, else 0), ``pixel_values`` [32, 1176] and
+    ``image_grid_thw`` [[1, 4, 8]]. No image in the micro-batch: no pixel_values / image_grid_thw.
     """
 
     base: Any
@@ -275,6 +276,9 @@ class VisionCollator:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict:
         batch = self.base(features)
+        # transformers 5.23's Qwen-VL builds the 3-D M-RoPE positions only when it gets the token types (its
+        # processor's mm_token_type_ids: 1 at <|image_pad|>); without them it falls back to 1-D positions silently
+        batch["mm_token_type_ids"] = (batch["input_ids"] == self.vision.token_ids[0]).long()
         paths = [p for f in features for p in (f.get("images") or [])]
         if paths:
             try:
