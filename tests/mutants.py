@@ -441,6 +441,10 @@ MUTANTS: list[Mutant] = [
            "then fails on fewer image tokens than image features)", "roll/data/vision.py",
            "if ids.count(image_id) != sum(counts) or ids.count(start_id) != len(paths):", "if False:",
            (f"{VL_DATA}::test_cutoff_len_never_cuts_an_image_the_row_is_dropped_and_counted",)),
+    Mutant("vl_no_mm_token_type_ids", "VL: the batch lacks mm_token_type_ids, so transformers' Qwen2.5-VL gives "
+           "the image tokens 1-D positions instead of M-RoPE (silently)", "roll/data/vision.py",
+           'batch["mm_token_type_ids"] = (batch["input_ids"] == self.vision.token_ids[0]).long()', "pass",
+           (f"{VL_DATA}::test_the_batch_gives_the_model_its_3d_positions",)),
     Mutant("vl_lora_on_frozen_tower", "VL LoRA: adapters on the frozen vision tower too (short module names such "
            "as gate_proj match its blocks)", "backends/standard/vision.py",
            "in short_names and part_of(name) not in frozen]", "in short_names]",

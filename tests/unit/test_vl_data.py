@@ -114,6 +114,30 @@ def test_the_collator_concatenates_the_micro_batchs_images_in_row_order(vl_model
 
     model = AutoModelForImageTextToText.from_pretrained(vl_model)
     assert torch.isfinite(model(**batch).loss)
+    assert batch["mm_token_type_ids"].tolist() == (batch["input_ids"] == job.collator.vision.token_ids[0]).long().tolist()
+
+
+def test_the_batch_gives_the_model_its_3d_positions(vl_model, tmp_path):
+    """M-RoPE of row 0 by hand: "<|im_start|>user\n" (4 tokens) and <|vision_start|> at 0..4; the 8 image tokens
+    (grid 1 x 4 x 8 merged 2 x 2: 1 x 2 x 4) at t = 5, h = 5 + row, w = 5 + column; the text after them from
+    5 + max(0, 1, 3) + 1 = 9 on, 1-D. transformers 5.23 computes them only with mm_token_type_ids."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    job, _ = job_for(vl_model, write_data(tmp_path))
+    batch = job.collator([job.train_dataset[0]])
+    model = AutoModelForImageTextToText.from_pretrained(vl_model).eval()
+    positions, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                              image_grid_thw=batch["image_grid_thw"],
+                                              attention_mask=batch["attention_mask"])
+    length = batch["input_ids"].shape[1]
+    text_after = list(range(9, 9 + length - 13))
+    assert positions[0, 0].tolist() == list(range(5)) + [5] * 8 + text_after
+    assert positions[1, 0].tolist() == list(range(5)) + [5] * 4 + [6] * 4 + text_after
+    assert positions[2, 0].tolist() == list(range(5)) + [5, 6, 7, 8] * 2 + text_after
+    without = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}  # 1-D positions: other logits
+    with torch.no_grad():
+        assert not torch.allclose(model(**batch).logits[0, 13:], model(**without).logits[0, 13:])
 
 
 def test_cutoff_len_never_cuts_an_image_the_row_is_dropped_and_counted(vl_model, tmp_path):
