@@ -17,7 +17,6 @@ from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
 from roll.data.dataset_info import check_sources
 from roll.errors import ConfigError
-from roll.data.vision import check_config as vision_check_config
 from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
 
@@ -58,6 +57,8 @@ class RunConfig:
         backend_cls = get_backend_class(self.backend_name)
         backend_cls.check_support(self.finetuning.stage, self.finetuning.finetuning_type)
         refuse_unhonoured(self)  # the keys roll/config/coverage.py marks refused on this backend
+        from roll.data.vision import check_config as vision_check_config
+
         vision_check_config(self)  # what a vision-language model cannot do yet (docs/vl.md), before mca's checks
         if self.training.use_mca:
             self._validate_mca()
