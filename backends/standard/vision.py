@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 PARTS = (("projector", ("model.visual.merger.",)), ("vision", ("model.visual.",)),
          ("language", ("model.language_model.", "lm_head.")))
-"""Qwen2-VL / Qwen2.5-VL parameter and module name prefixes (transformers 5.23) of each part, first match wins:
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL parameter and module name prefixes (transformers 5.23) of each part, first match:
 the merger is LLaMA-Factory's multi-modal projector, the rest of ``model.visual`` its vision tower."""
 
 

@@ -22,7 +22,7 @@ from roll.data.processors import SEQ, SupervisedProcessor
 from roll.errors import ConfigError, DataError, ModelError
 
 PLACEHOLDER = "<image>"
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """config.json model types whose images roll lays out (Qwen2-VL's vision tokens and image processor)."""
 IMAGE_CUT = "image_cut"
 """The skip reason of a row whose truncation to cutoff_len would lose vision tokens."""

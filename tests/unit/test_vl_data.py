@@ -205,3 +205,54 @@ def test_images_for_a_text_model_are_refused(tiny_model_dir, tmp_path):
                             f"dataset={write_data(tmp_path)}"])
     with pytest.raises(DataError, match="not a vision-language model"):
         router.build_job(config, PaddingPolicy())
+
+
+def tiny_qwen3_vl(out: str) -> str:
+    """A tiny Qwen3-VL (interleaved M-RoPE, deepstack after vision block 0, 16-pixel patches: 32-pixel tokens,
+    64^2 <= pixels <= 128^2) with the tiny VL tokenizer."""
+    import torch
+    import transformers as T
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from roll.demo.tiny_vl import build_vl_tokenizer
+
+    tok = build_vl_tokenizer()
+    ids = {f"{name}_token_id": tok.convert_tokens_to_ids(token) for name, token in (
+        ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"), ("image", "<|image_pad|>"),
+        ("video", "<|video_pad|>"))}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                 "rope_theta": 5e5}, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0])
+    torch.manual_seed(0)
+    T.Qwen3VLForConditionalGeneration(T.Qwen3VLConfig(text_config=text, vision_config=vision,
+                                                      tie_word_embeddings=True, **ids)).save_pretrained(out)
+    tok.save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=64 * 64,
+                             max_pixels=128 * 128).save_pretrained(out)
+    return out
+
+
+def test_qwen3_vl_takes_the_same_batch(tmp_path):
+    """Qwen3-VL: the same layout with its 32-pixel tokens. By hand: 100 x 60 -> 96 x 64, grid (1, 4, 6), 6 tokens;
+    40 x 30 -> 32 x 32 is under 64^2, scaled by sqrt(4096 / 1200), rounded up: 96 x 64, 6 tokens; 200 x 150 ->
+    192 x 160 is over 128^2, scaled by sqrt(30000 / 16384), rounded down: 128 x 96, grid (1, 6, 8), 12 tokens.
+    Positions of row 0: text and <|vision_start|> 0..4, the 1 x 2 x 3 merged grid at 5 + (0, row, column), text
+    from 5 + 2 + 1 = 8 on."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = tiny_qwen3_vl(str(tmp_path / "qwen3_vl"))
+    job, _ = job_for(model_dir, write_data(tmp_path))
+    batch = job.collator([job.train_dataset[i] for i in range(3)])
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 6], [1, 6, 8]]
+    assert batch["mm_token_type_ids"].sum(dim=1).tolist() == [6, 0, 6 + 12]
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert torch.isfinite(model(**batch).loss)
+    positions, _ = model.model.get_rope_index(batch["input_ids"][:1], batch["mm_token_type_ids"][:1],
+                                              image_grid_thw=batch["image_grid_thw"][:1],
+                                              attention_mask=batch["attention_mask"][:1])
+    assert positions[1, 0, :14].tolist() == [0, 1, 2, 3, 4, 5, 5, 5, 6, 6, 6, 8, 9, 10]
+    assert positions[2, 0, :14].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10]
