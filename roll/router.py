@@ -46,12 +46,15 @@ STAGES: dict[str, StageSpec] = {
 def build_job(config: RunConfig, padding_policy) -> tuple[TrainJob, object]:
     """Tokenizer, datasets and collator for the configured stage; returns (job, preprocessing stats)."""
     from roll import data
+    from roll.data.vision import load_vision
 
     spec = STAGES[config.finetuning.stage]
     tokenizer = data.load_tokenizer(config.model, config.data)
+    vision = load_vision(config.model, tokenizer)
     bundle = data.build_datasets(config.data, tokenizer, stage=config.finetuning.stage,
-                                 processor=spec.processor, formats=spec.formats, seed=config.training.seed)
-    collator = data.build_collator(spec.collator, tokenizer, padding_policy, config.data)
+                                 processor=spec.processor, formats=spec.formats, seed=config.training.seed,
+                                 vision=vision)
+    collator = data.build_collator(spec.collator, tokenizer, padding_policy, config.data, vision=vision)
     job = TrainJob(stage=config.finetuning.stage, tokenizer=tokenizer, train_dataset=bundle.train,
                    eval_dataset=bundle.eval, collator=collator)
     return job, bundle.stats

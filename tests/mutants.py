@@ -66,6 +66,9 @@ RM_UNIT = "tests/unit/test_reward.py"
 MCA_RM = "tests/distributed/test_mca_rm.py::test_rm_layouts_backend_parity_and_export"
 RM_ZERO3 = "tests/distributed/test_standard_deepspeed.py::test_rm_zero3_two_processes_matches_one"
 
+VL_DATA = "tests/unit/test_vl_data.py"
+VL_STD = "tests/unit/test_vl_standard.py"
+
 ELASTIC = "backends/standard/elastic.py"
 ELASTIC_UNIT = "tests/unit/test_elastic_resume.py::test_converts_only_when_the_data_parallel_size_changed"
 ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
@@ -445,6 +448,22 @@ MUTANTS: list[Mutant] = [
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",
            ("tests/unit/test_convert_streaming.py::test_fused_gate_up_merges_into_the_parameter_itself",)),
+    Mutant("vl_vision_tokens_trained", "VL sft with train_on_prompt: the vision tokens (<|image_pad|> runs) are "
+           "trained as text", "roll/data/vision.py",
+           "labels = [IGNORE_INDEX if t in vision_ids else y for t, y in zip(ids, labels)]", "labels = labels",
+           (f"{VL_DATA}::test_each_placeholder_becomes_its_images_hand_counted_vision_tokens_never_trained",)),
+    Mutant("vl_image_cut_kept", "VL: cutoff_len cuts into an image's vision tokens and the row is kept (the model "
+           "then fails on fewer image tokens than image features)", "roll/data/vision.py",
+           "if ids.count(image_id) != sum(counts) or ids.count(start_id) != len(paths):", "if False:",
+           (f"{VL_DATA}::test_cutoff_len_never_cuts_an_image_the_row_is_dropped_and_counted",)),
+    Mutant("vl_no_mm_token_type_ids", "VL: the batch lacks mm_token_type_ids, so transformers' Qwen2.5-VL gives "
+           "the image tokens 1-D positions instead of M-RoPE (silently)", "roll/data/vision.py",
+           'batch["mm_token_type_ids"] = (batch["input_ids"] == self.vision.token_ids[0]).long()', "pass",
+           (f"{VL_DATA}::test_the_batch_gives_the_model_its_3d_positions",)),
+    Mutant("vl_lora_on_frozen_tower", "VL LoRA: adapters on the frozen vision tower too (short module names such "
+           "as gate_proj match its blocks)", "backends/standard/vision.py",
+           "in short_names and part_of(name) not in frozen]", "in short_names]",
+           (f"{VL_STD}::test_lora_adapts_the_language_model_only_by_default_and_the_tower_when_unfrozen",)),
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),

@@ -23,6 +23,7 @@ from roll import resume_record
 from roll.checkpoints import resolve_resume
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
+from roll.data.vision import is_vl_model
 from roll.errors import ModelError, Preempted, TrainingStopped
 from roll.launch import local_rank
 from roll.logging import log_rank0, warn_once
@@ -117,6 +118,10 @@ class StandardBackend(Backend):
 
             return ModelBundle(policy=load_reward_model(model_args.model_name_or_path,
                                                         pad_token_id=tokenizer.pad_token_id, **load))
+        if is_vl_model(model_args.model_name_or_path):  # sft only (roll.data.vision.check_config)
+            from backends.standard.vision import load_vl_model
+
+            return ModelBundle(policy=load_vl_model(model_args.model_name_or_path, **load))
         policy = M.load_causal_lm(model_args.model_name_or_path, **load)
         ref = None
         if wants_ref:
@@ -134,11 +139,17 @@ class StandardBackend(Backend):
 
         finetuning = self.config.finetuning
         rm = finetuning.stage == "rm"  # its score head trains in full (backends/standard/reward.py)
+        vl = is_vl_model(self.config.model.model_name_or_path)  # freeze_vision_tower & co (standard/vision.py)
+        if vl and finetuning.finetuning_type == "full":
+            from backends.standard.vision import freeze_parts
+
+            models.policy = freeze_parts(models.policy, finetuning)
         if finetuning.finetuning_type == "lora":
             set_seed(self.config.training.seed)  # the same adapter init on every rank
             if rm:
                 reward.lora_targets_without_head(finetuning)
-            models.policy = M.apply_lora(models.policy, finetuning, head=reward.HEAD_MODULE if rm else None)
+            models.policy = M.apply_lora(models.policy, finetuning, head=reward.HEAD_MODULE if rm else None,
+                                         vision=vl)
         elif finetuning.finetuning_type == "freeze":
             models.policy = M.apply_freeze(models.policy, finetuning.freeze_trainable_layers)
             if rm:
@@ -257,6 +268,10 @@ class StandardBackend(Backend):
             raise RuntimeError("StandardBackend.save() needs train() first: it saves through the trainer")
         self._succeeded = False
         out = save_final_model(self._trainer, tokenizer, output_dir)
+        if is_vl_model(self.config.model.model_name_or_path):  # the image processor goes with the model
+            from backends.standard.vision import save_image_processor
+
+            save_image_processor(self.config.model.model_name_or_path, out)
         finetuning = self.config.finetuning
         if finetuning.finetuning_type == "lora" and finetuning.export_merged:
             export_merged(self.config.model.model_name_or_path, out, tokenizer,

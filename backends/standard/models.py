@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from roll.data.loading import hub_offline
+from roll.data.vision import VL_MODEL_TYPES
 from roll.errors import ConfigError, ModelError
 from roll.hf_config import has_hf_config, read_hf_config
 from roll.logging import log_rank0, warn_once
@@ -43,7 +44,7 @@ def check_causal_lm(path: str | None, *, trust_remote_code: bool = False,
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"{what}={path!r} cannot be read as a Hugging Face model config: {exc}") from None
     model_type = getattr(config, "model_type", None)
-    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in VL_MODEL_TYPES or any(
         arch.endswith("ForCausalLM") for arch in (getattr(config, "architectures", None) or []))
     if not causal:
         architectures = getattr(config, "architectures", None)
@@ -139,13 +140,19 @@ def _output_head_name(model: nn.Module) -> str | None:
     return None
 
 
-def apply_lora(model: nn.Module, finetuning, *, head: str | None = None) -> nn.Module:
+def apply_lora(model: nn.Module, finetuning, *, head: str | None = None, vision: bool = False) -> nn.Module:
     """Wrap ``model`` in a PEFT LoRA model; trainable (adapter) parameters are kept in fp32. ``head``: a
     sequence-classification model's head (stage rm's ``score``), trained in full and saved in the adapter
     (PEFT's task SEQ_CLS, ``modules_to_save``), never adapted."""
     from peft import LoraConfig, TaskType, get_peft_model
 
     targets = [target for target in resolve_lora_targets(model, finetuning.lora_targets) if target != head]
+    shown = targets
+    if vision:  # a vision-language model: the linear layers of the parts not frozen (backends/standard/vision.py)
+        from backends.standard.vision import lora_modules
+
+        targets = lora_modules(model, targets, finetuning)
+        shown = sorted({name.rsplit(".", 1)[-1] for name in targets})
     task = dict(task_type=TaskType.SEQ_CLS, modules_to_save=[head]) if head else dict(task_type=TaskType.CAUSAL_LM)
     lora_config = LoraConfig(**task, r=finetuning.lora_rank,
                              lora_alpha=finetuning.lora_alpha, lora_dropout=finetuning.lora_dropout,
@@ -156,7 +163,7 @@ def apply_lora(model: nn.Module, finetuning, *, head: str | None = None) -> nn.M
             param.data = param.data.float()  # low-precision adapters lose small updates
     trainable, total = count_parameters(peft_model)
     log_rank0(logger, "LoRA r=%d alpha=%d%s on %s: %d of %d parameters trainable", finetuning.lora_rank,
-              finetuning.lora_alpha, " (rsLoRA)" if finetuning.use_rslora else "", ",".join(targets), trainable,
+              finetuning.lora_alpha, " (rsLoRA)" if finetuning.use_rslora else "", ",".join(shown), trainable,
               total)
     return peft_model
 

@@ -167,6 +167,12 @@ ROWS: tuple[Row, ...] = (
     _row("freeze_trainable_layers", standard=Honoured(
         "tests/unit/test_standard_train.py::test_freeze_trains_only_the_last_layers"),
          mca=NoEffect("read with finetuning_type: freeze only, which the mca backend refuses")),
+    _row("freeze_vision_tower freeze_multi_modal_projector freeze_language_model", standard=Honoured(
+        "tests/unit/test_vl_standard.py::test_full_fine_tuning_trains_the_parts_not_frozen",
+        "vision-language models (docs/vl.md); LoRA: tests/unit/test_vl_standard.py::"
+        "test_lora_adapts_the_language_model_only_by_default_and_the_tower_when_unfrozen; no effect on a text model"),
+         mca=NoEffect("the mca backend refuses vision-language models for now (docs/vl.md); no effect on a text "
+                      "model")),
     _row("export_merged", standard=Honoured(
         "tests/distributed/test_standard_deepspeed.py::test_lora_zero3_exports_adapter_and_merged_model"),
          mca=Honoured("tests/distributed/test_mca_lora.py::test_merged_export_equals_base_plus_adapter")),

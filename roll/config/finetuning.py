@@ -47,6 +47,18 @@ class FinetuningArguments:
     freeze_trainable_layers: int = 2
     """With finetuning_type=freeze: how many of the last decoder layers are trained."""
 
+    freeze_vision_tower: bool = True
+    """Vision-language models (docs/vl.md): keep the vision tower (``model.visual`` but its merger) frozen
+    (LLaMA-Factory's key and default). No effect on a text model."""
+
+    freeze_multi_modal_projector: bool = True
+    """Vision-language models: keep the multi-modal projector (Qwen-VL's ``visual.merger``) frozen
+    (LLaMA-Factory's key and default). No effect on a text model."""
+
+    freeze_language_model: bool = False
+    """Vision-language models, finetuning_type full or lora: keep the language model (and its output head)
+    frozen, training only the unfrozen vision parts (LLaMA-Factory's key). No effect on a text model."""
+
     export_merged: bool = False
     """With LoRA: also write base + adapter merged into a plain HF model."""
 

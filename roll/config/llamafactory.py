@@ -70,7 +70,8 @@ def _with(switch: str) -> Inert:
     return Inert(f"read with {switch} only, which is off (any other value of it is refused)")
 
 
-MULTIMODAL = Inert("a multimodal setting: roll trains text models, on text rows")
+MULTIMODAL = Inert("a multimodal setting roll does not read: it trains on text and images (docs/vl.md), not videos "
+                   "or audio")
 INFERENCE = Inert("an inference setting: roll-train does not generate")
 SPEED = Inert("speed or memory only: the same training")
 PPO = Inert("read by stage ppo only, which roll does not train (stages pt, sft, dpo)")
@@ -82,7 +83,9 @@ KEYS: dict[str, Renamed | Inert] = {
     "neat_packing": Renamed("packing", lambda v: True if v else DROP,
                             "roll's packing never attends across samples, which is neat_packing; LLaMA-Factory's "
                             "packing without it attends across samples"),
-    "media_dir": MULTIMODAL,
+    "media_dir": Inert("the default", only=(None,), use="image paths are read relative to dataset_dir for a "
+                                                      "registry entry, to the dataset file's folder otherwise, "
+                                                      "or absolute (docs/vl.md)"),
     "eval_num_beams": INFERENCE,
     "ignore_pad_token_for_loss": Inert("padding is never trained in roll", only=(True,),
                                        use="padding is always left out of the loss"),
@@ -105,9 +108,6 @@ KEYS: dict[str, Renamed | Inert] = {
     "use_eaft_loss": _off("roll trains the token cross-entropy"),
     "asft_alpha": _with("use_asft_loss"),
     "eaft_alpha": _with("use_eaft_loss"),
-    "freeze_vision_tower": MULTIMODAL,
-    "freeze_multi_modal_projector": MULTIMODAL,
-    "freeze_language_model": _off("finetuning_type: freeze (the last layers) or lora"),
     "compute_accuracy": _off("roll evaluates eval_loss only"),
     "disable_shuffling": Renamed("shuffle", lambda v: not v),
     "early_stopping_steps": Inert("the default", only=(None,), use="roll trains max_steps / num_train_epochs; "
@@ -192,7 +192,8 @@ KEYS: dict[str, Renamed | Inert] = {
     "quantization_type": _with("quantization_bit"),
     "double_quantization": _with("quantization_bit"),
     "quantization_device_map": _with("quantization_bit"),
-    "image_*": MULTIMODAL,
+    "image_*": Inert("the default", only=(None,), use="the model's image processor resizes images with its own "
+                                                    "min_pixels / max_pixels (preprocessor_config.json; docs/vl.md)"),
     "video_*": MULTIMODAL,
     "audio_sampling_rate": MULTIMODAL,
     "use_audio_in_video": MULTIMODAL,

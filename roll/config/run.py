@@ -57,6 +57,9 @@ class RunConfig:
         backend_cls = get_backend_class(self.backend_name)
         backend_cls.check_support(self.finetuning.stage, self.finetuning.finetuning_type)
         refuse_unhonoured(self)  # the keys roll/config/coverage.py marks refused on this backend
+        from roll.data.vision import check_config as vision_check_config
+
+        vision_check_config(self)  # what a vision-language model cannot do yet (docs/vl.md), before mca's checks
         if self.training.use_mca:
             self._validate_mca()
         else:

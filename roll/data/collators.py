@@ -206,11 +206,17 @@ COLLATORS = {"SequenceCollator": SequenceCollator, "PairwiseCollator": PairwiseC
              "FeedbackCollator": FeedbackCollator}
 
 
-def build_collator(name: str, tokenizer, policy: PaddingPolicy, data_args=None):
-    """The collator class ``name`` (from the router's stage table) for this tokenizer and policy."""
+def build_collator(name: str, tokenizer, policy: PaddingPolicy, data_args=None, vision=None):
+    """The collator class ``name`` (from the router's stage table) for this tokenizer and policy; with ``vision``
+    (a VL model) it adds the micro-batch's images (roll.data.vision.VisionCollator)."""
     if name not in COLLATORS:
         raise ValueError(f"unknown collator {name!r}; known: {', '.join(COLLATORS)}")
     if policy.pad_to == "max_length" and data_args is not None and policy.max_length != data_args.cutoff_len:
         raise ValueError(f"policy max_length {policy.max_length} != cutoff_len {data_args.cutoff_len}")
     extra = {"cutoff_len": data_args.cutoff_len} if name == "FeedbackCollator" and data_args is not None else {}
-    return COLLATORS[name](pad_token_id=tokenizer.pad_token_id, policy=policy, **extra)
+    collator = COLLATORS[name](pad_token_id=tokenizer.pad_token_id, policy=policy, **extra)
+    if vision is not None:
+        from roll.data.vision import VisionCollator
+
+        return VisionCollator(base=collator, vision=vision)
+    return collator

@@ -18,7 +18,8 @@ working directory, as there). Each name maps to an object:
 An entry's rows are rewritten into roll's own columns (``DatasetEntry.canonical``) before the stage's
 format reads them, with LLaMA-Factory's meanings: an alpaca prompt is ``prompt`` and ``query`` joined by a
 newline, leaving out empty ones; a system prompt or a history is read only from a column the entry names.
-What roll cannot train on is refused when the recipe is read: images, videos, audios (multimodal), tools,
+``columns.images`` names the image paths of a vision-language model's rows (roll.data.vision). What roll cannot
+train on is refused when the recipe is read: videos, audios, tools,
 ``num_samples``, and hub entries other than ``hf_hub_url``.
 """
 
@@ -42,7 +43,7 @@ REGISTRY = "dataset_info.json"
 
 COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "history": None,
            "messages": "conversations", "system": None, "chosen": "chosen", "rejected": "rejected",
-           "kto_tag": None}
+           "kto_tag": None, "images": None}
 """The columns an entry may name, with the column read when it names none (None: not read)."""
 
 TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
@@ -57,9 +58,8 @@ LOCATIONS = ("file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url"
 KEYS = frozenset(LOCATIONS + ("formatting", "ranking", "columns", "tags", "split", "subset", "folder",
                               "num_samples"))
 REFUSED_COLUMNS = {
-    "images": "multimodal rows (images) are not supported: roll trains text models",
-    "videos": "multimodal rows (videos) are not supported: roll trains text models",
-    "audios": "multimodal rows (audios) are not supported: roll trains text models",
+    "videos": "multimodal rows (videos) are not supported: roll reads text and images (docs/vl.md)",
+    "audios": "multimodal rows (audios) are not supported: roll reads text and images (docs/vl.md)",
     "tools": "tool descriptions are not laid out into the system prompt yet: drop columns.tools (the "
              "function-call and observation turns themselves are read)",
 }

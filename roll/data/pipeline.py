@@ -33,6 +33,9 @@ from roll.data.feedback import FeedbackProcessor, check_both_labels
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
 from roll.data.reward import RewardProcessor
 from roll.data.stats import PreprocessStats
+from roll.data.vision import VisionSupervisedProcessor
+from roll.data.vision import check_source as vision_check_source
+from roll.data.vision import media_dir as vision_media_dir
 from roll.errors import ConfigError, DataError
 from roll.launch import local_rank
 from roll.logging import log_rank0, warn_once
@@ -57,14 +60,15 @@ class DatasetBundle:
 
 
 def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
-                   seed: int) -> DatasetBundle:
-    """Tokenized train (and eval) datasets for ``stage`` plus the preprocessing stats."""
+                   seed: int, vision=None) -> DatasetBundle:
+    """Tokenized train (and eval) datasets for ``stage`` plus the preprocessing stats; ``vision``
+    (roll.data.vision.Vision) lays out the images of a vision-language model's rows."""
     if processor not in PROCESSORS:
         raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
     if data_args.packing and processor in (*PAIRWISE, "feedback"):
         raise ConfigError(f"packing is not supported for stage {stage}; set packing: false.")
     build = functools.partial(_build, data_args, tokenizer, stage=stage, processor=processor, formats=formats,
-                              seed=seed)
+                              seed=seed, vision=vision)
     with local_rank0_first():
         if data_args.streaming:
             return _build_streaming(data_args, tokenizer, stage=stage, processor=processor, formats=formats,
@@ -118,18 +122,18 @@ def _fresh(data_args) -> bool:
 
 
 def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[str, ...],
-           seed: int) -> DatasetBundle:
+           seed: int, vision=None) -> DatasetBundle:
     start = time.perf_counter()
     stats = PreprocessStats()
     sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset, data_args.dataset_dir)]
     stats.num_samples_in = sum(len(s.dataset) for s in sources)
-    tokenized = mix_datasets([_tokenize(s, data_args, tokenizer, stage, processor, formats) for s in sources],
+    tokenized = mix_datasets([_tokenize(s, data_args, tokenizer, stage, processor, formats, vision) for s in sources],
                              data_args, seed)
     train = _drop_skipped(tokenized, stats)
     eval_ds = None
     if data_args.eval_dataset:
         eval_sources = [_cap(s, data_args, seed) for s in load_sources(data_args.eval_dataset, data_args.dataset_dir)]
-        eval_ds = _drop_skipped(_concat([_tokenize(s, data_args, tokenizer, stage, processor, formats)
+        eval_ds = _drop_skipped(_concat([_tokenize(s, data_args, tokenizer, stage, processor, formats, vision)
                                          for s in eval_sources]), PreprocessStats())
     elif data_args.val_size:
         train, eval_ds = _hold_out(train, data_args.val_size, seed)
@@ -200,9 +204,10 @@ def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], st
 
 
 def make_processor(source: Source, *, data_args, tokenizer, stage: str, processor: str,
-                   allowed: tuple[str, ...]):
+                   allowed: tuple[str, ...], vision=None):
     """The stage processor (a batched map function) for one source, whose format it resolves."""
     fmt = resolve_format(source, data_args.formatting, allowed, stage)
+    vision_check_source(source, vision)
     encoder = encoder_for(data_args)
     chat = {"encoder": encoder, "default_system": data_args.default_system,
             "enable_thinking": data_args.enable_thinking}
@@ -211,14 +216,21 @@ def make_processor(source: Source, *, data_args, tokenizer, stage: str, processo
                "pairwise": chat,
                "pretrain": {"packing": data_args.packing,
                             "eos_id": pretrain_eos_id(tokenizer, encoder.template) if encoder else None}}
+    if vision is not None:  # roll.data.vision: images laid out (stage sft only, roll.data.vision.check_config)
+        options[processor].update(vision=vision, media_dir=vision_media_dir(source, data_args),
+                                  images_column=source.entry.column("images") if source.entry else "images")
+        return VisionSupervisedProcessor(tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
+                                         source=source.name, file_rows=source.file_rows, entry=source.entry,
+                                         **options[processor])
     return PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
                                  source=source.name, file_rows=source.file_rows, entry=source.entry,
                                  **options.get(processor, {}))
 
 
-def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...]):
+def _tokenize(source: Source, data_args, tokenizer, stage: str, processor: str, allowed: tuple[str, ...],
+              vision=None):
     fn = make_processor(source, data_args=data_args, tokenizer=tokenizer, stage=stage, processor=processor,
-                        allowed=allowed)
+                        allowed=allowed, vision=vision)
     ds = source.dataset
     if len(ds) == 0:
         raise DataError(f"{source.name} has no rows.")
@@ -236,11 +248,11 @@ def fingerprint(ds, fn) -> str:
     """
     import sys
 
-    from roll.data import dataset_info, formats, named_templates, processors, templates
+    from roll.data import dataset_info, formats, named_templates, processors, templates, vision
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
     # the processor's own module too (feedback for kto, reward for rm)
-    modules = dict.fromkeys([formats, processors, templates, named_templates, dataset_info,
+    modules = dict.fromkeys([formats, processors, templates, named_templates, dataset_info, vision,
                              sys.modules[type(fn).__module__]])
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
                            code_digest(*modules))

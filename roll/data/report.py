@@ -41,6 +41,10 @@ def _example(job) -> list[str]:
                 for side in ("chosen", "rejected")]
     if "kto_tag" in row:
         return _kto_example(job)
+    if getattr(job.collator, "vision", None) is not None:  # a VL model: a row with images, their sizes
+        from roll.data.vision import image_example
+
+        return image_example(job, marked_text)
     ids, labels = row["input_ids"], row["labels"]
     header = "--- first training row ---"
     if "seq_lens" in row:

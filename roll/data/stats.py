@@ -14,6 +14,7 @@ DROP_REASONS = {
     "unrenderable": "the chat template raised an error on this conversation",
     "no_trainable_tokens": "no trainable token is left after cutoff_len truncation",
     "empty_text": "the text is empty",
+    "image_cut": "cutoff_len would cut an image's vision tokens (raise cutoff_len; docs/vl.md)",
 }
 """Every reason a row can be skipped; the summary counts each one. Nothing is dropped silently."""
 

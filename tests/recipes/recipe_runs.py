@@ -17,6 +17,9 @@ import sys
 from tests.helpers import REPO, output_of, torchrun
 
 RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_orpo", "tiny_simpo", "tiny_rm")
+VL_RECIPES = ("tiny_vl_sft",)
+"""Vision-language demo recipes: the tiny Qwen2.5-VL and the generated shapes data (roll.demo.tiny_vl,
+roll.demo.vl_data), standard backend only until the mca side lands (docs/vl.md)."""
 BACKENDS = ("standard", "mca")
 STEPS = 5
 GOLDENS = os.path.join(REPO, "tests", "recipes", "goldens.json")
@@ -51,6 +54,24 @@ def run_standard(name: str, model_dir: str, output_dir: str) -> list[float]:
     return losses_of(router.run(config).log_history)
 
 
+def make_vl_demo(root: str) -> tuple[str, str]:
+    """(model dir, dataset file) of the VL demo, built under ``root`` (as scripts/make_tiny_vl_demo.py does)."""
+    from roll.demo.tiny_vl import make_tiny_vl_model
+    from roll.demo.vl_data import make_shapes_dataset
+
+    return (make_tiny_vl_model(os.path.join(root, "tiny_vl_model")),
+            make_shapes_dataset(os.path.join(root, "tiny_vl_data")))
+
+
+def run_vl_standard(name: str, model_dir: str, dataset: str, output_dir: str) -> list[float]:
+    """A VL recipe on the standard backend, in this process, on the generated dataset; its per-step losses."""
+    from roll import router
+    from roll.config.parser import parse_args
+
+    _, config = parse_args(recipe_args(name, model_dir, output_dir) + [f"dataset={dataset}"])
+    return losses_of(router.run(config).log_history)
+
+
 def run_mca(names: tuple[str, ...], model_dir: str, root: str, timeout: float = 600) -> dict[str, list[float]]:
     """Every recipe in ``names`` with --use-mca, in one 1-process torchrun job; {name: losses}.
     Run ``name`` writes to ROOT/name/mca."""
@@ -67,11 +88,14 @@ def run_mca(names: tuple[str, ...], model_dir: str, root: str, timeout: float = 
 
 
 def run_all(model_dir: str, root: str) -> dict[str, dict[str, list[float]]]:
-    """{recipe: {backend: losses}} for every demo recipe on both backends."""
+    """{recipe: {backend: losses}} for every demo recipe on both backends (VL_RECIPES: standard only)."""
     losses = {name: {"standard": run_standard(name, model_dir, os.path.join(root, name, "standard"))}
               for name in RECIPES}
     for name, values in run_mca(RECIPES, model_dir, root).items():
         losses[name]["mca"] = values
+    vl_model, vl_data = make_vl_demo(root)
+    for name in VL_RECIPES:
+        losses[name] = {"standard": run_vl_standard(name, vl_model, vl_data, os.path.join(root, name, "standard"))}
     return losses
 
 

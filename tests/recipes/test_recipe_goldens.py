@@ -16,7 +16,8 @@ import os
 import pytest
 
 from tests.bounds import BACKEND, GOLDEN, Comparison, assert_within
-from tests.recipes.recipe_runs import GOLDENS, RECIPES, STEPS, read_goldens, run_mca, run_standard
+from tests.recipes.recipe_runs import (GOLDENS, RECIPES, STEPS, VL_RECIPES, make_vl_demo, read_goldens, run_mca,
+                                      run_standard, run_vl_standard)
 
 REGENERATE = ("If the change of the losses is intended, regenerate the goldens with "
               "`OMP_NUM_THREADS=1 python scripts/update_goldens.py` and say in the commit message why the "
@@ -70,6 +71,9 @@ def test_goldens_cover_every_recipe_and_backend_and_say_how_they_were_made(golde
         for backend in ("standard", "mca"):
             values = goldens["losses"][name][backend]
             assert len(values) == STEPS and all(v > 0 for v in values), (name, backend, values)
+    for name in VL_RECIPES:
+        values = goldens["losses"][name]["standard"]
+        assert len(values) == STEPS and all(v > 0 for v in values), (name, values)
     assert goldens["generated_by"].startswith("OMP_NUM_THREADS=1 python scripts/update_goldens.py"), goldens
     for key in ("torch", "transformers", "trl", "peft", "megatron-core", "python", "commit", "date"):
         assert goldens["environment"].get(key), (key, goldens["environment"])
@@ -79,6 +83,14 @@ def test_goldens_cover_every_recipe_and_backend_and_say_how_they_were_made(golde
 def test_standard_backend_matches_goldens(standard_losses, runs_root, name):
     _check_golden(name, "standard", standard_losses[name])
     assert os.path.isfile(os.path.join(runs_root, name, "standard", "loss.png"))
+
+
+@pytest.mark.parametrize("name", VL_RECIPES)
+def test_vl_recipe_matches_goldens_on_the_standard_backend(runs_root, name):
+    """The tiny Qwen2.5-VL on generated pictures (images in the batch, the vision tower frozen): docs/vl.md."""
+    model_dir, dataset = make_vl_demo(runs_root)
+    _check_golden(name, "standard", run_vl_standard(name, model_dir, dataset,
+                                                    os.path.join(runs_root, name, "standard")))
 
 
 @pytest.mark.distributed

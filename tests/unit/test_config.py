@@ -240,6 +240,7 @@ def test_every_shipped_recipe_parses(monkeypatch):
     for name in DEMO:
         assert f"recipes/demo/{name}.yaml" in recipes
     from backends.mca.backend import McaBackend
+    from roll.data.vision import is_vl_model
 
     for path in recipes:
         with open(path, encoding="utf-8") as fh:
@@ -256,6 +257,8 @@ def test_every_shipped_recipe_parses(monkeypatch):
             value = raw.get(key)
             if isinstance(value, str) and value.startswith("recipes/"):
                 assert os.path.exists(value), f"{path}: {key} {value!r} is not in the repo"
+        if is_vl_model(config.model.model_name_or_path):  # the mca backend refuses VL models for now (docs/vl.md)
+            continue
         _, mca = parse_args([path, "--use-mca"])
         assert mca.layout.world_size == t.nproc_per_node * t.nnodes, path
         proc = roll_train(path, "--use-mca", "--print-config", timeout=120) if path == "recipes/qwen3_moe_sft.yaml" else None

@@ -160,7 +160,7 @@ def test_with_columns_only_the_named_columns_are_read(bpe, registry, roll_warnin
     ({"formatting": "alpaca"}, "exactly one of file_name or hf_hub_url"),
     ({"ms_hub_url": "x/y"}, "ModelScope"),
     ({"file_name": "alpaca.json", "formatting": "openai"}, "formatting must be alpaca or sharegpt"),
-    ({"file_name": "alpaca.json", "columns": {"images": "img"}}, "columns.images: multimodal rows"),
+    ({"file_name": "alpaca.json", "columns": {"videos": "vid"}}, "columns.videos: multimodal rows"),
     ({"file_name": "alpaca.json", "columns": {"tools": "tools"}}, "columns.tools: tool descriptions"),
     ({"file_name": "alpaca.json", "columns": {"promt": "q"}}, "columns.promt .*did you mean 'prompt'"),
     ({"file_name": "alpaca.json", "tags": ["from"]}, "tags must be an object"),

@@ -94,7 +94,7 @@ def _records(name: str):
 
 def test_inert_keys_say_so_once_in_an_info_line(recipe, monkeypatch):
     with _records("roll.config.llamafactory") as seen:
-        parse_args([recipe(plot_loss=True, image_max_pixels=262144, hf_hub_token="hf_secret_value")])
+        parse_args([recipe(plot_loss=True, video_max_pixels=65536, hf_hub_token="hf_secret_value")])
     lines = [m for m in seen if "LLaMA-Factory's" in m]
     assert len(lines) == 3 and any("plot_loss has no effect in roll (roll always writes loss.png" in m for m in lines)
     assert not any("hf_secret_value" in m for m in seen)  # values are never printed (tokens)
