@@ -80,6 +80,11 @@ class Qwen2_5_VLModel(GPTModel):
             raise ValueError(f"the batch has {count} image placeholder tokens but no pixel_values.")
         else:
             features = None
+            trained = [p for p in self.visual.parameters() if p.requires_grad]
+            if trained and torch.is_grad_enabled():
+                # no image in this micro-batch: a trained tower still joins the backward (with zero gradients),
+                # or Megatron's overlapped gradient reduction would wait for its buckets forever
+                embeddings = embeddings + 0.0 * sum(p.sum() for p in trained)
         if features is not None:
             if features.shape[0] != count:
                 raise ValueError(f"the batch's images give {features.shape[0]} feature rows (image_grid_thw "
