@@ -5,9 +5,9 @@ run may ask for, which parts train, and the model inputs of a micro-batch.
   but its merger, the multi-modal projector ``visual.merger.*``, the language model everything else (embedding,
   decoder, output layer). ``freeze_vision_tower`` / ``freeze_multi_modal_projector`` (default true, as
   LLaMA-Factory's) and ``freeze_language_model`` (default false) stop a part training (full fine-tuning).
-- **LoRA** adapts the language model's layers only (backends/mca/lora: Megatron's linear layers, not the HF
-  tower's), so LoRA with an unfrozen vision part or a frozen language model is refused (the standard backend
-  adapts the tower's linear layers too).
+- **LoRA** is refused for now: backends/mca/lora would adapt the language model's Megatron layers only, and its
+  export names the adapters as a text model's (``base_model.model.model.layers.*``), which PEFT does not find in
+  transformers' VL model (``model.language_model.layers.*``).
 - **Inputs**: the micro-batch's ``pixel_values`` / ``image_grid_thw`` (docs/vl.md's batch contract) go to every
   pipeline stage's forward with the 3-D M-RoPE positions (``roll.mrope``); only the first stage encodes images.
 - Refused: context parallelism (the positions are not split with the tokens yet); packing is refused for VL
@@ -56,12 +56,12 @@ def check_config(config) -> None:
         raise ConfigError(f"context_parallel_size={config.megatron.context_parallel_size}: a vision-language model "
                           "trains without context parallelism on the mca backend (its 3-D positions are not split "
                           "with the tokens yet). Set context_parallel_size: 1.")
-    frozen = frozen_parts(config.finetuning)
-    if config.finetuning.finetuning_type == "lora" and frozen != {"vision", "projector"}:
-        raise ConfigError("finetuning_type lora on the mca backend adapts the language model only (the vision tower "
-                          "and projector stay frozen, the language model is adapted): set freeze_vision_tower: true, "
-                          "freeze_multi_modal_projector: true and freeze_language_model: false, use finetuning_type "
-                          "full, or use_mca: false (the standard backend adapts the tower's layers too).")
+    if config.finetuning.finetuning_type == "lora":
+        raise ConfigError("finetuning_type lora with a vision-language model is not supported on the mca backend yet "
+                          "(its adapters would be saved under the language model's text-only names, which PEFT does "
+                          "not find in transformers' VL model): use finetuning_type full (freeze_vision_tower / "
+                          "freeze_multi_modal_projector / freeze_language_model choose what trains), or use_mca: "
+                          "false.")
 
 
 def freeze_parts(chunks: list[torch.nn.Module], finetuning) -> None:

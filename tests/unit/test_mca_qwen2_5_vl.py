@@ -21,13 +21,18 @@ from roll.mrope import mrope_position_ids  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_vl(tmp_path_factory) -> tuple[dict, dict[str, torch.Tensor]]:
+def tiny_vl_dir(tmp_path_factory) -> str:
+    from roll.demo.tiny_vl import make_tiny_vl_model
+
+    return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tiny_vl_dir) -> tuple[dict, dict[str, torch.Tensor]]:
     """roll.demo.tiny_vl's saved config.json and tensor names, every tensor redrawn at random (untied)."""
     from safetensors import safe_open
 
-    from roll.demo.tiny_vl import make_tiny_vl_model
-
-    path = make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")), tie_word_embeddings=False)
+    path = tiny_vl_dir
     with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
         hf_config = json.load(fh)
     gen = torch.Generator().manual_seed(0)
@@ -95,3 +100,16 @@ def test_mrope_positions_are_the_image_grid_offset_by_the_text_before_it(tiny_vl
     assert text_only.shape == (3, 1, 12) and all(axis[0] == list(range(12)) for axis in text_only.tolist())
     with pytest.raises(ValueError, match="videos are not supported"):
         mrope_position_ids(torch.tensor([[hf_config["video_token_id"]]]), None, hf_config)
+
+
+def test_a_run_refuses_lora_and_context_parallelism_with_a_vl_model(tiny_vl_dir, tmp_path):
+    from roll.config.parser import resolve
+    from roll.errors import ConfigError
+
+    recipe = {"model_name_or_path": tiny_vl_dir, "stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
+              "use_mca": True, "output_dir": str(tmp_path), "report_to": "none"}
+    with pytest.raises(ConfigError, match="finetuning_type lora with a vision-language model"):
+        resolve({**recipe, "finetuning_type": "lora"}, {}, None)
+    with pytest.raises(ConfigError, match="context_parallel_size=2: a vision-language model"):
+        resolve({**recipe, "context_parallel_size": 2, "nproc_per_node": 2}, {}, None)
+    resolve(recipe, {}, None)  # full fine-tuning at TP1 is fine

@@ -6,9 +6,9 @@ ROWS.pt holds tokenized rows (``input_ids``, ``attention_mask``, ``labels``) wit
 (pixel_values [patches, C*T*P*P], grid (t, h, w)) per row. The collator is roll's Megatron SequenceCollator plus
 docs/vl.md's batch contract (the micro-batch's pixel_values / image_grid_thw concatenated in row order), as
 roll.data.vision.VisionCollator builds it from image files. Runs (2 steps of 4 rows each, lr 1e-3):
-``tp1`` (DP2), ``tp2``, ``pp2`` with the vision tower and projector trained, ``pp2_frozen`` with
+``tp1`` (DP2), ``tp2_sp`` (with sequence parallelism), ``pp2`` with the vision tower and projector trained, ``pp2_frozen`` with
 LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning). Rank 0 writes {run: {"losses":
-[...], "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage, the tower, in every run).
+[...], "sequence_parallel": bool, "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage, the tower, in every run).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}, True),
-        "tp2": ({"tensor_model_parallel_size": "2"}, True),
+        "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true"}, True),
         "pp2": ({"pipeline_model_parallel_size": "2"}, True),
         "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False)}
 """name -> (recipe overrides, vision tower and projector trained)."""
@@ -91,6 +91,7 @@ def main() -> None:
         history = trainer.train(rows, collator).log_history
         after = tower_weights(models.policy)
         results[name] = {"losses": [entry["loss"] for entry in history if "loss" in entry],
+                         "sequence_parallel": bool(models.policy[0].config.sequence_parallel),
                          **{f"{part}_changed": not torch.equal(before[part], after[part]) for part in before}}
         backend.teardown()
     if dist.get_rank() == 0:
