@@ -6,7 +6,8 @@ sections 1/1/2, a 517-row vocabulary that TP2 pads to 518, untied, merger out wi
 
 - ``roll-convert check``'s logits parity (``convert.check_parity``) on a batch with two images of different sizes
   (grids 4x6 and 6x2 patches) and a text-only row, HF's ``Qwen2_5_VLForConditionalGeneration`` against the
-  Megatron model (the vision tower on the first stage), at TP1, TP2 and PP2, within the bounds of tests/bounds.py;
+  Megatron model (the vision tower on the first stage), at TP1, TP2, PP2 and PP2 x VPP2 (a 4-layer variant), within
+  the bounds of tests/bounds.py;
 - HF -> Megatron -> HF bit-exact across TP1, TP2 and PP2 (written at one layout, exported at another), the vision
   tower's tensors included; the export loads with transformers and keeps the image processor.
 """
@@ -72,9 +73,11 @@ def test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips(tmp_path):
 
     tiny = randomized(make_tiny_vl_model(str(tmp_path / "tiny_src")), str(tmp_path / "tiny"))
     odd = randomized(odd_vl_model(str(tmp_path / "odd_src")), str(tmp_path / "odd"))
+    deep = randomized(make_tiny_vl_model(str(tmp_path / "deep_src"), num_layers=4), str(tmp_path / "deep"))
     cases = [dict(name="vl_tp1", kind="check", dir=tiny),
              dict(name="vl_tp2", kind="check", dir=tiny, tp=2),
              dict(name="vl_pp2", kind="check", dir=tiny, pp=2),
+             dict(name="vl_pp2_vpp2", kind="check", dir=deep, pp=2, vpp=2),  # the tower on virtual stage 0 only
              dict(name="vl_odd_tp1", kind="check", dir=odd),
              dict(name="vl_odd_tp2_padded_vocab", kind="check", dir=odd, tp=2)]
     for (written, write_layout, exported, export_layout), hf in zip(ROUND_TRIPS, (tiny, odd, tiny)):
