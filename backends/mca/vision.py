@@ -56,6 +56,9 @@ def check_config(config) -> None:
         raise ConfigError(f"context_parallel_size={config.megatron.context_parallel_size}: a vision-language model "
                           "trains without context parallelism on the mca backend (its 3-D positions are not split "
                           "with the tokens yet). Set context_parallel_size: 1.")
+    if frozen_parts(config.finetuning) == {part for part, _, _ in FREEZE_KEYS}:
+        raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
+                          "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
     if config.finetuning.finetuning_type == "lora":
         raise ConfigError("finetuning_type lora with a vision-language model is not supported on the mca backend yet "
                           "(its adapters would be saved under the language model's text-only names, which PEFT does "
@@ -66,23 +69,18 @@ def check_config(config) -> None:
 
 def freeze_parts(chunks: list[torch.nn.Module], finetuning) -> None:
     """Full fine-tuning: the frozen parts' parameters stop training (before DDP wrapping, so that they get no
-    gradient buffer). Logs what trains; an error when nothing would."""
+    gradient buffer); logs what trains on rank 0."""
     from backends.mca.models.unwrap import unwrap_model
 
     frozen = frozen_parts(finetuning)
-    counts = torch.zeros(2, dtype=torch.int64)
+    trainable = total = 0
     for chunk in chunks:
         for name, param in unwrap_model(chunk).named_parameters():
             if part_of(name) in frozen:
                 param.requires_grad_(False)
-            counts += torch.tensor([param.numel() if param.requires_grad else 0, param.numel()])
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(counts)
-    if counts[0] == 0:
-        raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
-                          "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
-    log_rank0(logger, "vision-language model: frozen %s; %d of %d parameters trainable (summed over ranks)",
-              ", ".join(sorted(frozen)) or "nothing", int(counts[0]), int(counts[1]))
+            trainable, total = trainable + (param.numel() if param.requires_grad else 0), total + param.numel()
+    log_rank0(logger, "vision-language model: frozen %s; %d of rank 0's %d parameters train",
+              ", ".join(sorted(frozen)) or "nothing", trainable, total)
 
 
 def vision_inputs(batch: dict[str, torch.Tensor], input_ids: torch.Tensor, hf_config: dict,
