@@ -3,12 +3,15 @@
 usage: torchrun --nproc_per_node=2 vl_train_runs.py MODEL_DIR ROWS.pt RESULT.json
 
 ROWS.pt holds tokenized rows (``input_ids``, ``attention_mask``, ``labels``) with ``images``: a list of
-(pixel_values [patches, C*T*P*P], grid (t, h, w)) per row. The collator is roll's Megatron SequenceCollator plus
-docs/vl.md's batch contract (the micro-batch's pixel_values / image_grid_thw concatenated in row order), as
-roll.data.vision.VisionCollator builds it from image files. Runs (2 steps of 4 rows each, lr 1e-3):
-``tp1`` (DP2), ``tp2_sp`` (with sequence parallelism), ``pp2`` with the vision tower and projector trained, ``pp2_frozen`` with
-LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning). Rank 0 writes {run: {"losses":
-[...], "sequence_parallel": bool, "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage, the tower, in every run).
+(pixel_values [patches, C*T*P*P], grid (t, h, w)) per row, served as a ``datasets.Dataset`` (what a checkpoint
+records the sample order of). The collator is roll's Megatron SequenceCollator plus docs/vl.md's batch contract
+(the micro-batch's pixel_values / image_grid_thw concatenated in row order), as roll.data.vision.VisionCollator
+builds it from image files. Runs (2 steps of 4 rows each, lr 1e-3): ``tp1`` (DP2), ``tp2_sp`` (with sequence
+parallelism), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
+``pp2_resume`` resuming ``pp2``'s checkpoint-1 (the tower comes back from the Megatron checkpoint), ``pp2_frozen``
+with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning). Rank 0 writes {run: {"losses":
+[...], "sequence_parallel": bool, "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage,
+the tower, in every run).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch  # noqa: E402
 
 RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}, True),
         "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true"}, True),
-        "pp2": ({"pipeline_model_parallel_size": "2"}, True),
+        "pp2": ({"pipeline_model_parallel_size": "2", "save_strategy": "steps", "save_steps": "1"}, True),
+        "pp2_resume": ({"pipeline_model_parallel_size": "2", "resume_from_checkpoint": "pp2/checkpoint-1"}, True),
         "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False)}
 """name -> (recipe overrides, vision tower and projector trained)."""
 
@@ -37,12 +41,23 @@ class ImageCollator:
         self.base = base
 
     def __call__(self, features: list[dict]) -> dict:
-        batch = self.base([{k: v for k, v in f.items() if k != "images"} for f in features])
-        images = [image for f in features for image in f.get("images") or []]
-        if images:
-            batch["pixel_values"] = torch.cat([pixels for pixels, _ in images])
-            batch["image_grid_thw"] = torch.tensor([list(grid) for _, grid in images])
+        batch = self.base([{k: v for k, v in f.items() if k not in IMAGE_KEYS} for f in features])
+        pixels = [torch.tensor(p) for f in features for p in f["pixels"]]
+        if pixels:
+            batch["pixel_values"] = torch.cat(pixels)
+            batch["image_grid_thw"] = torch.tensor([grid for f in features for grid in f["grids"]])
         return batch
+
+
+IMAGE_KEYS = ("pixels", "grids")
+
+
+def as_dataset(rows: list[dict]):
+    from datasets import Dataset
+
+    return Dataset.from_list([{**{k: r[k] for k in ("input_ids", "attention_mask", "labels")},
+                               "pixels": [p.tolist() for p, _ in r["images"]],
+                               "grids": [list(g) for _, g in r["images"]]} for r in rows])
 
 
 def tower_weights(chunks) -> dict[str, torch.Tensor]:
@@ -67,7 +82,7 @@ def main() -> None:
     from roll.data.collators import SequenceCollator
 
     model_dir, rows_file, result_file = sys.argv[1:]
-    rows = torch.load(rows_file, weights_only=True)
+    rows = as_dataset(torch.load(rows_file, weights_only=True))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     recipe = {"model_name_or_path": model_dir, "stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
               "cutoff_len": 64, "use_mca": True, "nproc_per_node": int(os.environ.get("WORLD_SIZE", "1")),
@@ -76,7 +91,10 @@ def main() -> None:
     dist.init_process_group("gloo")  # this worker's: kept across the runs' Megatron set-ups
     results = {}
     for name, (overrides, trained) in RUNS.items():
-        config = resolve(recipe, {**overrides, "output_dir": os.path.join(os.path.dirname(result_file), name)}, None)
+        runs = os.path.dirname(result_file)
+        if "resume_from_checkpoint" in overrides:
+            overrides = {**overrides, "resume_from_checkpoint": os.path.join(runs, overrides["resume_from_checkpoint"])}
+        config = resolve(recipe, {**overrides, "output_dir": os.path.join(runs, name)}, None)
         backend = McaBackend(config)
         backend.setup_distributed()
         models = backend.load_models("sft", tokenizer)
