@@ -168,5 +168,6 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
     assert all(res[n]["tower_changed"] and res[n]["merger_changed"] for n in ("tp1", "tp2_sp", "pp2")), res
     assert res["pp2_resume"]["losses"][-1] == res["pp2"]["losses"][-1]  # the tower came back from the checkpoint
     assert res["tp2_sp"]["sequence_parallel"] and not res["tp1"]["sequence_parallel"]
+    assert res["tp2_sp"]["tower_recomputes"] and not res["tp1"]["tower_recomputes"]  # recompute: the same losses
     assert not res["pp2_frozen"]["tower_changed"] and not res["pp2_frozen"]["merger_changed"], res
     assert res["pp2_frozen"]["losses"][1] != res["pp2"]["losses"][1]  # the tower's update changed step 2

@@ -29,7 +29,8 @@ from roll.mrope import mrope_position_ids
 
 def build_vision_tower(config) -> torch.nn.Module:
     """HF's Qwen2.5-VL vision tower + merger for ``config.hf_config`` (SDPA attention, as the HF reference model
-    loads), in the Megatron model's dtype; randomly initialised only when Megatron initialises weights."""
+    loads), in the Megatron model's dtype; randomly initialised only when Megatron initialises weights; its blocks
+    recompute their activations when the language model's layers do (``recompute_granularity``)."""
     from transformers import Qwen2_5_VLConfig
     from transformers.initialization import no_init_weights
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -40,6 +41,10 @@ def build_vision_tower(config) -> torch.nn.Module:
         tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, attn_implementation="sdpa")
     for param in tower.parameters():
         param.average_gradients_across_tp_domain = True
+    if config.recompute_granularity is not None:
+        # the language model's layers recompute their activations in the backward (Megatron's recompute): so do
+        # the tower's blocks, by HF's own checkpointing (the same values; memory only)
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tower.to(config.params_dtype)
 
 

@@ -7,10 +7,10 @@ ROWS.pt holds tokenized rows (``input_ids``, ``attention_mask``, ``labels``) wit
 records the sample order of). The collator is roll's Megatron SequenceCollator plus docs/vl.md's batch contract
 (the micro-batch's pixel_values / image_grid_thw concatenated in row order), as roll.data.vision.VisionCollator
 builds it from image files. Runs (2 steps of 4 rows each, lr 1e-3): ``tp1`` (DP2), ``tp2_sp`` (with sequence
-parallelism), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
+parallelism and full recompute), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
 ``pp2_resume`` resuming ``pp2``'s checkpoint-1 (the tower comes back from the Megatron checkpoint), ``pp2_frozen``
 with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning). Rank 0 writes {run: {"losses":
-[...], "sequence_parallel": bool, "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage,
+[...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage,
 the tower, in every run).
 """
 
@@ -27,7 +27,8 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}, True),
-        "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true"}, True),
+        "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true", "recompute_granularity": "full",
+                    "recompute_method": "uniform", "recompute_num_layers": "1"}, True),
         "pp2": ({"pipeline_model_parallel_size": "2", "save_strategy": "steps", "save_steps": "1"}, True),
         "pp2_resume": ({"pipeline_model_parallel_size": "2", "resume_from_checkpoint": "pp2/checkpoint-1"}, True),
         "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False)}
@@ -75,6 +76,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from backends.mca.backend import McaBackend
+    from backends.mca.models.unwrap import unwrap_model
     from backends.mca.trainer.loop import MegatronTrainer
     from backends.mca.vision import freeze_parts
     from roll.config.parser import resolve
@@ -110,6 +112,8 @@ def main() -> None:
         after = tower_weights(models.policy)
         results[name] = {"losses": [entry["loss"] for entry in history if "loss" in entry],
                          "sequence_parallel": bool(models.policy[0].config.sequence_parallel),
+                         "tower_recomputes": bool(getattr(unwrap_model(models.policy[0]), "visual", None) and
+                                                  unwrap_model(models.policy[0]).visual.is_gradient_checkpointing),
                          **{f"{part}_changed": not torch.equal(before[part], after[part]) for part in before}}
         backend.teardown()
     if dist.get_rank() == 0:
