@@ -180,6 +180,22 @@ MUTANTS: list[Mutant] = [
            "out.update(mscale=float(mscale), mscale_all_dim=0.0)",
            ("tests/unit/test_mca_deepseek_v3.py::test_config_maps_latent_attention_yarn_groups_and_dense_first_layers",),
            fast=True),
+    Mutant("vl_positions_one_dimensional", "qwen2_5_vl: the Megatron model rotates with 1-D positions (text "
+           "order) instead of HF's image-grid M-RoPE positions", "roll/mrope.py",
+           "if image_grid_thw is None or len(image_grid_thw) == 0:", "if True:",
+           ("tests/unit/test_mca_qwen2_5_vl.py::test_mrope_positions_are_the_image_grid_offset_by_the_text_before_it",),
+           fast=True),
+    Mutant("vl_images_scattered_sequence_major", "qwen2_5_vl on mca: the images' features fill the placeholders in "
+           "[seq, batch] order (Megatron's layout) instead of HF's row by row", "backends/mca/models/qwen2_5_vl.py",
+           "rows, tokens = placeholders.nonzero(as_tuple=True)",
+           "tokens, rows = placeholders.t().nonzero(as_tuple=True)",
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips",)),
+    Mutant("vl_frozen_tower_trains", "qwen2_5_vl on mca: freeze_vision_tower / freeze_multi_modal_projector "
+           "ignored (the tower and projector train)", "backends/mca/vision.py",
+           "                param.requires_grad_(False)", "                pass",
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
     Mutant("lora_scaling_sqrt_rank_mca", "mca LoRA scaled by alpha/sqrt(r) (rsLoRA) instead of alpha/r",
            "backends/mca/lora/layers.py", "alpha / rank, rank, True", "alpha / rank ** 0.5, rank, True",
            ("tests/unit/test_mca_lora_utils.py::test_lora_output_is_base_plus_alpha_over_rank_times_b_a",),

@@ -19,6 +19,7 @@ from roll import redact
 from roll.contract import DistributedInfo, ModelBundle, TrainJob, TrainResult
 from roll.data.policy import PaddingPolicy
 from roll.errors import ConfigError
+from roll.hf_config import has_hf_config, read_hf_config
 from roll.logging import is_rank0, warn_once
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,17 @@ class McaBackend(Backend):
         if strategy not in ("no", "steps", "epoch"):
             raise ConfigError(f"save_strategy {strategy!r} is not available on the mca backend; use steps, epoch or "
                               "no.")
-        model_type = config.model_hf_config().get("model_type")
+        from backends.mca import vision
+
+        path = config.model.model_name_or_path
+        hf_config = read_hf_config(path) if has_hf_config(path) else {}  # a VL model's whole, not its text_config
+        model_type = hf_config.get("model_type")
         if model_type is not None:  # a local HF model without a conversion template fails now, not per rank
             from backends.mca.models.template import get_template
 
             get_template(model_type)
+        if vision.is_vision_language(hf_config):
+            vision.check_config(config)
 
     def padding_policy(self, stage: str) -> PaddingPolicy:
         assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"
@@ -112,6 +119,10 @@ class McaBackend(Backend):
                 train_score_heads(models.policy)
         elif ft.export_merged:
             warn_once(logger, "export_merged is only used with finetuning_type=lora; ignored.")
+        from backends.mca import vision
+
+        if ft.finetuning_type == "full" and vision.is_vision_language(models.policy[0].config.hf_config):
+            vision.freeze_parts(models.policy, ft)  # freeze_vision_tower / _multi_modal_projector / _language_model
         return models
 
     def train(self, job: TrainJob, models: ModelBundle) -> TrainResult:

@@ -68,13 +68,30 @@ def sample_input_ids(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: i
     return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
 
 
+def vision_language(config: McaModelConfig) -> bool:
+    """Whether the model has a vision tower (Qwen2.5-VL): its check batch has images, its HF class is not a causal LM."""
+    return "vision_config" in config.hf_config
+
+
+def check_batch(config: McaModelConfig, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """The fixed batch ``check_parity`` compares on: random tokens, for a vision-language model with two images
+    of different sizes and a text-only row (``backends.mca.models.qwen2_5_vl.sample_batch``)."""
+    if vision_language(config):
+        from backends.mca.models.qwen2_5_vl import sample_batch
+
+        return sample_batch(config.hf_config, seq_len)
+    return {"input_ids": sample_input_ids(config.vocab_size, seq_len=seq_len)}
+
+
 @torch.no_grad()
 def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
-                    input_ids: torch.Tensor) -> torch.Tensor | None:
+                    input_ids: torch.Tensor, **images: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab logits ``[b, s, vocab]`` on the last pipeline stage (None on other stages).
 
     A plain forward through the (virtual) pipeline: each stage receives the previous stage's
     hidden states, runs its chunk and passes them on, in chunk order (v, p) -> (v, p + 1) -> ...
+    ``images`` (``pixel_values``, ``image_grid_thw``) go to every chunk of a vision-language model, which computes
+    its M-RoPE positions from them on every stage and encodes the images on the first.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -83,7 +100,8 @@ def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
     device = model_device()
     input_ids = input_ids.to(device)
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+    images = {name: tensor.to(device) for name, tensor in images.items()}
+    position_ids = None if vision_language(config) else torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
     local_seq = seq // config.tensor_model_parallel_size if config.sequence_parallel else seq
     logits = None
     for stage, chunk in enumerate(chunks):  # this rank's chunk `stage` is virtual stage stage * pp + pp_rank
@@ -93,7 +111,7 @@ def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
             hidden = torch.empty(local_seq, batch, config.hidden_size, dtype=config.params_dtype, device=device)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
             chunk.set_input_tensor(hidden)
-        out = chunk(input_ids, position_ids, attention_mask=None)
+        out = chunk(input_ids, position_ids, attention_mask=None, **images)
         if last:
             logits = gather_from_tensor_model_parallel_region(out)[..., : config.vocab_size].cpu()
         else:
@@ -101,12 +119,21 @@ def megatron_logits(chunks: list[torch.nn.Module], config: McaModelConfig,
     return logits
 
 
-def hf_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def hf_logits(hf_dir: str, input_ids: torch.Tensor, **images: torch.Tensor) -> torch.Tensor:
+    """HF's logits on the batch; with ``images`` (a vision-language model) also the modality of each token, without
+    which transformers would use 1-D positions (``roll.mrope``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    from roll.hf_config import read_hf_config
+    from roll.mrope import mm_token_type_ids
+
+    hf_config = read_hf_config(hf_dir)
+    auto = AutoModelForImageTextToText if "vision_config" in hf_config else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if "vision_config" in hf_config:
+        images = {**images, "mm_token_type_ids": mm_token_type_ids(input_ids, hf_config)}
     with torch.no_grad():
-        return model.eval()(input_ids=input_ids).logits
+        return model.eval()(input_ids=input_ids, **images).logits
 
 
 def check_parity(hf_dir: str, megatron: MegatronArguments, layout: ParallelLayout, seq_len: int = 16) -> float:
@@ -116,10 +143,10 @@ def check_parity(hf_dir: str, megatron: MegatronArguments, layout: ParallelLayou
                          "(export a Megatron checkpoint with `roll-convert mca2hf` first).")
     chunks = load_chunks(hf_dir, megatron, layout)
     config = chunks[0].config
-    input_ids = sample_input_ids(config.vocab_size, seq_len=seq_len)
-    logits = megatron_logits(chunks, config, input_ids)
+    batch = check_batch(config, seq_len)
+    logits = megatron_logits(chunks, config, **batch)
     diff = torch.zeros((), device=model_device())  # nccl reduces device tensors only
     if logits is not None:
-        diff.fill_((logits.float() - hf_logits(hf_dir, input_ids)).abs().max().item())
+        diff.fill_((logits.float() - hf_logits(hf_dir, **batch)).abs().max().item())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "chat_template.jinja", "generation_config.json", "added_tokens.json", "tokenizer.model")
-_PRE = "embedding."
+                   "chat_template.jinja", "generation_config.json", "added_tokens.json", "tokenizer.model",
+                   "preprocessor_config.json", "processor_config.json")  # a vision-language model's image processor
+_PRE = ("embedding.", "visual.")  # the first pipeline stage's: embedding and a vision tower
 _POST = ("decoder.final_layernorm.", "output_layer.")
 
 
@@ -198,7 +199,8 @@ def _write_config(hf_config: dict, out_dir: str) -> None:
 
 
 def copy_tokenizer_files(src: str, dst: str) -> None:
-    """Tokenizer/generation files travel with the weights so the output is a usable model dir."""
+    """Tokenizer/generation (and image processor) files travel with the weights so the output is a usable model
+    dir."""
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))

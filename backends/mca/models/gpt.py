@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import TYPE_CHECKING, Iterator
 
@@ -84,17 +85,18 @@ def build_model_chunks(config: McaModelConfig) -> list[torch.nn.Module]:
 
     Megatron must be initialised for a layout that matches ``config`` (see ``ensure_initialized``).
     """
-    from megatron.core.models.gpt import GPTModel
-
+    from backends.mca.models.template import template_for
     from backends.mca.spec import decoder_spec
 
     ensure_initialized(config)
+    module, _, name = template_for(config).model_class.rpartition(".")
+    model_class = getattr(importlib.import_module(module), name)  # GPTModel, or a family's subclass
     chunks: list[torch.nn.Module] = []
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank = rank_coordinates()["pp_rank"]
     for stage, place in enumerate(chunk_placements(config)):
         spec = decoder_spec(config, config.transformer_impl, stage if vpp else None, pp_rank)
-        model = GPTModel(
+        model = model_class(
             config=config, transformer_layer_spec=spec, vocab_size=config.padded_vocab_size,
             max_sequence_length=config.max_sequence_length, pre_process=place.pre_process,
             post_process=place.post_process,

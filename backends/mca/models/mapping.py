@@ -1,6 +1,7 @@
 """Typed HF <-> Megatron weight mapping kinds, on *global* (unsharded, unpadded) tensors.
 
-A mapping names HF and Megatron parameters with ``{layer}`` / ``{expert}`` placeholders. Each kind
+A mapping names HF and Megatron parameters with ``{layer}`` / ``{expert}`` placeholders (and ``{block}``, a block of
+a vision tower, which is no decoder layer: it lives whole on the first pipeline stage). Each kind
 is a pair of exact inverses (``to_mca``/``to_hf``), so a template built from them round-trips
 bit-for-bit. TP/PP/EP placement is not here: it lives in ``sharding.py``, shared by all families.
 Megatron names are in the canonical *local-spec* layout; ``layout.py`` renames to TE's fused names.
@@ -17,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from backends.mca.models.config import McaModelConfig
 
-_PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
+_PLACEHOLDER = re.compile(r"\{(layer|expert|block)\}")
 
 
 def compile_pattern(pattern: str) -> re.Pattern:

@@ -38,10 +38,15 @@ _REPLICATED = ("layernorm.weight", "layernorm.bias", ".mlp.router.weight", ".mlp
 """Parameters Megatron keeps whole on every TP rank (and leaves untagged): norms, router, the
 shared-expert gate, the biases of row-parallel linears (added after the reduce), and a reward model's
 1-wide score head (``backends.mca.models.reward``)."""
+_WHOLE_MODULES = ("visual.",)
+"""Modules kept whole on every TP rank, all their parameters untagged: a vision-language model's HF vision tower
+(``backends.mca.models.qwen2_5_vl``)."""
 
 
 def tp_kind(name: str, config: McaModelConfig) -> Kind:
     """How the canonical Megatron parameter ``name`` is split across (expert-)tensor-parallel ranks."""
+    if name.startswith(_WHOLE_MODULES):
+        return "replicated"
     if name in _VOCAB or name.endswith(_COLUMN):
         return "column"
     if name.endswith(_SWIGLU):
@@ -71,7 +76,7 @@ def param_tp_kind(name: str, param: torch.Tensor, config: McaModelConfig) -> Kin
             return "swiglu" if name.endswith(_SWIGLU) and config.gated_linear_unit else "column"
         raise ModelError(f"parameter {name!r} is tagged tensor-parallel with partition_dim {dim!r}; only 0 (column) "
                          "and 1 (row) are supported.")
-    if name.endswith(_REPLICATED):
+    if name.endswith(_REPLICATED) or name.startswith(_WHOLE_MODULES):
         return "replicated"
     raise ModelError(f"parameter {name!r} has no tensor-parallel tag (tensor_model_parallel / partition_dim) and is "
                      f"not one Megatron keeps replicated (*{', *'.join(_REPLICATED)}): cannot tell how its "

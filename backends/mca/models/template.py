@@ -21,7 +21,7 @@ from roll.errors import ModelError
 
 _TEMPLATES: dict[str, Template] = {}
 FAMILY_MODULES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
-                  "mixtral")
+                  "mixtral", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class Template:
     """HF tensors a checkpoint may lack: their Megatron parameter then starts at zero (a reward head)."""
     ignored: tuple[str, ...] = ()
     """HF tensors a checkpoint may hold that this model does not use (a causal LM's head in a reward model)."""
+    model_class: str = "megatron.core.models.gpt.GPTModel"
+    """The GPTModel (sub)class the family builds (dotted path): a vision-language family's adds its vision tower to
+    the first pipeline stage (``backends.mca.models.qwen2_5_vl``)."""
     _hf_regex: list[tuple[re.Pattern, Mapping, int]] = field(default_factory=list, repr=False)
     _mca_regex: list[tuple[re.Pattern, Mapping]] = field(default_factory=list, repr=False)
 

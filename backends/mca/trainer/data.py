@@ -81,7 +81,7 @@ def filler_row(example: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
         -> {"input_ids": [0, 0], "attention_mask": [0, 0], "labels": [-100, -100]}
     """
     fill = {"input_ids": [pad_token_id] * 2, "attention_mask": [0, 0], "labels": [IGNORE_INDEX] * 2,
-            "position_ids": [0, 1]}
+            "position_ids": [0, 1], "images": []}  # a vision-language row's images (docs/vl.md): none
     out = {}
     for key, value in example.items():
         base = next((key[len(p):] for p in PAIR_PREFIXES if key.startswith(p)), key)
@@ -131,7 +131,7 @@ sample, stage kto) passes from the collated batch through ``model_inputs``."""
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: int = 1,
-                 cp_rank: int = 0, *, moe: bool = False) -> dict[str, Any]:
+                 cp_rank: int = 0, *, moe: bool = False, vision: dict | None = None) -> dict[str, Any]:
     """A collated (shifted) batch -> GPTModel keyword inputs for this context-parallel rank.
 
     - plain rows ``[B, L]``: causal attention needs no mask (right padding is never attended to by
@@ -144,7 +144,9 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
       those tokens out of the load-balancing loss, as the standard backend does
       (``roll.loss.load_balancing_loss``). Not given for a micro-batch of padding only (a filler one at an
       uneven end), where Megatron's loss would divide by 0, nor to a dense model (nothing reads it; finding
-      a filler batch is a host read).
+      a filler batch is a host read);
+    - ``vision`` (a vision-language model's HF config): its 3-D M-RoPE positions and the micro-batch's
+      ``pixel_values`` / ``image_grid_thw`` (``backends.mca.vision.vision_inputs``; no packing, no CP).
     """
     from backends.mca.attention import cp_token_index
 
@@ -177,4 +179,9 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
            "padding_mask": None if padding is None else padding.to(device)}
     if "kto_tags" in batch:
         out["kto_tags"] = batch["kto_tags"].to(device)
+    if vision is not None:
+        from backends.mca.vision import vision_inputs
+
+        assert params is None and cp_size == 1, "backends.mca.vision.check_config refuses packing and CP for VL"
+        out.update(vision_inputs(batch, input_ids, vision, device))
     return out

@@ -32,6 +32,7 @@ from backends.mca.trainer.step import REPORT, DPOObjective, LanguageModelObjecti
 from backends.mca.trainer.update import (SCALER_SKIPPED, SKIPPED, PendingStep, clip_and_step,
                                          clip_and_step_on_device, grad_norm_squared, moe_losses, read_pending,
                                          skips_on_device)
+from backends.mca.vision import is_vision_language
 from roll import reliability
 from roll.contract import TrainResult
 from roll.errors import Preempted
@@ -248,7 +249,9 @@ class MegatronTrainer:
             length = max(batch["input_ids"].shape[-1] for batch in batches)
             batches = [pad_to_length(batch, length, self.pad_token_id) for batch in batches]
         moe = bool(self.model_config.num_moe_experts)
-        micro = [model_inputs(batch, self.device, self.cp_size, self.cp_rank, moe=moe) for batch in batches]
+        vision = self.model_config.hf_config if is_vision_language(self.model_config.hf_config) else None
+        micro = [model_inputs(batch, self.device, self.cp_size, self.cp_rank, moe=moe, vision=vision)
+                 for batch in batches]
         seq_length = micro[0]["input_ids"].shape[1] * self.cp_size
         self.objective.prepare(micro, seq_length)
         return run_schedule(self.chunks, micro, self._forward_step, forward_only=forward_only, seq_length=seq_length)

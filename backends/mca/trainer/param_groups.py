@@ -39,10 +39,14 @@ class HfDecayRule:
     """
 
     def __init__(self, hf_config: dict) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+        # A vision-language model's in-memory names (transformers 5: model.language_model.*, model.visual.*) are
+        # not its checkpoint's: those are decided by name below, as HF's rule decides them (its norms are RMSNorms,
+        # which the rule knows by name only).
+        auto = AutoModelForImageTextToText if "vision_config" in hf_config else AutoModelForCausalLM
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config))
+            model = auto.from_config(AutoConfig.for_model(**hf_config))
         self.known = {name for name, _ in model.named_parameters()}
         self.decayed = set(_decay_parameter_names(model))
 

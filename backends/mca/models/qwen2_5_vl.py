@@ -1,0 +1,130 @@
+"""Qwen2.5-VL on Megatron: the language model is a Megatron-Core GPTModel with multimodal RoPE, the vision tower
+and patch merger are HF's own module (``Qwen2_5_VisionTransformerPretrainedModel``) on the first pipeline stage.
+
+Why HF's tower and not a Megatron one: it computes exactly what the HF model computes (the standard backend's
+vision features are bit-identical to these), its weights need no mapping beyond their names, and it is small
+(0.67B of Qwen2.5-VL-7B's 8.3B; 32 blocks of width 1280), so splitting it over tensor-parallel ranks would save
+little memory for a lot of code. Every tensor-parallel rank of the first stage holds it whole and encodes the
+micro-batch's images itself; its parameters are tagged ``average_gradients_across_tp_domain`` so that Megatron's
+``finalize_model_grads`` keeps the replicas equal (their gradients already are: every TP rank gets the full gradient
+of the decoder input).
+
+The batch: ``input_ids`` [b, s] with one ``<|image_pad|>`` token per merged patch of each image, ``pixel_values``
+[sum of patches, C * T * P * P] and ``image_grid_thw`` [n_images, 3], both concatenated over the rows in row order
+(what HF's image processor returns per image). On the first stage the image features replace the embeddings at the
+placeholder positions, in row-major (row, then position) order as HF's ``masked_scatter`` does, before sequence
+parallelism scatters the sequence. Every stage needs the 3-D position ids ``[3, b, s]``: given, or computed here
+from ``input_ids`` and ``image_grid_thw`` by HF's own ``get_rope_index`` (``roll.mrope``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from roll.mrope import mrope_position_ids
+
+
+def build_vision_tower(config) -> torch.nn.Module:
+    """HF's Qwen2.5-VL vision tower + merger for ``config.hf_config`` (SDPA attention, as the HF reference model
+    loads), in the Megatron model's dtype; randomly initialised only when Megatron initialises weights; its blocks
+    recompute their activations when the language model's layers do (``recompute_granularity``)."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    vision_config = Qwen2_5_VLConfig.from_dict(config.hf_config).vision_config
+    skip_init = no_init_weights() if not config.perform_initialization else contextlib.nullcontext()
+    with skip_init:
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, attn_implementation="sdpa")
+    for param in tower.parameters():
+        param.average_gradients_across_tp_domain = True
+    if config.recompute_granularity is not None:
+        # the language model's layers recompute their activations in the backward (Megatron's recompute): so do
+        # the tower's blocks, by HF's own checkpointing (the same values; memory only)
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return tower.to(config.params_dtype)
+
+
+class Qwen2_5_VLModel(GPTModel):
+    """GPTModel (``position_embedding_type="mrope"``) whose first pipeline stage also holds ``visual``."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        # the embedding keeps the whole sequence: image features go in first, then the sequence-parallel scatter
+        super().__init__(config, *args, scatter_embedding_sequence_parallel=False, **kwargs)
+        self.image_token_id = config.hf_config["image_token_id"]
+        if self.pre_process:
+            self.visual = build_vision_tower(config)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, **kwargs):
+        if position_ids is None:
+            position_ids = mrope_position_ids(input_ids, image_grid_thw, self.config.hf_config)
+        if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+            raise ValueError(f"Qwen2.5-VL needs 3-D (M-RoPE) position ids [3, batch, seq]; got shape "
+                             f"{tuple(position_ids.shape)} (roll.mrope.mrope_position_ids computes them).")
+        if self.pre_process and decoder_input is None:
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+                                **kwargs)
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings ``[s(/tp), b, h]`` with the images' features at their placeholder tokens."""
+        from megatron.core import tensor_parallel
+
+        embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], the whole sequence
+        placeholders = input_ids == self.image_token_id
+        count = int(placeholders.sum())
+        if pixel_values is not None and len(pixel_values):
+            features = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw).pooler_output
+        elif count:
+            raise ValueError(f"the batch has {count} image placeholder tokens but no pixel_values.")
+        else:
+            features = None
+            trained = [p for p in self.visual.parameters() if p.requires_grad]
+            if trained and torch.is_grad_enabled():
+                # no image in this micro-batch: a trained tower still joins the backward (with zero gradients),
+                # or Megatron's overlapped gradient reduction would wait for its buckets forever
+                embeddings = embeddings + 0.0 * sum(p.sum() for p in trained)
+        if features is not None:
+            if features.shape[0] != count:
+                raise ValueError(f"the batch's images give {features.shape[0]} feature rows (image_grid_thw "
+                                 f"{image_grid_thw.tolist()}) for {count} image placeholder tokens: the collator "
+                                 "must keep every image's <|image_pad|> run whole.")
+            rows, tokens = placeholders.nonzero(as_tuple=True)  # row-major: the order the images are in
+            embeddings = embeddings.index_put((tokens, rows), features.to(embeddings.dtype))
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+        return embeddings
+
+
+SAMPLE_GRIDS = ((1, 4, 6), (1, 6, 2))
+"""The check batch's two images, in patches (t, h, w): 6 and 3 language-model tokens, h != w (so the three M-RoPE
+axes differ), one of them taller than wide."""
+
+
+def sample_batch(hf_config: dict, seq_len: int = 16, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """A fixed multimodal batch for ``roll-convert check``: three rows of ``seq_len`` tokens (at least 16), the
+    first with the 6-token image, the second with the 3-token one, the third text only; random text tokens and
+    random pixel values (``pixel_values`` [36, C * T * P * P]). Keys: input_ids, pixel_values, image_grid_thw."""
+    from transformers import Qwen2_5_VLConfig
+
+    vision = Qwen2_5_VLConfig.from_dict(hf_config).vision_config
+    merge = vision.spatial_merge_size ** 2
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = max(seq_len, 16)
+    text_ids = min(hf_config[f"{name}_token_id"] for name in ("image", "video", "vision_start", "vision_end"))
+    input_ids = torch.randint(0, text_ids, (3, seq_len), generator=gen)
+    for row, (start, grid) in enumerate(zip((2, 5), SAMPLE_GRIDS)):
+        tokens = grid[0] * grid[1] * grid[2] // merge
+        input_ids[row, start] = hf_config["vision_start_token_id"]
+        input_ids[row, start + 1:start + 1 + tokens] = hf_config["image_token_id"]
+        input_ids[row, start + 1 + tokens] = hf_config["vision_end_token_id"]
+    patches = sum(t * h * w for t, h, w in SAMPLE_GRIDS)
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return {"input_ids": input_ids, "pixel_values": torch.randn(patches, width, generator=gen),
+            "image_grid_thw": torch.tensor(SAMPLE_GRIDS)}

@@ -1,0 +1,100 @@
+"""Training a vision-language model (Qwen2.5-VL, ``backends.mca.models.qwen2_5_vl``) on the mca backend: what a
+run may ask for, which parts train, and the model inputs of a micro-batch.
+
+- **Parts** (LLaMA-Factory's names, the standard backend's meanings, docs/vl.md): the vision tower is ``visual.*``
+  but its merger, the multi-modal projector ``visual.merger.*``, the language model everything else (embedding,
+  decoder, output layer). ``freeze_vision_tower`` / ``freeze_multi_modal_projector`` (default true, as
+  LLaMA-Factory's) and ``freeze_language_model`` (default false) stop a part training (full fine-tuning).
+- **LoRA** is refused for now: backends/mca/lora would adapt the language model's Megatron layers only, and its
+  export names the adapters as a text model's (``base_model.model.model.layers.*``), which PEFT does not find in
+  transformers' VL model (``model.language_model.layers.*``).
+- **Inputs**: the micro-batch's ``pixel_values`` / ``image_grid_thw`` (docs/vl.md's batch contract) go to every
+  pipeline stage's forward with the 3-D M-RoPE positions (``roll.mrope``); only the first stage encodes images.
+- Refused: context parallelism (the positions are not split with the tokens yet); packing is refused for VL
+  models on both backends by the data pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from roll.errors import ConfigError
+from roll.logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+PARTS = (("projector", "visual.merger."), ("vision", "visual."))
+"""Megatron parameter-name prefixes of the vision parts (first match wins); anything else is the language model."""
+
+FREEZE_KEYS = (("vision", "freeze_vision_tower", True), ("projector", "freeze_multi_modal_projector", True),
+               ("language", "freeze_language_model", False))
+"""(part, FinetuningArguments key, LLaMA-Factory's default)."""
+
+
+def is_vision_language(hf_config: dict) -> bool:
+    """Whether an HF config.json (a dict) is a vision-language model's (it has a vision tower)."""
+    return "vision_config" in hf_config
+
+
+def part_of(name: str) -> str:
+    """'vision', 'projector' or 'language' for a parameter name of an unwrapped Megatron chunk."""
+    return next((part for part, prefix in PARTS if name.startswith(prefix)), "language")
+
+
+def frozen_parts(finetuning) -> set[str]:
+    """The parts the recipe freezes. The keys are roll.config.finetuning's (docs/vl.md); read with LLaMA-Factory's
+    defaults where this version of the config has not declared them yet."""
+    return {part for part, key, default in FREEZE_KEYS if getattr(finetuning, key, default)}
+
+
+def check_config(config) -> None:
+    """What a vision-language model cannot do on the mca backend yet, before any model loads (exit 2)."""
+    if config.megatron.context_parallel_size > 1:
+        raise ConfigError(f"context_parallel_size={config.megatron.context_parallel_size}: a vision-language model "
+                          "trains without context parallelism on the mca backend (its 3-D positions are not split "
+                          "with the tokens yet). Set context_parallel_size: 1.")
+    if frozen_parts(config.finetuning) == {part for part, _, _ in FREEZE_KEYS}:
+        raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
+                          "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
+    if config.finetuning.finetuning_type == "lora":
+        raise ConfigError("finetuning_type lora with a vision-language model is not supported on the mca backend yet "
+                          "(its adapters would be saved under the language model's text-only names, which PEFT does "
+                          "not find in transformers' VL model): use finetuning_type full (freeze_vision_tower / "
+                          "freeze_multi_modal_projector / freeze_language_model choose what trains), or use_mca: "
+                          "false.")
+
+
+def freeze_parts(chunks: list[torch.nn.Module], finetuning) -> None:
+    """Full fine-tuning: the frozen parts' parameters stop training (before DDP wrapping, so that they get no
+    gradient buffer); logs what trains on rank 0."""
+    from backends.mca.models.unwrap import unwrap_model
+
+    frozen = frozen_parts(finetuning)
+    trainable = total = 0
+    for chunk in chunks:
+        for name, param in unwrap_model(chunk).named_parameters():
+            if part_of(name) in frozen:
+                param.requires_grad_(False)
+            trainable, total = trainable + (param.numel() if param.requires_grad else 0), total + param.numel()
+    log_rank0(logger, "vision-language model: frozen %s; %d of rank 0's %d parameters train",
+              ", ".join(sorted(frozen)) or "nothing", trainable, total)
+
+
+def vision_inputs(batch: dict[str, torch.Tensor], input_ids: torch.Tensor, hf_config: dict,
+                  device: torch.device) -> dict[str, Any]:
+    """A (shifted, padded) micro-batch's M-RoPE positions ``[3, b, s]`` and its images, for every stage's forward.
+
+    The positions are computed over all tokens, padding included: padding sits after a row's last real token, so
+    the real tokens get the positions HF's model gives them with its attention mask (HF puts padding at 0; a
+    causal model never lets a real token see it either way), and a filler row of padding only needs no special
+    case."""
+    from roll.mrope import mrope_position_ids
+
+    grid = batch.get("image_grid_thw")
+    out: dict[str, Any] = {"position_ids": mrope_position_ids(input_ids, grid, hf_config).to(device)}
+    if grid is not None:
+        out.update(pixel_values=batch["pixel_values"].to(device), image_grid_thw=grid.to(device))
+    return out

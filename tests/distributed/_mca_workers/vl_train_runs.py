@@ -1,0 +1,126 @@
+"""Worker: Qwen2.5-VL training steps through McaBackend + MegatronTrainer on hand-made multimodal rows.
+
+usage: torchrun --nproc_per_node=2 vl_train_runs.py MODEL_DIR ROWS.pt RESULT.json
+
+ROWS.pt holds tokenized rows (``input_ids``, ``attention_mask``, ``labels``) with ``images``: a list of
+(pixel_values [patches, C*T*P*P], grid (t, h, w)) per row, served as a ``datasets.Dataset`` (what a checkpoint
+records the sample order of). The collator is roll's Megatron SequenceCollator plus docs/vl.md's batch contract
+(the micro-batch's pixel_values / image_grid_thw concatenated in row order), as roll.data.vision.VisionCollator
+builds it from image files. Runs (2 steps of 4 rows each, lr 1e-3): ``tp1`` (DP2), ``tp2_sp`` (with sequence
+parallelism and full recompute), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
+``pp2_resume`` resuming ``pp2``'s checkpoint-1 (the tower comes back from the Megatron checkpoint), ``pp2_frozen``
+with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning). Rank 0 writes {run: {"losses":
+[...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage,
+the tower, in every run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}, True),
+        "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true", "recompute_granularity": "full",
+                    "recompute_method": "uniform", "recompute_num_layers": "1"}, True),
+        "pp2": ({"pipeline_model_parallel_size": "2", "save_strategy": "steps", "save_steps": "1"}, True),
+        "pp2_resume": ({"pipeline_model_parallel_size": "2", "resume_from_checkpoint": "pp2/checkpoint-1"}, True),
+        "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False)}
+"""name -> (recipe overrides, vision tower and projector trained)."""
+
+
+class ImageCollator:
+    """The text collator's batch plus the micro-batch's images (docs/vl.md's contract)."""
+
+    def __init__(self, base) -> None:
+        self.base = base
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.base([{k: v for k, v in f.items() if k not in IMAGE_KEYS} for f in features])
+        pixels = [torch.tensor(p) for f in features for p in f["pixels"]]
+        if pixels:
+            batch["pixel_values"] = torch.cat(pixels)
+            batch["image_grid_thw"] = torch.tensor([grid for f in features for grid in f["grids"]])
+        return batch
+
+
+IMAGE_KEYS = ("pixels", "grids")
+
+
+def as_dataset(rows: list[dict]):
+    from datasets import Dataset
+
+    return Dataset.from_list([{**{k: r[k] for k in ("input_ids", "attention_mask", "labels")},
+                               "pixels": [p.tolist() for p, _ in r["images"]],
+                               "grids": [list(g) for _, g in r["images"]]} for r in rows])
+
+
+def tower_weights(chunks) -> dict[str, torch.Tensor]:
+    from backends.mca.models.unwrap import unwrap_model
+
+    visual = getattr(unwrap_model(chunks[0]), "visual", None)
+    if visual is None:
+        return {}
+    return {"tower": visual.patch_embed.proj.weight.detach().clone(),
+            "merger": visual.merger.mlp[0].weight.detach().clone()}
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from backends.mca.backend import McaBackend
+    from backends.mca.models.unwrap import unwrap_model
+    from backends.mca.trainer.loop import MegatronTrainer
+    from backends.mca.vision import freeze_parts
+    from roll.config.parser import resolve
+    from roll.contract import ModelBundle
+    from roll.data.collators import SequenceCollator
+
+    model_dir, rows_file, result_file = sys.argv[1:]
+    rows = as_dataset(torch.load(rows_file, weights_only=True))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    recipe = {"model_name_or_path": model_dir, "stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
+              "cutoff_len": 64, "use_mca": True, "nproc_per_node": int(os.environ.get("WORLD_SIZE", "1")),
+              "learning_rate": 1e-3, "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+              "seed": 0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    dist.init_process_group("gloo")  # this worker's: kept across the runs' Megatron set-ups
+    results = {}
+    for name, (overrides, trained) in RUNS.items():
+        runs = os.path.dirname(result_file)
+        if "resume_from_checkpoint" in overrides:
+            overrides = {**overrides, "resume_from_checkpoint": os.path.join(runs, overrides["resume_from_checkpoint"])}
+        config = resolve(recipe, {**overrides, "output_dir": os.path.join(runs, name)}, None)
+        backend = McaBackend(config)
+        backend.setup_distributed()
+        models = backend.load_models("sft", tokenizer)
+        if trained:
+            freeze_parts(models.policy, SimpleNamespace(freeze_vision_tower=False, freeze_multi_modal_projector=False))
+        else:
+            models = backend.apply_finetuning(ModelBundle(policy=models.policy))  # the recipe's (LF's) defaults
+        before = tower_weights(models.policy)
+        collator = ImageCollator(SequenceCollator(tokenizer.pad_token_id, backend.padding_policy("sft")))
+        trainer = MegatronTrainer(models.policy, config.training, config.megatron, config.layout,
+                                  pad_token_id=tokenizer.pad_token_id)
+        history = trainer.train(rows, collator).log_history
+        after = tower_weights(models.policy)
+        results[name] = {"losses": [entry["loss"] for entry in history if "loss" in entry],
+                         "sequence_parallel": bool(models.policy[0].config.sequence_parallel),
+                         "tower_recomputes": bool(getattr(unwrap_model(models.policy[0]), "visual", None) and
+                                                  unwrap_model(models.policy[0]).visual.is_gradient_checkpointing),
+                         **{f"{part}_changed": not torch.equal(before[part], after[part]) for part in before}}
+        backend.teardown()
+    if dist.get_rank() == 0:
+        with open(result_file, "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

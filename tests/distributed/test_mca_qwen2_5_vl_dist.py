@@ -1,0 +1,173 @@
+"""Qwen2.5-VL on Megatron, under one 2-process torchrun (gloo, fp32, CPU): the family's conversion guarantees.
+
+Two tiny models with random values in every tensor (vision tower included): roll.demo.tiny_vl's (hidden 64, 4 heads
+over 2 KV groups, M-RoPE sections 2/3/3, tied) and an odd-shaped one (hidden 48, 6 heads of 8 over 2 KV groups,
+sections 1/1/2, a 517-row vocabulary that TP2 pads to 518, untied, merger out width 48):
+
+- ``roll-convert check``'s logits parity (``convert.check_parity``) on a batch with two images of different sizes
+  (grids 4x6 and 6x2 patches) and a text-only row, HF's ``Qwen2_5_VLForConditionalGeneration`` against the
+  Megatron model (the vision tower on the first stage), at TP1, TP2, PP2 and PP2 x VPP2 (a 4-layer variant), within
+  the bounds of tests/bounds.py;
+- HF -> Megatron -> HF bit-exact across TP1, TP2 and PP2 (written at one layout, exported at another), the vision
+  tower's tensors included; the export loads with transformers and keeps the image processor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.bounds import assert_within
+from tests.distributed.test_mca_conversion import _read_weights, logit_comparisons, randomized, run_cases
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.distributed, pytest.mark.mca]
+
+
+def odd_vl_model(out_dir: str) -> str:
+    """roll.demo.tiny_vl's model at an odd shape (see the module docstring)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from roll.demo.tiny_vl import build_vl_tokenizer, tiny_image_processor, tiny_vl_config
+
+    tok = build_vl_tokenizer()
+    config = tiny_vl_config(tok, tie_word_embeddings=False)
+    text = config.text_config
+    text.hidden_size, text.num_attention_heads, text.num_key_value_heads = 48, 6, 2
+    text.intermediate_size, text.vocab_size = 96, 517
+    text.rope_parameters["mrope_section"] = [1, 1, 2]
+    config.vision_config.out_hidden_size = 48
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    tiny_image_processor().save_pretrained(out_dir)
+    return out_dir
+
+
+def assert_vl_exported_like(original: str, exported: str) -> None:
+    """Bit-exact tensors (the vision tower's too), the same config.json, the image processor kept, and
+    transformers loads it as the vision-language model it was."""
+    import json
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    a, b = _read_weights(original), _read_weights(exported)
+    assert sorted(a) == sorted(b) and any(name.startswith("visual.") for name in a)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    with open(os.path.join(original, "config.json"), encoding="utf-8") as fa, \
+            open(os.path.join(exported, "config.json"), encoding="utf-8") as fb:
+        assert json.load(fa) == json.load(fb)
+    assert os.path.isfile(os.path.join(exported, "preprocessor_config.json"))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(exported, dtype=torch.float32)
+    assert torch.equal(model.model.visual.patch_embed.proj.weight, a["visual.patch_embed.proj.weight"])
+    assert torch.equal(model.model.language_model.embed_tokens.weight, a["model.embed_tokens.weight"])
+
+
+ROUND_TRIPS = (("tp1", {}, "tp2", {"tp": 2}), ("tp2", {"tp": 2}, "pp2", {"pp": 2}), ("pp2", {"pp": 2}, "tp1", {}))
+"""(written at, its layout, exported at, its layout): every layout on both sides once."""
+
+
+def test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips(tmp_path):
+    from roll.demo.tiny_vl import make_tiny_vl_model
+
+    tiny = randomized(make_tiny_vl_model(str(tmp_path / "tiny_src")), str(tmp_path / "tiny"))
+    odd = randomized(odd_vl_model(str(tmp_path / "odd_src")), str(tmp_path / "odd"))
+    deep = randomized(make_tiny_vl_model(str(tmp_path / "deep_src"), num_layers=4), str(tmp_path / "deep"))
+    cases = [dict(name="vl_tp1", kind="check", dir=tiny),
+             dict(name="vl_tp2", kind="check", dir=tiny, tp=2),
+             dict(name="vl_pp2", kind="check", dir=tiny, pp=2),
+             dict(name="vl_pp2_vpp2", kind="check", dir=deep, pp=2, vpp=2),  # the tower on virtual stage 0 only
+             dict(name="vl_odd_tp1", kind="check", dir=odd),
+             dict(name="vl_odd_tp2_padded_vocab", kind="check", dir=odd, tp=2)]
+    for (written, write_layout, exported, export_layout), hf in zip(ROUND_TRIPS, (tiny, odd, tiny)):
+        mca, out = str(tmp_path / f"mca_{written}"), str(tmp_path / f"hf_{written}_{exported}")
+        cases += [dict(name=f"to_mca_{written}", kind="hf2mca", dir=hf, out=mca, **write_layout),
+                  dict(name=f"to_hf_{written}_{exported}", kind="mca2hf", dir=mca, out=out, max_shard_bytes=60_000,
+                       **export_layout)]
+    res = run_cases(cases, tmp_path, timeout=420)
+    assert all(rows[0]["diff"] == rows[1]["diff"] for rows in res.values() if "diff" in rows[0])
+    assert_within(logit_comparisons(res))
+    for (written, _, exported, _), hf in zip(ROUND_TRIPS, (tiny, odd, tiny)):
+        assert_vl_exported_like(hf, str(tmp_path / f"hf_{written}_{exported}"))
+
+
+def vl_rows(hf_config: dict, seed: int = 0) -> list[dict]:
+    """Four tokenized sft rows: two text-only ones (one micro-batch without images), one with a 4 x 6-patch image,
+    one with a 6 x 2- and a 4 x 6-patch image; prompt and vision tokens unlabelled, random pixel values."""
+    gen = torch.Generator().manual_seed(seed)
+    vs, pad, ve = (hf_config[f"{n}_token_id"] for n in ("vision_start", "image", "vision_end"))
+
+    def text(n: int) -> list[int]:
+        return torch.randint(3, 500, (n,), generator=gen).tolist()
+
+    def image(grid: tuple[int, int, int]) -> tuple[list[int], tuple[torch.Tensor, tuple[int, int, int]]]:
+        patches = grid[0] * grid[1] * grid[2]
+        return [vs, *[pad] * (patches // 4), ve], (torch.randn(patches, 3 * 2 * 14 * 14, generator=gen), grid)
+
+    (a, image_a), (b, image_b), (c, image_c) = image((1, 4, 6)), image((1, 6, 2)), image((1, 4, 6))
+    layouts = [(text(6), [], text(4)), (text(3), [], text(5)), (text(2) + a + text(1), [image_a], text(4)),
+               (text(1) + b + text(1) + c, [image_b, image_c], text(3))]
+    rows = []
+    for prompt, images, answer in layouts:
+        ids = prompt + answer
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "images": images,
+                     "labels": [-100] * len(prompt) + answer})
+    return rows
+
+
+def hf_loss(model_dir: str, rows: list[dict]) -> float:
+    """transformers' loss of ``rows`` as one batch (right-padded), with the modality of each token so that HF uses
+    its M-RoPE positions: the mean over the labelled tokens, what the mca backend's step logs."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from roll.mrope import mm_token_type_ids
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                                attn_implementation="sdpa").eval()
+    length = max(len(r["input_ids"]) for r in rows)
+
+    def padded(key: str, value: int) -> torch.Tensor:
+        return torch.tensor([r[key] + [value] * (length - len(r[key])) for r in rows])
+
+    input_ids = padded("input_ids", 0)
+    images = [image for r in rows for image in r["images"]]
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=padded("attention_mask", 0), labels=padded("labels", -100),
+                    pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.tensor([g for _, g in images]),
+                    mm_token_type_ids=mm_token_type_ids(input_ids, model.config.to_dict()))
+    return float(out.loss)
+
+
+def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen(tmp_path):
+    """The batch keys through Megatron's schedule (a micro-batch without images, one with three), the first stage's
+    vision forward, and freezing: step 1's loss is HF's on the same rows at TP1 x DP2, TP2 with sequence parallelism
+    (the images go in before the sequence is split) and PP2; step 2 agrees
+    across layouts; a trained tower and projector change, frozen ones (LLaMA-Factory's defaults) do not; resuming
+    PP2's step-1 checkpoint (the HF tower inside Megatron's checkpoint) repeats its step 2 exactly."""
+    import json
+
+    from roll.demo.tiny_vl import make_tiny_vl_model
+    from tests.bounds import BACKEND_VL, VL_LAYOUT, Comparison
+    from tests.helpers import REPO, output_of, torchrun
+
+    model = randomized(make_tiny_vl_model(str(tmp_path / "src")), str(tmp_path / "tiny"))
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+        rows = vl_rows(json.load(fh))
+    torch.save(rows, tmp_path / "rows.pt")
+    worker = os.path.join(REPO, "tests", "distributed", "_mca_workers", "vl_train_runs.py")
+    proc = torchrun(worker, model, str(tmp_path / "rows.pt"), str(tmp_path / "result.json"), timeout=420)
+    assert proc.returncode == 0, output_of(proc)
+    res = json.loads((tmp_path / "result.json").read_text())
+    reference = hf_loss(model, rows)
+    comparisons = [Comparison(f"{name}_step1_vs_hf", run["losses"][:1], [reference], BACKEND_VL)
+                   for name, run in res.items() if name != "pp2_resume"]
+    comparisons += [Comparison(f"{name}_vs_tp1", res[name]["losses"], res["tp1"]["losses"], VL_LAYOUT)
+                    for name in ("tp2_sp", "pp2")]
+    assert_within(comparisons)
+    assert all(res[n]["tower_changed"] and res[n]["merger_changed"] for n in ("tp1", "tp2_sp", "pp2")), res
+    assert res["pp2_resume"]["losses"][-1] == res["pp2"]["losses"][-1]  # the tower came back from the checkpoint
+    assert res["tp2_sp"]["sequence_parallel"] and not res["tp1"]["sequence_parallel"]
+    assert res["tp2_sp"]["tower_recomputes"] and not res["tp1"]["tower_recomputes"]  # recompute: the same losses
+    assert not res["pp2_frozen"]["tower_changed"] and not res["pp2_frozen"]["merger_changed"], res
+    assert res["pp2_frozen"]["losses"][1] != res["pp2"]["losses"][1]  # the tower's update changed step 2
