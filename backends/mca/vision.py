@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 PARTS = (("projector", "visual.merger."), ("vision", "visual."))
 """Megatron parameter-name prefixes of the vision parts (first match wins); anything else is the language model."""
 
-FREEZE_KEYS = (("vision", "freeze_vision_tower", True), ("projector", "freeze_multi_modal_projector", True),
-               ("language", "freeze_language_model", False))
-"""(part, FinetuningArguments key, LLaMA-Factory's default)."""
+FREEZE_KEYS = (("vision", "freeze_vision_tower"), ("projector", "freeze_multi_modal_projector"),
+               ("language", "freeze_language_model"))
+"""(part, the FinetuningArguments key that freezes it)."""
 
 
 def is_vision_language(hf_config: dict) -> bool:
@@ -45,9 +45,8 @@ def part_of(name: str) -> str:
 
 
 def frozen_parts(finetuning) -> set[str]:
-    """The parts the recipe freezes. The keys are roll.config.finetuning's (docs/vl.md); read with LLaMA-Factory's
-    defaults where this version of the config has not declared them yet."""
-    return {part for part, key, default in FREEZE_KEYS if getattr(finetuning, key, default)}
+    """The parts the recipe freezes (roll.config.finetuning's keys, LLaMA-Factory's names and defaults: docs/vl.md)."""
+    return {part for part, key in FREEZE_KEYS if getattr(finetuning, key)}
 
 
 def check_config(config) -> None:
@@ -56,7 +55,7 @@ def check_config(config) -> None:
         raise ConfigError(f"context_parallel_size={config.megatron.context_parallel_size}: a vision-language model "
                           "trains without context parallelism on the mca backend (its 3-D positions are not split "
                           "with the tokens yet). Set context_parallel_size: 1.")
-    if frozen_parts(config.finetuning) == {part for part, _, _ in FREEZE_KEYS}:
+    if frozen_parts(config.finetuning) == {part for part, _ in FREEZE_KEYS}:
         raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
                           "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
     if config.finetuning.finetuning_type == "lora":

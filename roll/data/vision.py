@@ -109,9 +109,7 @@ def check_config(config) -> None:
     if not is_vl_model(config.model.model_name_or_path):
         return
     data, stage = config.data, config.finetuning.stage
-    refused = [(config.training.use_mca, "use_mca: true (the mca backend does not train vision-language models "
-                                         "yet: use the standard backend, use_mca: false)"),
-               (stage != "sft", f"stage {stage} (images are laid out for stage sft only)"),
+    refused = [(stage != "sft", f"stage {stage} (images are laid out for stage sft only)"),
                (data.packing, "packing: true (M-RoPE positions per packed sample are not built yet)"),
                (data.streaming, "streaming: true"),
                (bool(data.tokenized_path), "tokenized_path (the prepared rows do not record the image processor)"),

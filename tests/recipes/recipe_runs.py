@@ -19,7 +19,7 @@ from tests.helpers import REPO, output_of, torchrun
 RECIPES = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_orpo", "tiny_simpo", "tiny_rm")
 VL_RECIPES = ("tiny_vl_sft",)
 """Vision-language demo recipes: the tiny Qwen2.5-VL and the generated shapes data (roll.demo.tiny_vl,
-roll.demo.vl_data), standard backend only until the mca side lands (docs/vl.md)."""
+roll.demo.vl_data; ``make_vl_demo``) instead of the tiny text model and the recipe's dataset (docs/vl.md)."""
 BACKENDS = ("standard", "mca")
 STEPS = 5
 GOLDENS = os.path.join(REPO, "tests", "recipes", "goldens.json")
@@ -30,14 +30,16 @@ def recipe_path(name: str) -> str:
     return os.path.join(REPO, "recipes", "demo", f"{name}.yaml")
 
 
-def recipe_args(name: str, model_dir: str, output_dir: str) -> list[str]:
-    """roll-train's command line for one short run of the recipe (without --use-mca)."""
+def recipe_args(name: str, model_dir: str, output_dir: str, dataset: str | None = None) -> list[str]:
+    """roll-train's command line for one short run of the recipe (without --use-mca); ``dataset`` replaces the
+    recipe's."""
     import yaml
 
-    with open(recipe_path(name), encoding="utf-8") as fh:
-        dataset = yaml.safe_load(fh)["dataset"]
+    if dataset is None:
+        with open(recipe_path(name), encoding="utf-8") as fh:
+            dataset = os.path.join(REPO, yaml.safe_load(fh)["dataset"])
     return [recipe_path(name), f"model_name_or_path={model_dir}", f"output_dir={output_dir}",
-            f"dataset={os.path.join(REPO, dataset)}", f"max_steps={STEPS}", "logging_steps=1",
+            f"dataset={dataset}", f"max_steps={STEPS}", "logging_steps=1",
             "save_strategy=no", "save_hf_model=false", "report_to=none", "disable_tqdm=true"]
 
 
@@ -68,16 +70,20 @@ def run_vl_standard(name: str, model_dir: str, dataset: str, output_dir: str) ->
     from roll import router
     from roll.config.parser import parse_args
 
-    _, config = parse_args(recipe_args(name, model_dir, output_dir) + [f"dataset={dataset}"])
+    _, config = parse_args(recipe_args(name, model_dir, output_dir, dataset))
     return losses_of(router.run(config).log_history)
 
 
-def run_mca(names: tuple[str, ...], model_dir: str, root: str, timeout: float = 600) -> dict[str, list[float]]:
+def run_mca(names: tuple[str, ...], model_dir: str, root: str, vl_demo: tuple[str, str] | None = None,
+            timeout: float = 600) -> dict[str, list[float]]:
     """Every recipe in ``names`` with --use-mca, in one 1-process torchrun job; {name: losses}.
-    Run ``name`` writes to ROOT/name/mca."""
+    Run ``name`` writes to ROOT/name/mca; a VL recipe trains ``vl_demo`` (model dir, dataset: make_vl_demo)."""
     spec, result = os.path.join(root, "mca_spec.json"), os.path.join(root, "mca_result.json")
-    runs = [{"name": name, "args": recipe_args(name, model_dir, os.path.join(root, name, "mca")) + ["--use-mca"]}
-            for name in names]
+    runs = []
+    for name in names:
+        model, dataset = vl_demo if name in VL_RECIPES else (model_dir, None)
+        runs.append({"name": name,
+                     "args": recipe_args(name, model, os.path.join(root, name, "mca"), dataset) + ["--use-mca"]})
     with open(spec, "w", encoding="utf-8") as fh:
         json.dump({"runs": runs}, fh)
     proc = torchrun(WORKER, spec, result, nproc=1, timeout=timeout)
@@ -88,14 +94,14 @@ def run_mca(names: tuple[str, ...], model_dir: str, root: str, timeout: float = 
 
 
 def run_all(model_dir: str, root: str) -> dict[str, dict[str, list[float]]]:
-    """{recipe: {backend: losses}} for every demo recipe on both backends (VL_RECIPES: standard only)."""
+    """{recipe: {backend: losses}} for every demo recipe (RECIPES and VL_RECIPES) on both backends."""
     losses = {name: {"standard": run_standard(name, model_dir, os.path.join(root, name, "standard"))}
               for name in RECIPES}
-    for name, values in run_mca(RECIPES, model_dir, root).items():
-        losses[name]["mca"] = values
-    vl_model, vl_data = make_vl_demo(root)
+    vl_demo = make_vl_demo(root)
     for name in VL_RECIPES:
-        losses[name] = {"standard": run_vl_standard(name, vl_model, vl_data, os.path.join(root, name, "standard"))}
+        losses[name] = {"standard": run_vl_standard(name, *vl_demo, os.path.join(root, name, "standard"))}
+    for name, values in run_mca(RECIPES + VL_RECIPES, model_dir, root, vl_demo).items():
+        losses[name]["mca"] = values
     return losses
 
 

@@ -1,4 +1,4 @@
-"""Recipe regression tests: every demo recipe (pt, sft, dpo, kto, lora, orpo, simpo, rm) trains STEPS steps
+"""Recipe regression tests: every demo recipe (pt, sft, dpo, kto, lora, orpo, simpo, rm, vl_sft) trains STEPS steps
 on CPU on each backend (standard: 1 process, in this process; mca: 1 process, TP1, one torchrun job for all recipes),
 and its loss at every step must equal the golden value in tests/recipes/goldens.json within GOLDEN, and
 the two backends must agree within BACKEND (tests/bounds.py: both measured, with the measurement written
@@ -42,14 +42,22 @@ def runs_root(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def standard_losses(tiny_model, runs_root) -> dict[str, list[float]]:
-    return {name: run_standard(name, tiny_model, os.path.join(runs_root, name, "standard")) for name in RECIPES}
+def vl_demo(runs_root) -> tuple[str, str]:
+    """The tiny Qwen2.5-VL and its generated pictures (docs/vl.md), for VL_RECIPES."""
+    return make_vl_demo(runs_root)
 
 
 @pytest.fixture(scope="module")
-def mca_losses(tiny_model, runs_root) -> dict[str, list[float]]:
+def standard_losses(tiny_model, vl_demo, runs_root) -> dict[str, list[float]]:
+    losses = {name: run_standard(name, tiny_model, os.path.join(runs_root, name, "standard")) for name in RECIPES}
+    return {**losses, **{name: run_vl_standard(name, *vl_demo, os.path.join(runs_root, name, "standard"))
+                         for name in VL_RECIPES}}
+
+
+@pytest.fixture(scope="module")
+def mca_losses(tiny_model, vl_demo, runs_root) -> dict[str, list[float]]:
     pytest.importorskip("megatron.core")
-    return run_mca(RECIPES, tiny_model, runs_root)
+    return run_mca(RECIPES + VL_RECIPES, tiny_model, runs_root, vl_demo)
 
 
 def golden_comparison(name: str, backend: str, losses: list[float]) -> Comparison:
@@ -67,35 +75,25 @@ def _check_golden(name: str, backend: str, losses: list[float]) -> None:
 def test_goldens_cover_every_recipe_and_backend_and_say_how_they_were_made(goldens_before):
     goldens = read_goldens()
     assert goldens["steps"] == STEPS
-    for name in RECIPES:
+    for name in RECIPES + VL_RECIPES:
         for backend in ("standard", "mca"):
             values = goldens["losses"][name][backend]
             assert len(values) == STEPS and all(v > 0 for v in values), (name, backend, values)
-    for name in VL_RECIPES:
-        values = goldens["losses"][name]["standard"]
-        assert len(values) == STEPS and all(v > 0 for v in values), (name, values)
     assert goldens["generated_by"].startswith("OMP_NUM_THREADS=1 python scripts/update_goldens.py"), goldens
     for key in ("torch", "transformers", "trl", "peft", "megatron-core", "python", "commit", "date"):
         assert goldens["environment"].get(key), (key, goldens["environment"])
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", RECIPES + VL_RECIPES)
 def test_standard_backend_matches_goldens(standard_losses, runs_root, name):
+    """VL_RECIPES: the tiny Qwen2.5-VL on generated pictures (images in the batch, the vision tower frozen)."""
     _check_golden(name, "standard", standard_losses[name])
     assert os.path.isfile(os.path.join(runs_root, name, "standard", "loss.png"))
 
 
-@pytest.mark.parametrize("name", VL_RECIPES)
-def test_vl_recipe_matches_goldens_on_the_standard_backend(runs_root, name):
-    """The tiny Qwen2.5-VL on generated pictures (images in the batch, the vision tower frozen): docs/vl.md."""
-    model_dir, dataset = make_vl_demo(runs_root)
-    _check_golden(name, "standard", run_vl_standard(name, model_dir, dataset,
-                                                    os.path.join(runs_root, name, "standard")))
-
-
 @pytest.mark.distributed
 @pytest.mark.mca
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", RECIPES + VL_RECIPES)
 def test_mca_backend_matches_goldens(mca_losses, runs_root, name):
     _check_golden(name, "mca", mca_losses[name])
     assert os.path.isfile(os.path.join(runs_root, name, "mca", "loss.png"))
@@ -107,7 +105,7 @@ def backend_comparison(name: str, standard: list[float], mca: list[float]) -> Co
 
 @pytest.mark.distributed
 @pytest.mark.mca
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", RECIPES + VL_RECIPES)
 def test_both_backends_agree(standard_losses, mca_losses, name):
     assert_within([backend_comparison(name, standard_losses[name], mca_losses[name])])
 

@@ -186,7 +186,7 @@ def test_dry_run_shows_the_layout_and_the_image_sizes(vl_model, tmp_path):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["use_mca=true"], "use_mca"), (["packing=true"], "packing"), (["stage=dpo"], "stage dpo"),
+    (["packing=true"], "packing"), (["stage=dpo"], "stage dpo"),
     (["finetuning_type=freeze", "freeze_vision_tower=false"], "freeze_vision_tower"),
 ])
 def test_what_a_vl_model_cannot_do_yet_is_refused_when_the_recipe_is_read(vl_model, args, named):
