@@ -190,6 +190,17 @@ MUTANTS: list[Mutant] = [
            "backends/mca/lora/utils.py", 'PEFT_EXPERT_MLP_FAMILIES = ("deepseek_v3", ', 'PEFT_EXPERT_MLP_FAMILIES = (',
            ("tests/unit/test_mca_lora_utils.py::test_mlp_targets_refused_where_peft_moves_them_to_the_routed_experts",),
            fast=True),
+    Mutant("te_mla_norms_as_gqa", "DeepSeek-V3 under Transformer Engine: the input norm loaded into a fused "
+           "linear_qkv norm that MLA does not have, the q/kv latent norms not into the up-projections",
+           "backends/mca/models/layout.py", '_TE_MLA_RENAMES if getattr(config, "multi_latent_attention", False) '
+           'else _TE_RENAMES', "_TE_RENAMES",
+           ("tests/unit/test_mca_deepseek_v3.py::test_transformer_engine_names_follow_megatrons_te_spec",),
+           fast=True),
+    Mutant("te_mla_down_proj_split", "DeepSeek-V3 under Transformer Engine: the duplicated down-projections split "
+           "across TP ranks like the local spec's column-parallel ones", "backends/mca/models/sharding.py",
+           '    return config.transformer_impl == "transformer_engine" and name.endswith(_TE_DUPLICATED)',
+           "    return False",
+           ("tests/unit/test_mca_deepseek_v3.py::test_transformer_engine_names_follow_megatrons_te_spec",)),
     Mutant("moe_aux_tokens_with_padding", "the MoE load-balancing loss counts padding tokens (standard)",
            "roll/loss.py", "routed, probs = routed * valid.unsqueeze(-1), probs * valid.unsqueeze(-1)", "pass",
            ("tests/unit/test_loss.py::test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding",),
