@@ -459,4 +459,8 @@ MUTANTS: list[Mutant] = [
            "        dist.all_reduce(key, group=ctx.group)", "        pass",
            ("tests/distributed/test_mca_lora.py::test_tensor_parallel_gradients_and_losses_equal_tp1[mla_tp2sp-mla_tp1]",
             f"{SWEEP}::test_case[tp2_deepseek_v3_sft]")),
+    Mutant("fused_experts_part_major", "a fused gate_up_proj read as all experts' gate rows, then all up rows "
+           "([2, E, I, H]) instead of each expert's gate then up ([E, 2I, H])", "backends/mca/models/fused_experts.py",
+           "start = begin + (expert * len(row.parts) + k) * size", "start = begin + (k * experts + expert) * size",
+           ("tests/unit/test_mca_fused_experts.py::test_fused_experts_load_as_the_per_expert_checkpoint",)),
 ]

@@ -48,6 +48,9 @@ class Template:
     """HF tensors a checkpoint may lack: their Megatron parameter then starts at zero (a reward head)."""
     ignored: tuple[str, ...] = ()
     """HF tensors a checkpoint may hold that this model does not use (a causal LM's head in a reward model)."""
+    on_disk: tuple = ()
+    """Other spellings a checkpoint may store the HF tensors in (``fused_experts.Fused``: transformers 5's fused
+    experts), read as the names the weight rows map."""
     _hf_regex: list[tuple[re.Pattern, Mapping, int]] = field(default_factory=list, repr=False)
     _mca_regex: list[tuple[re.Pattern, Mapping]] = field(default_factory=list, repr=False)
 
