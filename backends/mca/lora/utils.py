@@ -160,10 +160,6 @@ def resolve_lora_targets(model: nn.Module, targets: list[str] | str) -> dict[str
             raise ConfigError(f"lora_target all: the standard backend's PEFT would also adapt {', '.join(unmapped)} "
                               "(an nn.Linear in HF), which has no LoRA mapping on the mca backend, so the two backends "
                               f"would train different adapters. Name the targets: lora_target: {','.join(names)}.")
-        skipped = sorted(p for p in present if p not in MCA_TO_HF)
-        if skipped:
-            warn_once(logger, f"lora_target=all: no HF adapter mapping for {', '.join(skipped)} "
-                              "(MoE experts); these modules are not adapted.")
         chosen = {p: MCA_TO_HF[p] for p in MCA_TO_HF if p in present}
     else:
         chosen = {}
@@ -189,6 +185,10 @@ def resolve_lora_targets(model: nn.Module, targets: list[str] | str) -> dict[str
     if not chosen:
         raise ConfigError(f"lora_target={targets!r} selects no module of this model.")
     _refuse_peft_expert_targets(model, targets, chosen)
+    skipped = sorted(p for p in present if p not in MCA_TO_HF) if targets == "all" else []
+    if skipped:
+        warn_once(logger, f"lora_target=all: no HF adapter mapping for {', '.join(skipped)} "
+                          "(MoE experts); these modules are not adapted.")
     return {p: tuple(h for h in HF_ORDER if h in projs) for p, projs in chosen.items()}
 
 
