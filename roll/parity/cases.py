@@ -267,6 +267,11 @@ CASES = (
          measured=M(6.7e-9, 8.2e-9, None, 5.2e-7)),
     Case("tp2_deepseek_v3_lora_mla", "sft", _MLA_LORA, layout="tp2", model="deepseek_v3",
          measured=M(1.3e-9, 8.3e-9, None, 3.9e-7)),
+    # LoRA on GLM-4.5's attention (q/k/v bias, partial RoPE) and on Mixtral with all (= q, k, v, o on both backends)
+    Case("glm4_moe_lora_attention", "sft", _lora(lora_rank=4, lora_target="q_proj,k_proj,v_proj,o_proj"),
+         model="glm4_moe", measured=M(5.4e-9, 7.0e-9, None, 1.2e-5)),
+    Case("mixtral_lora_all", "sft", _lora(lora_rank=4, lora_target="all", moe_aux_loss_coeff=0.0), model="mixtral",
+         measured=M(1.3e-9, 5.6e-9, None, 1.4e-6)),
     Case("deepseek_v3_no_q_lora_lora", "sft",
          _lora(lora_rank=8, lora_target="q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"), model="deepseek_v3_no_q_lora",
          measured=M(1.4e-16, 7.0e-9, None, 5.3e-6)),
