@@ -204,6 +204,22 @@ MUTANTS: list[Mutant] = [
            "backends/mca/lora/layers.py", "        module.lora_scaling = alpha / math.sqrt(rank)", "        pass",
            ("tests/unit/test_mca_lora_utils.py::test_lora_output_is_base_plus_alpha_over_rank_times_b_a",),
            fast=True),
+    Mutant("lora_mlp_targets_on_peft_expert_family_mca", "mca LoRA on deepseek_v3 adapts the dense MLP and shared "
+           "experts for gate/up/down_proj, where the standard backend's PEFT adapts the routed experts",
+           "backends/mca/lora/utils.py", 'PEFT_EXPERT_MLP_FAMILIES = ("deepseek_v3", ', 'PEFT_EXPERT_MLP_FAMILIES = (',
+           ("tests/unit/test_mca_lora_utils.py::test_mlp_targets_refused_where_peft_moves_them_to_the_routed_experts",),
+           fast=True),
+    Mutant("te_mla_norms_as_gqa", "DeepSeek-V3 under Transformer Engine: the input norm loaded into a fused "
+           "linear_qkv norm that MLA does not have, the q/kv latent norms not into the up-projections",
+           "backends/mca/models/layout.py", '_TE_MLA_RENAMES if getattr(config, "multi_latent_attention", False) '
+           'else _TE_RENAMES', "_TE_RENAMES",
+           ("tests/unit/test_mca_deepseek_v3.py::test_transformer_engine_names_follow_megatrons_te_spec",),
+           fast=True),
+    Mutant("te_mla_down_proj_split", "DeepSeek-V3 under Transformer Engine: the duplicated down-projections split "
+           "across TP ranks like the local spec's column-parallel ones", "backends/mca/models/sharding.py",
+           '    return config.transformer_impl == "transformer_engine" and name.endswith(_TE_DUPLICATED)',
+           "    return False",
+           ("tests/unit/test_mca_deepseek_v3.py::test_transformer_engine_names_follow_megatrons_te_spec",)),
     Mutant("moe_aux_tokens_with_padding", "the MoE load-balancing loss counts padding tokens (standard)",
            "roll/loss.py", "routed, probs = routed * valid.unsqueeze(-1), probs * valid.unsqueeze(-1)", "pass",
            ("tests/unit/test_loss.py::test_load_balancing_loss_is_megatrons_summed_over_layers_without_padding",),
@@ -483,4 +499,18 @@ MUTANTS: list[Mutant] = [
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),
+    Mutant("mla_lora_kv_b_shape_of_q", "mca LoRA init replays PEFT's draws for kv_b_proj with q's head width (nope + "
+           "rope) instead of k's nope + v's: every later adapter starts from other values than PEFT's",
+           "backends/mca/lora/apply.py", "heads * (config.qk_head_dim + config.v_head_dim)",
+           "heads * (config.qk_head_dim + config.qk_pos_emb_head_dim)",
+           ("tests/distributed/test_mca_lora.py::test_initial_adapter_equals_peft_with_the_same_seed[mla_tp1]",)),
+    Mutant("mla_rope_key_grad_not_summed", "DeepSeek-V3 at TP2 (local spec): the shared RoPE key's gradient keeps "
+           "one rank's heads' share (megatron-core 0.16.1 as it is)", "backends/mca/mla_rope_key_grad.py",
+           "        dist.all_reduce(key, group=ctx.group)", "        pass",
+           ("tests/distributed/test_mca_lora.py::test_tensor_parallel_gradients_and_losses_equal_tp1[mla_tp2sp-mla_tp1]",
+            f"{SWEEP}::test_case[tp2_deepseek_v3_sft]")),
+    Mutant("fused_experts_part_major", "a fused gate_up_proj read as all experts' gate rows, then all up rows "
+           "([2, E, I, H]) instead of each expert's gate then up ([E, 2I, H])", "backends/mca/models/fused_experts.py",
+           "start = begin + (expert * len(row.parts) + k) * size", "start = begin + (k * experts + expert) * size",
+           ("tests/unit/test_mca_fused_experts.py::test_fused_experts_load_as_the_per_expert_checkpoint",)),
 ]

@@ -39,6 +39,7 @@ import torch
 from packaging.version import Version
 
 from backends.mca.checkpoint_reads import patch_distopt_step_on_load, patch_restricted_checkpoint_reads
+from backends.mca.mla_rope_key_grad import patch_mla_rope_key_grad
 from backends.mca.moe_loss_scale import patch_moe_z_loss_scale_per_token
 from backends.mca.multi_tensor import patch_local_multi_tensor_scale, uses_local_multi_tensor_scale
 from roll.logging import log_rank0, warn_once
@@ -428,6 +429,9 @@ _PATCHES: tuple[_Patch, ...] = (
     _Patch("mla_without_te", _patch_mla_without_te,
            "multi_latent_attention imports TE's classes only when TE is installed (not as of 0.16.1)",
            _mla_sees_mock_te),
+    _Patch("mla_rope_key_grad", patch_mla_rope_key_grad,
+           "multi-latent attention sums the shared RoPE key's gradient over TP after gathering a column-parallel "
+           "linear_kv_down_proj (not as of 0.16.1; test_mca_lora's mla_tp2sp fails without it)", _always),
     _Patch("restricted_checkpoint_reads", patch_restricted_checkpoint_reads,
            "torch.distributed.checkpoint unpickles .metadata and bytes entries with an allow-list", _always),
     _Patch("moe_z_loss_scale_per_token", patch_moe_z_loss_scale_per_token,

@@ -25,6 +25,7 @@ MODELS = {
     "moe": {"kind": "qwen3_moe"},
     "glm4_moe": {"kind": "glm4_moe", "tie_word_embeddings": False},
     "deepseek_v3": {"kind": "deepseek_v3", "tie_word_embeddings": False},
+    "deepseek_v3_no_q_lora": {"kind": "deepseek_v3", "q_lora_rank": None, "tie_word_embeddings": False},
     "mixtral": {"kind": "mixtral", "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 2,
                 "head_dim": 8, "intermediate_size": 24, "vocab_size": 513, "tie_word_embeddings": False},
     "mixtral_80": {"kind": "mixtral", "num_layers": 3, "hidden_size": 80, "num_attention_heads": 10,
@@ -34,7 +35,8 @@ MODELS = {
 """Tiny models (``roll.demo.tiny_model.make_tiny_model`` keyword arguments): hidden 64, a 512-token BPE tokenizer.
 qwen2_4l has 4 layers so that PP2 x VPP2 gets one layer per chunk; moe is a Qwen3-MoE with 4 experts; glm4_moe a
 GLM-4.5 (hidden 48, a dense first layer, sigmoid routing with a correction bias, a shared expert, partial RoPE);
-deepseek_v3 a DeepSeek-V3 (multi-latent attention with a q LoRA rank and YaRN, expert groups, GLM-4.5's router);
+deepseek_v3 a DeepSeek-V3 (multi-latent attention with a q LoRA rank and YaRN, expert groups, GLM-4.5's router),
+deepseek_v3_no_q_lora the same without a q LoRA rank (HF's q_proj, Megatron's linear_q_proj);
 mixtral has odd shapes (hidden 48, 6 heads over 2 KV groups, 4 experts of 24, top-2, 513 vocabulary rows: padded
 under TP2); mixtral_80 is another odd Mixtral (3 layers, hidden 80, 10 heads over 2 KV groups of head_dim 12,
 6 experts of 20, tied embeddings, 515 vocabulary rows), once a held-out shape, built from seed 1: from seed 0 one
@@ -151,6 +153,9 @@ def _lora(**keys) -> dict:
     return {"finetuning_type": "lora", "lora_dropout": 0.0, "learning_rate": 1.0e-2, **keys}
 
 
+_MLA_LORA = _lora(lora_rank=4, lora_alpha=16, lora_target="q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj")
+
+
 _WARMUP = {"warmup_steps": 3}
 _SIMPO_FTX = {"pref_loss": "simpo", "pref_beta": 2.0, "simpo_gamma": 0.3, "pref_ftx": 0.5}
 _MOE_OFF = {"moe_aux_loss_coeff": 0.0}
@@ -259,6 +264,23 @@ CASES = (
          measured=M(5.3e-9, 1.0e-8, None, 3.0e-6)),
     Case("ep2_deepseek_v3_sft", "sft", {}, layout="ep2", model="deepseek_v3", steps=10,
          measured=M(5.3e-9, 1.1e-8, None, 2.9e-6)),
+    # TP2 (the kv down-projection column-parallel): before backends/mca/mla_rope_key_grad.py the shared RoPE key
+    # trained with one rank's heads' gradient (weights 8.3e-2 apart; with LoRA on the attention 8.7e-2)
+    Case("tp2_deepseek_v3_sft", "sft", {}, layout="tp2", model="deepseek_v3", steps=10,
+         measured=M(1.3e-9, 1.7e-8, None, 1.1e-5)),
+    # LoRA on multi-latent attention (its MLP targets go to the routed experts under PEFT: refused on mca)
+    Case("deepseek_v3_lora_mla", "sft", _MLA_LORA, model="deepseek_v3",
+         measured=M(6.7e-9, 8.2e-9, None, 5.2e-7)),
+    Case("tp2_deepseek_v3_lora_mla", "sft", _MLA_LORA, layout="tp2", model="deepseek_v3",
+         measured=M(1.3e-9, 8.3e-9, None, 3.9e-7)),
+    # LoRA on GLM-4.5's attention (q/k/v bias, partial RoPE) and on Mixtral with all (= q, k, v, o on both backends)
+    Case("glm4_moe_lora_attention", "sft", _lora(lora_rank=4, lora_target="q_proj,k_proj,v_proj,o_proj"),
+         model="glm4_moe", measured=M(5.4e-9, 7.0e-9, None, 1.2e-5)),
+    Case("mixtral_lora_all", "sft", _lora(lora_rank=4, lora_target="all", moe_aux_loss_coeff=0.0), model="mixtral",
+         measured=M(1.3e-9, 5.6e-9, None, 1.4e-6)),
+    Case("deepseek_v3_no_q_lora_lora", "sft",
+         _lora(lora_rank=8, lora_target="q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"), model="deepseek_v3_no_q_lora",
+         measured=M(1.4e-16, 7.0e-9, None, 5.3e-6)),
     # DPO on the families of issue 21 (the standard backend's DPO has no MoE losses: Mixtral's is set to 0 for mca).
     # Before backends/standard/hf_args.py passed router_aux_loss_coef 0, TRL added HF's pooled load-balancing loss
     # at the config's 0.001 on the standard side: dpo_mixtral 2.9e-3 apart at step 1, weights 7.7e-2
@@ -266,6 +288,8 @@ CASES = (
          measured=M(2.7e-9, 8.6e-8, None, 2.2e-5)),
     Case("dpo_deepseek_v3", "dpo", {}, model="deepseek_v3",
          measured=M(2.7e-9, 7.5e-8, None, 4.0e-5)),
+    Case("dpo_deepseek_v3_lora_mla", "dpo", _MLA_LORA, model="deepseek_v3",
+         measured=M(2.7e-9, 7.0e-8, None, 3.5e-6)),
     Case("dpo_mixtral", "dpo", {"moe_aux_loss_coeff": 0.0}, model="mixtral",
          measured=M(2.7e-9, 5.9e-8, None, 1.8e-5)),
     # Mixtral with both MoE losses at large coefficients, so that a mismatch shows, 10 steps on samples of

@@ -4,7 +4,9 @@ One launch runs every layout (tests/distributed/_mca_workers/lora_checks.py); th
 checked here, in the pytest process (Megatron is never initialised in it):
 - the adapter utilities return the documented layer patterns (dense and MoE);
 - the exported adapter on the HF model (``PeftModel.from_pretrained``) gives the Megatron model's
-  logits: <= 1e-5 at TP1, TP2, TP2 + sequence parallelism, PP2; <= 1e-4 on MoE at EP2;
+  logits: <= 1e-5 at TP1, TP2, TP2 + sequence parallelism, PP2; <= 1e-4 on MoE at EP2, on DeepSeek-V3's
+  multi-latent attention (with and without a q LoRA rank) at TP1 and TP2 + SP, and on Qwen2-MoE's shared
+  expert at TP2 + SP;
 - the merged export equals base + adapter (<= 1e-5 relative to the largest logit);
 - the initial adapter equals PEFT's on the HF model with the same seed, bit for bit, at every layout;
 - SGD steps on the adapters leave the base bit-identical; TP2 (and TP2 + SP) gradients and losses
@@ -29,6 +31,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 WORKER = os.path.join(REPO, "tests", "distributed", "_mca_workers", "lora_checks.py")
 SEED, RANK, ALPHA = 1234, 4, 8
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MLA = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
 CASES = [
     dict(name="tp1", model="dense", tp=1, target="all", merged=True, steps=True),
     dict(name="tp2", model="dense", tp=2, target="all", steps=True, save_ckpt=True),
@@ -37,9 +40,21 @@ CASES = [
     dict(name="pp2", model="dense", pp=2, target="all"),
     dict(name="moe_ep2", model="moe", ep=2, target="all", expert_lora=True),
     dict(name="tp1_reload", model="dense", tp=1, target="all", load_ckpt=True),
+    # DeepSeek-V3's multi-latent attention with and without a q LoRA rank (its MLP targets PEFT moves to the
+    # routed experts: refused on mca); Qwen2-MoE's shared expert (PEFT adapts it as gate/up/down_proj)
+    dict(name="mla_tp1", model="mla", tp=1, target=MLA, steps=True),
+    dict(name="mla_tp2sp", model="mla", tp=2, sp=True, target=MLA, steps=True),
+    dict(name="mla_no_q_lora_tp2sp", model="mla_no_q_lora", tp=2, sp=True, target="q_proj,kv_a_proj_with_mqa,o_proj"),
+    dict(name="shared_expert_tp2sp", model="qwen2_moe", tp=2, sp=True, target="gate_proj,up_proj,down_proj"),
 ]
-TARGETS = {"all": ALL, "q_proj,v_proj,down_proj": ["q_proj", "v_proj", "down_proj"]}
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # routed experts have no HF nn.Linear (transformers 5)
+
+
+def _targets(case: dict) -> list[str]:
+    """What the standard backend's PEFT adapts for the case's lora_target (``all``: every nn.Linear name)."""
+    if case["model"] == "moe":
+        return MOE_TARGETS
+    return ALL if case["target"] == "all" else case["target"].split(",")
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +63,15 @@ def run(tiny_model_factory, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("mca_lora")
     dirs = {"dense": randomized(tiny_model_factory("qwen2", tie_word_embeddings=False), str(tmp / "dense")),
-            "moe": randomized(tiny_model_factory("qwen3_moe", tie_word_embeddings=False), str(tmp / "moe"))}
+            "moe": randomized(tiny_model_factory("qwen3_moe", tie_word_embeddings=False), str(tmp / "moe")),
+            "mla": randomized(tiny_model_factory("deepseek_v3", tie_word_embeddings=False), str(tmp / "mla")),
+            "mla_no_q_lora": randomized(tiny_model_factory("deepseek_v3", q_lora_rank=None, tie_word_embeddings=False),
+                                        str(tmp / "mla_no_q_lora")),
+            "qwen2_moe": randomized(tiny_model_factory("qwen2_moe", tie_word_embeddings=False), str(tmp / "qwen2_moe"))}
     ckpt = {"save_ckpt": str(tmp / "adapter_ckpt"), "load_ckpt": str(tmp / "adapter_ckpt")}
     cases = [{**case, **{k: ckpt[k] for k in ckpt if case.get(k)}, "dir": dirs[case["model"]]} for case in CASES]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = torchrun(WORKER, str(tmp / "cases.json"), str(tmp / "out"), timeout=240)
+    proc = torchrun(WORKER, str(tmp / "cases.json"), str(tmp / "out"), timeout=360)
     assert proc.returncode == 0, output_of(proc)
     return {"out": tmp / "out", "dirs": dirs}
 
@@ -87,15 +106,15 @@ def test_utilities_return_the_documented_names(run):
 
 
 @pytest.mark.parametrize("name, tol", [("tp1", 1e-5), ("tp2", 1e-5), ("tp2sp", 1e-5), ("tp2_qvd", 1e-5),
-                                       ("pp2", 1e-5), ("moe_ep2", 1e-4)])
+                                       ("pp2", 1e-5), ("moe_ep2", 1e-4), ("mla_tp1", 1e-4), ("mla_tp2sp", 1e-4),
+                                       ("mla_no_q_lora_tp2sp", 1e-4), ("shared_expert_tp2sp", 1e-4)])
 def test_exported_adapter_on_hf_gives_megatron_logits(run, name, tol):
     from peft import PeftModel
 
     case = next(c for c in CASES if c["name"] == name)
     model_dir, adapter = run["dirs"][case["model"]], run["out"] / name / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
-    expected = MOE_TARGETS if case["model"] == "moe" else TARGETS[case["target"]]
-    assert sorted(config["target_modules"]) == sorted(expected)
+    assert sorted(config["target_modules"]) == sorted(_targets(case))
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["task_type"]) == ("LORA", RANK, ALPHA,
                                                                                              "CAUSAL_LM")
     ids = _ids(model_dir)
@@ -120,7 +139,8 @@ def test_merged_export_equals_base_plus_adapter(run):
     assert (merged - peft_logits).abs().max() <= 1e-5 * peft_logits.abs().max()
 
 
-@pytest.mark.parametrize("name", ["tp1", "tp2", "tp2sp", "tp2_qvd", "pp2", "moe_ep2"])
+@pytest.mark.parametrize("name", ["tp1", "tp2", "tp2sp", "tp2_qvd", "pp2", "moe_ep2", "mla_tp1", "mla_tp2sp",
+                                  "mla_no_q_lora_tp2sp", "shared_expert_tp2sp"])
 def test_initial_adapter_equals_peft_with_the_same_seed(run, name):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import load_file
@@ -128,7 +148,7 @@ def test_initial_adapter_equals_peft_with_the_same_seed(run, name):
 
     case = next(c for c in CASES if c["name"] == name)
     model_dir = run["dirs"][case["model"]]
-    targets = MOE_TARGETS if case["model"] == "moe" else TARGETS[case["target"]]
+    targets = _targets(case)
     model = _hf(model_dir)
     set_seed(SEED)  # what the standard backend does right before get_peft_model
     peft = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=RANK, lora_alpha=ALPHA, target_modules=targets))
@@ -139,15 +159,15 @@ def test_initial_adapter_equals_peft_with_the_same_seed(run, name):
         assert torch.equal(got[key], tensor), key
 
 
-@pytest.mark.parametrize("name", ["tp1", "tp2", "tp2sp"])
+@pytest.mark.parametrize("name", ["tp1", "tp2", "tp2sp", "mla_tp1", "mla_tp2sp"])
 def test_sgd_steps_train_only_the_adapter(run, name):
     result = _result(run, name)
     assert result["base_same"] and result["lora_moved"] and result["trainable_all_lora"] and result["lora_fp32"]
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2sp"])
-def test_tensor_parallel_gradients_and_losses_equal_tp1(run, name):
-    reference, other = (torch.load(run["out"] / n / "steps.pt") for n in ("tp1", name))
+@pytest.mark.parametrize("name, tp1", [("tp2", "tp1"), ("tp2sp", "tp1"), ("mla_tp2sp", "mla_tp1")])
+def test_tensor_parallel_gradients_and_losses_equal_tp1(run, name, tp1):
+    reference, other = (torch.load(run["out"] / n / "steps.pt") for n in (tp1, name))
     assert reference["losses"] == pytest.approx(other["losses"], abs=1e-5)
     for step, (ref_grads, grads) in enumerate(zip(reference["grads"], other["grads"])):
         assert sorted(ref_grads) == sorted(grads)

@@ -7,10 +7,15 @@ every tensor:
 - ``roll-convert check``'s logits parity (``convert.check_parity``) at TP1, TP2 (experts split by ETP2),
   PP2, EP2 and TP2 x EP2 x ETP1 (sequence parallelism forced on), within the bounds of tests/bounds.py;
 - HF -> Megatron -> HF bit-exact at TP1, TP2, PP2 and EP2 (each written and exported at its layout), and the
-  export loads with ``AutoModelForCausalLM``.
+  export loads with ``AutoModelForCausalLM``;
+- the same model saved with transformers 5's fused experts (``save_original_format=False``): logits at TP2
+  (experts split by ETP2), and fused HF -> Megatron (EP2) -> HF the per-expert checkpoint bit for bit.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 
@@ -41,8 +46,28 @@ def test_mixtral_logits_parity_and_bit_exact_round_trips(tiny_model_factory, tmp
         cases += [dict(name=f"to_mca_{name}", kind="hf2mca", dir=hf, out=mca, **layout),
                   dict(name=f"to_hf_{name}", kind="mca2hf", dir=mca, out=out, max_shard_bytes=60_000,
                        **layout)]
-    res = run_cases(cases, tmp_path, timeout=420)
+    fused, fused_mca, fused_out = (str(tmp_path / n) for n in ("fused", "mca_fused", "hf_fused"))
+    _save_fused(hf, fused)
+    cases += [dict(name="mixtral_fused_tp2", kind="check", dir=fused, tp=2),
+              dict(name="to_mca_fused_ep2", kind="hf2mca", dir=fused, out=fused_mca, ep=2),
+              dict(name="to_hf_fused", kind="mca2hf", dir=fused_mca, out=fused_out, max_shard_bytes=60_000)]
+    res = run_cases(cases, tmp_path, timeout=480)
     assert all(rows[0]["diff"] == rows[1]["diff"] for rows in res.values() if "diff" in rows[0])
     assert_within(logit_comparisons(res))
     for name in LAYOUTS:
         _assert_exported_like(hf, str(tmp_path / f"hf_{name}"))
+    _assert_exported_like(hf, fused_out)  # the per-expert layout transformers' save_pretrained writes by default
+
+
+def _save_fused(hf: str, out: str) -> None:
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model.save_pretrained(out, save_original_format=False)
+    with safe_open(f"{out}/model.safetensors", "pt") as fh:
+        assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"} <= set(fh.keys())
+    for name in os.listdir(hf):  # the original config.json and tokenizer: only the weights' layout differs
+        if not name.endswith((".safetensors", ".index.json")):
+            shutil.copy2(os.path.join(hf, name), out)

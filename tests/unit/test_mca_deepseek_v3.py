@@ -58,30 +58,65 @@ def test_configs_megatron_computes_differently_are_refused(overrides, field):
         McaModelConfig.from_hf(_hf(**overrides))
 
 
-def test_transformer_engine_is_refused_naming_the_key():
-    """TE's MLA fuses the q/kv norms into the up-projections and duplicates the down-projections on every TP
-    rank: names and placements the loader does not map yet, so a clear error instead of a wrong load."""
-    from roll.errors import ConfigError
+class _TEProvider:
+    """Stands in for megatron-core's TESpecProvider (not importable without TE): each method returns its own
+    name, so a spec built from it says which TE module fills each slot."""
 
-    with pytest.raises(ConfigError, match="transformer_impl: local"):
-        McaModelConfig.from_hf(_hf(), transformer_impl="transformer_engine")
+    def __getattr__(self, method: str):
+        return lambda *args, **kwargs: f"TE.{method}"
+
+    def grouped_mlp_modules(self, *args):
+        return "TE.grouped_mlp", None
 
 
-def test_lora_on_latent_attention_is_refused_on_mca():
-    """The MLA projections have no LoRA mapping yet: 'all' would adapt only o_proj and the MLPs on mca, all of
-    q_a/q_b/kv_a/kv_b too on the standard backend: refused, not trained differently."""
-    from backends.mca.lora.utils import resolve_lora_targets
-    from roll.errors import ConfigError
+def _te_layer_specs(monkeypatch, num_experts):
+    from megatron.core.models.gpt import gpt_layer_specs
 
-    TELinear = type("TELinear", (torch.nn.Module,), {})  # a parallel linear, as lora.utils recognises TE's by name
-    attention = torch.nn.Module()
-    for name in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"):
-        attention.add_module(name, TELinear())
-    layer = torch.nn.Module()
-    layer.add_module("self_attention", attention)
-    model = torch.nn.Module()
-    model.add_module("decoder", torch.nn.Module())
-    model.decoder.add_module("layers", torch.nn.ModuleList([layer]))
-    for targets in ("all", ["o_proj"]):
-        with pytest.raises(ConfigError, match="linear_kv_down_proj.*finetuning_type: full"):
-            resolve_lora_targets(model, targets)
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _TEProvider, raising=False)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        num_experts=num_experts, qk_layernorm=True, multi_latent_attention=True)
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_transformer_engine_names_follow_megatrons_te_spec(monkeypatch, tiny_model_factory, q_lora_rank):
+    """Under TE, megatron-core 0.16.1's MLA layer keeps a separate input norm, fuses the q/kv latent norms into
+    the up-projections (TELayerNormColumnParallelLinear; q_layernorm / kv_layernorm Identity) and duplicates
+    the down-projections (TELinear); a dense layer fuses its pre-MLP norm into fc1, an MoE layer keeps it. The
+    layout renames give exactly those names (both ways), the loader's placement keeps the down-projections
+    whole on every TP rank whatever TE tags them, and LoRA maps the TE-named modules."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from backends.mca.models import layout, sharding
+    from tests.unit.test_mca_templates import _hf_checkpoint
+
+    moe, dense = _te_layer_specs(monkeypatch, 4).submodules, _te_layer_specs(monkeypatch, None).submodules
+    attention = moe.self_attention.submodules
+    assert moe.input_layernorm == "TE.layer_norm" and moe.pre_mlp_layernorm == "TE.layer_norm"
+    assert attention.q_layernorm is IdentityOp and attention.kv_layernorm is IdentityOp
+    assert attention.linear_q_up_proj == attention.linear_kv_up_proj == "TE.column_parallel_layer_norm_linear"
+    assert attention.linear_q_down_proj == attention.linear_kv_down_proj == "TE.linear"
+    assert dense.pre_mlp_layernorm is IdentityOp
+
+    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("deepseek_v3", q_lora_rank=q_lora_rank))
+    config = McaModelConfig.from_hf(hf_config, transformer_impl="transformer_engine", tensor_model_parallel_size=2)
+    mca_sd = get_template("deepseek_v3").hf_to_mca(hf_sd, config)
+    te_names = {layout.to_impl_name(name, config): name for name in mca_sd}
+    assert len(te_names) == len(mca_sd) and all(layout.from_impl_name(te, config) == n for te, n in te_names.items())
+    at = "decoder.layers.{}."
+    expected = {at.format(0) + "input_layernorm.weight", at.format(1) + "input_layernorm.weight",
+                at.format(0) + "self_attention.linear_kv_up_proj.layer_norm_weight",
+                at.format(0) + "mlp.linear_fc1.layer_norm_weight",  # layer 0 dense
+                at.format(1) + "pre_mlp_layernorm.weight"}  # layer 1 MoE
+    if q_lora_rank:
+        expected.add(at.format(1) + "self_attention.linear_q_up_proj.layer_norm_weight")
+    assert expected <= te_names.keys()
+    assert not any(n.endswith(("q_layernorm.weight", "kv_layernorm.weight", "linear_qkv.layer_norm_weight"))
+                   for n in te_names)
+    down = at.format(1) + "self_attention.linear_kv_down_proj.weight"
+    tagged = torch.zeros(24, 48)
+    tagged.tensor_model_parallel, tagged.partition_dim = True, 0  # TE tags every Linear weight
+    assert sharding.tp_kind(down, config) == sharding.param_tp_kind(down, tagged, config) == "replicated"
+    assert sharding.tp_kind(at.format(1) + "self_attention.linear_kv_up_proj.weight", config) == "column"
+    assert torch.equal(sharding.shard_for_rank(down, mca_sd[down], config, (2, 1), (2, 1)), mca_sd[down])
+    local = McaModelConfig.from_hf(hf_config, tensor_model_parallel_size=2)
+    assert sharding.tp_kind(down, local) == "column"  # the local spec's ColumnParallelLinear

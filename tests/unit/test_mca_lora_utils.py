@@ -3,7 +3,10 @@ name (no Transformer Engine installed), and lora_target resolution."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from torch import nn
 
 from backends.mca.lora.utils import (find_all_embedding_modules, find_all_linear_modules, find_all_router_modules,
@@ -108,11 +111,96 @@ def test_resolve_lora_targets(roll_warnings):
 
 @pytest.mark.parametrize("target, message", [
     (["lm_head"], "lora_target 'lm_head' is not supported"),
-    (["gate_proj"], "this model has no 'mlp.linear_fc1' module"),
+    (["gate_proj"], "this model has no 'mlp.linear_fc1' or 'mlp.shared_experts.linear_fc1' module"),
+    (["q_a_proj"], "this model has no 'self_attention.linear_q_down_proj' module"),
 ])
 def test_resolve_lora_targets_errors_name_the_key(target, message):
     with pytest.raises(ConfigError, match=message):
         resolve_lora_targets(gpt(moe=True), target)
+
+
+def _mla_gpt(q_lora_rank: bool, shared_gate: bool = False) -> nn.Module:
+    """DeepSeek-V3's layer under Transformer Engine's names (megatron-core 0.16.1's TE spec with
+    ``multi_latent_attention=True``): duplicated TELinear down-projections, the q/kv latent norms fused into
+    TELayerNormColumnParallelLinear up-projections; a dense first layer, then an MoE layer with shared experts."""
+    model = nn.Module()
+    model.decoder = nn.Module()
+    layers = []
+    for moe in (False, True):
+        layer = nn.Module()
+        attn = layer.self_attention = nn.Module()
+        if q_lora_rank:
+            attn.linear_q_down_proj, attn.linear_q_up_proj = TELinear(4, 3), TELayerNormColumnParallelLinear(3, 8)
+        else:
+            attn.linear_q_proj = TEColumnParallelLinear(4, 8)
+        attn.linear_kv_down_proj, attn.linear_kv_up_proj = TELinear(4, 3), TELayerNormColumnParallelLinear(3, 8)
+        attn.linear_proj = TERowParallelLinear(4, 4)
+        layer.mlp = nn.Module()
+        owner = layer.mlp
+        if moe:
+            layer.mlp.experts = nn.Module()
+            layer.mlp.experts.linear_fc1, layer.mlp.experts.linear_fc2 = TEGroupedLinear(), TEGroupedLinear()
+            owner = layer.mlp.shared_experts = nn.Module()
+            if shared_gate:
+                owner.gate_weight = nn.Parameter(torch.zeros(1, 4))
+        owner.linear_fc1, owner.linear_fc2 = TEColumnParallelLinear(4, 16), TERowParallelLinear(8, 4)
+        layers.append(layer)
+    model.decoder.layers = nn.ModuleList(layers)
+    return model
+
+
+_MLA_ALL = {"self_attention.linear_proj": ("o_proj",), "self_attention.linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+            "self_attention.linear_kv_up_proj": ("kv_b_proj",), "mlp.linear_fc1": ("gate_proj", "up_proj"),
+            "mlp.linear_fc2": ("down_proj",), "mlp.shared_experts.linear_fc1": ("gate_proj", "up_proj"),
+            "mlp.shared_experts.linear_fc2": ("down_proj",)}
+
+
+def test_resolve_lora_targets_on_latent_attention_and_shared_experts(roll_warnings):
+    """Multi-latent attention's linears stand for DeepSeek-V3's HF projections (TE names, as the TE spec builds
+    them); a projection name selects every module computing it (PEFT matches the last name: gate_proj is the
+    dense MLP's and the shared experts'); Qwen2-MoE's shared-expert gate, an nn.Linear PEFT's ``all`` adapts,
+    makes ``all`` an error that names the targets to use."""
+    with_q = resolve_lora_targets(_mla_gpt(q_lora_rank=True), "all")
+    assert with_q == {"self_attention.linear_q_down_proj": ("q_a_proj",),
+                      "self_attention.linear_q_up_proj": ("q_b_proj",), **_MLA_ALL}
+    assert resolve_lora_targets(_mla_gpt(q_lora_rank=False), "all") == {
+        "self_attention.linear_q_proj": ("q_proj",), **_MLA_ALL}
+    assert "mlp.experts.linear_fc1" in roll_warnings.text
+    assert resolve_lora_targets(_mla_gpt(q_lora_rank=False), ["q_proj", "kv_b_proj", "up_proj"]) == {
+        "self_attention.linear_q_proj": ("q_proj",), "self_attention.linear_kv_up_proj": ("kv_b_proj",),
+        "mlp.linear_fc1": ("up_proj",), "mlp.shared_experts.linear_fc1": ("up_proj",)}
+    assert resolve_lora_targets(_mla_gpt(q_lora_rank=True), ["linear_fc2"]) == {
+        "mlp.linear_fc2": ("down_proj",), "mlp.shared_experts.linear_fc2": ("down_proj",)}
+    targets = "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj"
+    with pytest.raises(ConfigError, match=f"adapt shared_expert_gate .* lora_target: {targets}\\."):
+        resolve_lora_targets(_mla_gpt(q_lora_rank=False, shared_gate=True), "all")
+
+
+@pytest.mark.parametrize("target", ["all", ["q_a_proj", "down_proj"]])
+def test_mlp_targets_refused_where_peft_moves_them_to_the_routed_experts(target):
+    """On deepseek_v3 (also glm4_moe, qwen3_moe) PEFT 0.21 with transformers 5 applies gate/up/down_proj to the
+    routed experts' fused parameters, not to the dense MLP and shared experts that carry those names on mca."""
+    model = _mla_gpt(q_lora_rank=True)
+    model.config = SimpleNamespace(hf_model_type="deepseek_v3")
+    with pytest.raises(ConfigError, match="routed experts.*lora_target: q_a_proj,q_b_proj,kv_a_proj_with_mqa,"
+                                          "kv_b_proj,o_proj\\."):
+        resolve_lora_targets(model, target)
+    assert resolve_lora_targets(model, ["q_b_proj", "linear_proj"]) == {
+        "self_attention.linear_q_up_proj": ("q_b_proj",), "self_attention.linear_proj": ("o_proj",)}
+
+
+def test_peft_moves_mlp_targets_to_experts_on_exactly_these_families():
+    """backends.mca.lora.utils.PEFT_EXPERT_MLP_FAMILIES against the installed peft/transformers: the families
+    whose gate_proj/up_proj/down_proj targets PEFT converts to the fused routed experts."""
+    pytest.importorskip("peft")
+    from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+
+    from backends.mca.lora.utils import PEFT_EXPERT_MLP_FAMILIES
+    from backends.mca.models.template import FAMILY_MODULES
+
+    moved = {family for family in FAMILY_MODULES
+             if "gate_proj" in _MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(family), {})}
+    assert moved == set(PEFT_EXPERT_MLP_FAMILIES)
 
 
 class TELinear(nn.Linear):
@@ -145,3 +233,20 @@ def test_lora_output_is_base_plus_alpha_over_rank_times_b_a(rslora, scaling):
     out, bias = module(x)
     assert bias is None
     torch.testing.assert_close(out, base + scaling * x @ a.t() @ b.t(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_adapters_of_a_duplicated_linear_follow_its_sequence_parallel_tag(sequence_parallel):
+    """Under TE, latent attention's down-projections are duplicated TELinears: with sequence parallelism each
+    TP rank computes its part of the sequence and Megatron sums the weight's gradient over TP (its
+    ``sequence_parallel`` tag); the adapters must be summed the same way, and only then."""
+    pytest.importorskip("megatron.core")
+    from backends.mca.lora.layers import add_lora, linear_kind
+
+    module = TELinear(6, 5)
+    module.weight.sequence_parallel = sequence_parallel
+    assert linear_kind(module) == "replicated"
+    add_lora(module, {"kv_a_proj_with_mqa": 5}, rank=2, alpha=4.0)
+    adapters = [*module.lora_A.values(), *module.lora_B.values()]
+    assert [getattr(p, "sequence_parallel", False) for p in adapters] == [sequence_parallel] * 2
+    assert not any(getattr(p, "tensor_model_parallel", False) for p in adapters)

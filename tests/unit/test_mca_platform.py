@@ -171,17 +171,17 @@ def test_real_patch_conditions_on_this_machine(monkeypatch):
                            "moe_router_without_te", "cuda_streams", "moe_split_sizes",
                            "torch_norm_sequence_parallel", "gloo_uneven_first_dim", "distopt_step_on_load",
                            "foreach_multi_tensor_scale", "expert_bias_padding_mask", "mla_without_te",
-                           "restricted_checkpoint_reads", "moe_z_loss_scale_per_token"}
+                           "mla_rope_key_grad", "restricted_checkpoint_reads", "moe_z_loss_scale_per_token"}
     # this CPU machine has no accelerator, no TE and no Apex, and its collectives run on gloo
     assert all(condition() for condition in needed.values())
     monkeypatch.setattr(platform, "current_platform", lambda: Platform("cuda", "nccl"))
     on_gpu = {name for name, condition in needed.items() if condition()}
     # a GPU without TE/Apex still needs the MoE-router, torch-norm, torch-AdamW and multi-tensor fixes, none of
     # the CPU ones; checkpoint reads are restricted, the expert-bias count fixed and the z-loss's scale (megatron's
-    # bug) corrected on any device
+    # bug) corrected on any device, and so is multi-latent attention's RoPE-key gradient under TP (megatron's bug)
     assert on_gpu == {"moe_router_without_te", "torch_norm_sequence_parallel", "distopt_step_on_load",
                       "foreach_multi_tensor_scale", "expert_bias_padding_mask", "mla_without_te",
-                      "restricted_checkpoint_reads", "moe_z_loss_scale_per_token"}
+                      "mla_rope_key_grad", "restricted_checkpoint_reads", "moe_z_loss_scale_per_token"}
 
 
 # -- initialize_megatron (one process, no launcher) ---------------------------------------------------

@@ -111,13 +111,27 @@ def _add(module: nn.Module, pattern: str, projs: tuple[str, ...], spec: LoraSpec
         add_lora(module, {projs[0]: out_local}, **common)
 
 
-def hf_projection_shape(proj: str, config) -> tuple[int, int]:
-    """(in_features, out_features) of the HF ``nn.Linear`` for projection ``proj``."""
-    groups = config.num_query_groups or config.num_attention_heads
-    q, kv, hidden, ffn = config.num_attention_heads * config.kv_channels, groups * config.kv_channels, \
-        config.hidden_size, config.ffn_hidden_size
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, ffn), "up_proj": (hidden, ffn), "down_proj": (ffn, hidden)}[proj]
+def hf_layer_linears(config, layer: int) -> list[tuple[str, int, int]]:
+    """(HF projection, in_features, out_features) of every ``nn.Linear`` PEFT can adapt in HF decoder layer
+    ``layer`` (global index), in HF module order: attention (grouped-query, or latent with or without a q
+    LoRA rank), then the dense MLP or, in an MoE layer, the shared experts (routed experts are fused 3-D
+    parameters in transformers 5, not ``nn.Linear``)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    if getattr(config, "multi_latent_attention", False):
+        q_out = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+        q = [("q_proj", hidden, q_out)] if config.q_lora_rank is None else \
+            [("q_a_proj", hidden, config.q_lora_rank), ("q_b_proj", config.q_lora_rank, q_out)]
+        attention = [*q, ("kv_a_proj_with_mqa", hidden, config.kv_lora_rank + config.qk_pos_emb_head_dim),
+                     ("kv_b_proj", config.kv_lora_rank, heads * (config.qk_head_dim + config.v_head_dim)),
+                     ("o_proj", heads * config.v_head_dim, hidden)]
+    else:
+        groups = config.num_query_groups or heads
+        q, kv = heads * config.kv_channels, groups * config.kv_channels
+        attention = [("q_proj", hidden, q), ("k_proj", hidden, kv), ("v_proj", hidden, kv), ("o_proj", q, hidden)]
+    ffn = (getattr(config, "moe_shared_expert_intermediate_size", None) if config.is_moe_layer(layer)
+           else config.ffn_hidden_size)
+    mlp = [("gate_proj", hidden, ffn), ("up_proj", hidden, ffn), ("down_proj", ffn, hidden)] if ffn else []
+    return attention + mlp
 
 
 @torch.no_grad()
@@ -132,11 +146,12 @@ def init_lora_weights(chunks: list[nn.Module], config, seed: int) -> None:
                 for proj in module.lora_A:
                     held[(layer, proj)] = module
     spec = chunks[0].lora_spec
-    targeted = spec.hf_target_modules  # PEFT adapts these in every layer, in HF module order
+    targeted = spec.hf_target_modules  # PEFT adapts the modules of these names in every layer, in module order
     gen = torch.Generator().manual_seed(seed)
     for layer in range(config.num_layers):
-        for proj in targeted:
-            in_f, out_f = hf_projection_shape(proj, config)
+        for proj, in_f, out_f in hf_layer_linears(config, layer):
+            if proj not in targeted:
+                continue
             _kaiming(torch.empty(spec.rank, in_f), gen)   # nn.Linear(in, r).__init__
             _kaiming(torch.empty(out_f, spec.rank), gen)  # nn.Linear(r, out).__init__
             a = _kaiming(torch.empty(spec.rank, in_f), gen)  # reset_lora_parameters

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.mca.lora.apply import LoraSpec, is_lora_param, lora_spec_of
-from backends.mca.lora.utils import HF_PARENT
 from backends.mca.models.export import copy_tokenizer_files, gather_unit
 from backends.mca.models.gpt import chunk_placements
+from backends.mca.models.template import template_for
 from backends.mca.models.unwrap import unwrap_model
 from roll.errors import ModelError
 from roll.outputs import remove_stale_weights
@@ -33,17 +33,24 @@ from roll.logging import log_rank0
 
 logger = logging.getLogger(__name__)
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_SUBDIR = "adapter_config.json", "adapter_model.safetensors", "merged"
-_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.linear_\w+\.lora_([AB])\.(\w+)$")
+_NAME = re.compile(r"^(decoder\.layers\.\d+\.[\w.]+)\.lora_([AB])\.(\w+)$")
 
 
-def hf_adapter_name(canonical: str) -> str:
-    """Canonical Megatron adapter name (global layer) -> the key PEFT saves for it."""
+def hf_adapter_name(canonical: str, config) -> str:
+    """Canonical Megatron adapter name (global layer) -> the key PEFT saves for it. The HF module is the one
+    the family's conversion template maps onto the adapted Megatron linear (``self_attention.linear_kv_up_proj``
+    -> ``self_attn.kv_b_proj``; ``mlp.shared_experts.linear_fc1`` -> Qwen2-MoE's ``mlp.shared_expert.gate_proj``),
+    so the adapter sits on the same weight on both sides."""
     m = _NAME.match(canonical)
     if m is None:
-        raise ModelError(f"adapter parameter {canonical!r} has no HF PEFT name (only attention and dense-MLP "
-                         "adapters export).")
-    layer, parent, ab, proj = m.groups()
-    return f"base_model.model.model.layers.{layer}.{HF_PARENT[parent]}.{proj}.lora_{ab}.weight"
+        raise ModelError(f"adapter parameter {canonical!r} has no HF PEFT name (only decoder-layer adapters export).")
+    module, ab, proj = m.groups()
+    hf_names = template_for(config).match_mca(module + ".weight").hf_names
+    hf_modules = [name.rsplit(".", 1)[0] for name in hf_names if name.rsplit(".", 2)[-2] == proj]
+    if len(hf_modules) != 1 or not hf_modules[0].startswith("model."):
+        raise ModelError(f"adapter parameter {canonical!r}: the conversion template maps {module}.weight to "
+                         f"{', '.join(hf_names)}, none of them (exactly one) an HF {proj!r} module.")
+    return f"base_model.model.{hf_modules[0]}.lora_{ab}.weight"
 
 
 def gather_adapter(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -58,7 +65,7 @@ def gather_adapter(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
                     kind = "column" if param.partition_dim == 0 else "row"
                 local[place.to_global(name)] = (param, kind)
     full = gather_unit(local)
-    return {hf_adapter_name(name): t.float().contiguous() for name, t in sorted(full.items())}
+    return {hf_adapter_name(name, config): t.float().contiguous() for name, t in sorted(full.items())}
 
 
 def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_path: str | None,

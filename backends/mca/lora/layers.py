@@ -17,15 +17,18 @@ Placement (``tp`` = the base's tensor-parallel group: TP, or expert-TP for exper
 - row-parallel base (``linear_proj``, ``linear_fc2``): ``lora_A`` [r, in/tp] split like the base's
   input, ``lora_B`` [out, r] replicated; ``A x`` is all-reduced (``reduce_from_...``) before ``B``,
   and with sequence parallelism the LoRA output is scattered along the sequence like the base's.
+- replicated base (Transformer Engine's duplicated ``TELinear``: latent attention's down-projections): both
+  weights whole on every rank; under sequence parallelism each rank sees its part of the sequence, so the
+  adapters carry the base weight's ``sequence_parallel`` tag and ``finalize_model_grads`` sums them over TP.
 - MoE expert linears with explicit expert communication (the token dispatcher moves tokens and
   reduces partial outputs, and the base runs no collective): the LoRA path runs none either; the
   replicated weight passes ``copy_to_...`` with the expert-TP group, so its partial gradient is
   summed in backward. Its parameters carry the base's ``allreduce=False`` tag, so Megatron DDP
   reduces them over the expert-data-parallel group.
 
-So the gradients of replicated adapter weights come out identical on every TP rank without help
-from ``finalize_model_grads``: they must *not* be tagged ``sequence_parallel`` (that would sum them
-over TP a second time). Split weights get Megatron's ``tensor_model_parallel`` / ``partition_dim``
+So the gradients of replicated adapter weights of a column or row base come out identical on every TP rank
+without help from ``finalize_model_grads``: they must *not* be tagged ``sequence_parallel`` (that would sum
+them over TP a second time). Split weights get Megatron's ``tensor_model_parallel`` / ``partition_dim``
 tags; ``sharded_state_dict`` saves them as TP-sharded tensors and the rest as replicated.
 
 A fused module carries one (A, B) pair per HF projection: q/k/v outputs are interleaved per query
@@ -208,4 +211,8 @@ def add_lora(module: nn.Module, projections: dict[str, int], *, rank: int, alpha
             set_tensor_model_parallel_attributes(a, True, 1, 1)
         for p in (a, b):
             p.allreduce = allreduce  # False on expert linears: DDP reduces them over expert-DP
+            if kind == "replicated" and getattr(weight, "sequence_parallel", False):
+                # a duplicated TELinear (latent attention's down-projections under TE) sees this rank's part of
+                # the sequence: finalize_model_grads sums its adapters' gradients over TP, as the base weight's
+                p.sequence_parallel = True
         module.lora_A[proj], module.lora_B[proj] = a, b

@@ -102,11 +102,6 @@ class McaModelConfig(TransformerConfig):
             raise ConfigError(f"expert_model_parallel_size({ep}) > 1 but the model has no experts. Set it to 1.")
         if experts and experts % ep:
             raise ConfigError(f"expert_model_parallel_size({ep}) does not divide num_moe_experts({experts}).")
-        if self.multi_latent_attention and self.transformer_impl == "transformer_engine":
-            raise ConfigError(f"model_type {self.hf_model_type!r} (multi-latent attention) converts with the local layer "
-                              "implementation only: Transformer Engine fuses its norms into other weights and keeps "
-                              "its down-projections whole on every TP rank, which roll does not map yet. Set "
-                              "transformer_impl: local.")
         if experts and self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff:
             raise ConfigError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff}: model_type {self.hf_model_type!r} has no "
                               "load-balancing loss (it balances its experts with the router's score-correction "

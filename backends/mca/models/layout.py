@@ -2,7 +2,8 @@
 
 Two independent renamings live here so templates stay layout-free:
 - *implementation*: Transformer Engine fuses the pre-attention/pre-MLP norms into the following
-  linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``) and its grouped-GEMM
+  linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``; under multi-latent attention the
+  q/kv latent norms into ``linear_q_up_proj`` / ``linear_kv_up_proj``) and its grouped-GEMM
   experts are ``experts.linear_fc1.weight{e}``; the local spec keeps separate norms and
   ``experts.local_experts.{e}.linear_fc1.weight``.
 - *placement*: a chunk numbers its layers and experts locally; PP/VPP and EP offsets make them global.
@@ -26,6 +27,11 @@ _EXPERT_SEQ = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])
 _EXPERT_TE = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _TE_RENAMES = ((".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight"),
                (".input_layernorm.bias", ".self_attention.linear_qkv.layer_norm_bias"))
+_TE_MLA_RENAMES = ((".self_attention.q_layernorm.weight", ".self_attention.linear_q_up_proj.layer_norm_weight"),
+                   (".self_attention.kv_layernorm.weight", ".self_attention.linear_kv_up_proj.layer_norm_weight"))
+"""Multi-latent attention under TE (megatron-core 0.16.1's TE spec with ``multi_latent_attention``): the q and kv
+latent norms are fused into the up-projections (TELayerNormColumnParallelLinear, ``q_layernorm`` /
+``kv_layernorm`` Identity), while the input norm stays a separate module (there is no ``linear_qkv``)."""
 _TE_DENSE_RENAMES = ((".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"),
                      (".pre_mlp_layernorm.bias", ".mlp.linear_fc1.layer_norm_bias"))
 
@@ -34,12 +40,13 @@ def _te_renames(config: McaModelConfig, name: str | None = None) -> tuple[tuple[
     """The TE renames of canonical ``name`` (global layer index); None: those of any layer, which is safe
     from TE names back (a TE name is unambiguous). MoE layers keep a separate pre-MLP norm under TE (there
     is no single fc1 to fuse it into); dense layers, also those of an MoE model, fuse it."""
+    attention = _TE_MLA_RENAMES if getattr(config, "multi_latent_attention", False) else _TE_RENAMES
     layer = _LAYER.match(name) if name is not None else None
     if layer is not None and config.is_moe_layer(int(layer.group(1))):
-        return _TE_RENAMES
+        return attention
     if name is not None and layer is None:
-        return _TE_RENAMES
-    return _TE_RENAMES + _TE_DENSE_RENAMES
+        return attention
+    return attention + _TE_DENSE_RENAMES
 
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")

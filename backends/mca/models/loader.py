@@ -14,6 +14,7 @@ and never a whole file.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backends.mca.models import layout, sharding
+from backends.mca.models import fused_experts, layout, sharding
 from backends.mca.models.gpt import canonical_tensors, rank_coordinates
 from backends.mca.models.mapping import Mapping
 from backends.mca.models.safetensors_io import SafetensorsFile
@@ -83,7 +84,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     """
     coords = coords if coords is not None else rank_coordinates()
     template = template_for(config)
-    weight_map = hf_weight_map(hf_dir)
+    weight_map = fused_experts.expand_weight_map(hf_weight_map(hf_dir), template, config)
     targets = _targets(chunks, placements, config, template)
     _zero_absent_optional(targets, template, weight_map)
     missing = {n for t in targets.values() for n in t.hf_names} - set(weight_map)
@@ -180,6 +181,7 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
     """Read the needed tensors file by file (sorted), each into its place in its parameter when
     ``_whole_slots`` finds one, else into a buffer held only until its mapping is complete."""
     tp, etp = (coords["tp_size"], coords["tp_rank"]), (coords["etp_size"], coords["etp_rank"])
+    expand = functools.partial(fused_experts.expand_header, template=template_for(config), config=config)
     waiting: dict[str, set[str]] = defaultdict(set)  # HF name -> canonical names still needing it
     for canonical, target in targets.items():
         for hf_name in target.hf_names:
@@ -189,7 +191,7 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
         by_file[weight_map[hf_name]].append(hf_name)
     total, info = 0, {}
     for file in by_file:
-        with SafetensorsFile(os.path.join(hf_dir, file)) as fh:
+        with SafetensorsFile(os.path.join(hf_dir, file), expand) as fh:
             total += sum(fh.nbytes(name) for name in by_file[file])
             info.update((name, fh.info(name)) for name in by_file[file])
     slots = _whole_slots(targets, waiting, info, config, (tp, etp))
@@ -199,7 +201,7 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
     with byte_progress(total, "read HF weights") as bar:
         for file in sorted(by_file):
             report.files_read.append(file)
-            with SafetensorsFile(os.path.join(hf_dir, file)) as fh:
+            with SafetensorsFile(os.path.join(hf_dir, file), expand) as fh:
                 for hf_name in sorted(by_file[file]):
                     report.tensors_read += 1
                     report.bytes_read += fh.nbytes(hf_name)

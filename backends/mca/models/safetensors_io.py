@@ -19,6 +19,7 @@ import json
 import os
 import struct
 import sys
+from typing import Callable
 
 import torch
 
@@ -32,15 +33,19 @@ _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
 class SafetensorsFile:
-    """One open ``.safetensors`` file: ``keys()``, ``nbytes(name)``, ``read(name, out=None)``."""
+    """One open ``.safetensors`` file: ``keys()``, ``nbytes(name)``, ``read(name, out=None)``. ``expand``: turns the
+    parsed header into the entries the reader serves (``fused_experts.expand_header``: a fused expert tensor as
+    per-expert tensors over its bytes)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, expand: Callable[[dict[str, dict], str], dict[str, dict]] | None = None) -> None:
         if sys.byteorder != "little":
             raise ModelError("reading safetensors needs a little-endian host (the format's byte order).")
         self.path = path
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self._entries, self._base = self._parse_header()
+            if expand is not None:
+                self._entries = expand(self._entries, path)
         except BaseException:
             os.close(self._fd)
             raise

@@ -43,9 +43,18 @@ _WHOLE_MODULES = ("visual.",)
 (``backends.mca.models.qwen2_5_vl``)."""
 
 
+_TE_DUPLICATED = (".linear_q_down_proj.weight", ".linear_kv_down_proj.weight")
+"""Under Transformer Engine, multi-latent attention's down-projections are duplicated ``TELinear``s: whole on
+every TP rank (column-parallel in the local spec)."""
+
+
+def _duplicated(name: str, config: McaModelConfig) -> bool:
+    return config.transformer_impl == "transformer_engine" and name.endswith(_TE_DUPLICATED)
+
+
 def tp_kind(name: str, config: McaModelConfig) -> Kind:
     """How the canonical Megatron parameter ``name`` is split across (expert-)tensor-parallel ranks."""
-    if name.startswith(_WHOLE_MODULES):
+    if name.startswith(_WHOLE_MODULES) or _duplicated(name, config):
         return "replicated"
     if name in _VOCAB or name.endswith(_COLUMN):
         return "column"
@@ -66,8 +75,11 @@ def param_tp_kind(name: str, param: torch.Tensor, config: McaModelConfig) -> Kin
     ``tensor_model_parallel`` + ``partition_dim`` 0 / 1 is column / row (the fused SwiGLU fc1,
     tagged column, keeps gate and up apart). An untagged parameter is replicated only if it is one
     Megatron keeps whole (norms, router, ...); anything else, e.g. an adapter weight nobody tagged,
-    is an error: gathering it as replicated would silently write one rank's shard.
+    is an error: gathering it as replicated would silently write one rank's shard. A duplicated ``TELinear``
+    (latent attention's down-projections under TE) is whole on every rank whatever TE tagged.
     """
+    if _duplicated(name, config):
+        return "replicated"
     if getattr(param, "tensor_model_parallel", False):
         dim = getattr(param, "partition_dim", None)
         if dim == 1:

@@ -51,6 +51,9 @@ class Template:
     model_class: str = "megatron.core.models.gpt.GPTModel"
     """The GPTModel (sub)class the family builds (dotted path): a vision-language family's adds its vision tower to
     the first pipeline stage (``backends.mca.models.qwen2_5_vl``)."""
+    on_disk: tuple = ()
+    """Other spellings a checkpoint may store the HF tensors in (``fused_experts.Fused``: transformers 5's fused
+    experts), read as the names the weight rows map."""
     _hf_regex: list[tuple[re.Pattern, Mapping, int]] = field(default_factory=list, repr=False)
     _mca_regex: list[tuple[re.Pattern, Mapping]] = field(default_factory=list, repr=False)
 

@@ -68,7 +68,7 @@ def _full_grads(chunks) -> dict[str, torch.Tensor]:
         kind = ("column" if p.partition_dim == 0 else "row") if getattr(p, "tensor_model_parallel", False) \
             else "replicated"
         local[place.to_global(name)] = (p.grad, kind)
-    return {hf_adapter_name(k): v for k, v in gather_unit(local).items()}
+    return {hf_adapter_name(k, chunks[0].config): v for k, v in gather_unit(local).items()}
 
 
 def _sgd_steps(chunks, steps: int = 3) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backends.mca.models.fused_experts import fused_expert_rows
 from backends.mca.models.mapping import QKV, GateUp, Mapping, Rename
 from backends.mca.models.template import ConfigKey
 from roll.errors import ModelError
@@ -85,6 +86,10 @@ def moe_rows() -> list[Mapping]:
     """Router + routed experts (canonical = SequentialMLP naming, ``{expert}`` is the global index)."""
     return [Rename(L + "mlp.gate.weight", M + "mlp.router.weight"),
             *mlp_rows(L + "mlp.experts.{expert}.", M + "mlp.experts.local_experts.{expert}.")]
+
+
+FUSED_EXPERTS = fused_expert_rows(L + "mlp.experts.", L + "mlp.experts.{expert}.")
+"""The routed experts of ``moe_rows()`` as transformers 5 stores them fused (``save_original_format=False``)."""
 
 
 def check_dense_moe_layers(hf: dict, out: dict) -> None:

@@ -105,6 +105,7 @@ def _attention_rows() -> list:
 
 TEMPLATE = register_template(Template(
     model_type="deepseek_v3",
+    on_disk=c.FUSED_EXPERTS,
     config_keys=CONFIG_KEYS,
     constants=CONSTANTS,
     weights=[*c.model_rows(), *_attention_rows(), *c.mlp_rows(), *moe_block_rows()],

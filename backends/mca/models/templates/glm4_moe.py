@@ -44,6 +44,7 @@ def moe_block_rows() -> list:
 
 TEMPLATE = register_template(Template(
     model_type="glm4_moe",
+    on_disk=c.FUSED_EXPERTS,
     config_keys=CONFIG_KEYS,
     constants=CONSTANTS,
     weights=[*c.model_rows(), *c.attention_rows(qkv_bias=True, qk_norm=True), *c.mlp_rows(), *moe_block_rows()],

@@ -6,6 +6,7 @@ HF's router takes the softmax over all experts, the top k, and renormalises them
 of the logits, then their softmax: ``moe_router_pre_softmax`` false) gives the same weights.
 """
 
+from backends.mca.models.fused_experts import Fused, fused_expert_rows
 from backends.mca.models.mapping import GateUp, Rename
 from backends.mca.models.template import ConfigKey, Template, register_template
 from backends.mca.models.templates import _common as c
@@ -42,4 +43,7 @@ TEMPLATE = register_template(Template(
              GateUp(_EXPERT + "w1.weight", _EXPERT + "w3.weight", _MCA_EXPERT + "linear_fc1.weight"),
              Rename(_EXPERT + "w2.weight", _MCA_EXPERT + "linear_fc2.weight")],
     config_hook=_config_hook,
+    # transformers 5's fused spelling (save_original_format=False): block_sparse_moe renamed mlp, w1/w3 -> gate_up_proj
+    on_disk=(*fused_expert_rows(c.L + "mlp.experts.", _EXPERT, gate="w1", up="w3", down="w2"),
+             Fused(c.L + "mlp.gate.weight", (_MOE + "gate.weight",))),
 ))

@@ -15,6 +15,7 @@ _SHARED = [*c.mlp_rows(c.L + "mlp.shared_expert.", c.M + "mlp.shared_experts."),
 
 TEMPLATE = register_template(Template(
     model_type="qwen2_moe",
+    on_disk=c.FUSED_EXPERTS,
     config_keys=[*c.CONFIG_KEYS, *c.MOE_CONFIG_KEYS,
                  ConfigKey("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")],
     constants={**c.CONSTANTS, **c.MOE_CONSTANTS, "add_qkv_bias": True, "moe_shared_expert_gate": True},

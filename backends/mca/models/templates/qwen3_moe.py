@@ -11,6 +11,7 @@ def _config_hook(hf: dict, out: dict) -> None:
 
 TEMPLATE = register_template(Template(
     model_type="qwen3_moe",
+    on_disk=c.FUSED_EXPERTS,
     config_keys=[*c.CONFIG_KEYS, *c.MOE_CONFIG_KEYS, ConfigKey("attention_bias", "add_qkv_bias")],
     constants={**c.CONSTANTS, **c.MOE_CONSTANTS, "qk_layernorm": True},
     weights=[*c.model_rows(), *c.attention_rows(qkv_bias=True, qk_norm=True), *c.moe_rows()],
