@@ -36,14 +36,23 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_SUBDIR = "adapter_config.json", "adapter
 _NAME = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.linear_\w+\.lora_([AB])\.(\w+)$")
 
 
-def hf_adapter_name(canonical: str) -> str:
-    """Canonical Megatron adapter name (global layer) -> the key PEFT saves for it."""
+TEXT_LAYERS, VL_LAYERS = "model.layers", "model.language_model.layers"
+"""Where transformers keeps the decoder layers: a causal LM's, and a Qwen-VL model's language model (docs/vl.md)."""
+
+
+def hf_layers_prefix(hf_config: dict | None) -> str:
+    """The decoder layers' module path in the HF model of ``hf_config`` (its config.json dict)."""
+    return VL_LAYERS if hf_config and "vision_config" in hf_config else TEXT_LAYERS
+
+
+def hf_adapter_name(canonical: str, layers: str = TEXT_LAYERS) -> str:
+    """Canonical Megatron adapter name (global layer) -> the key PEFT saves for it (``layers``: hf_layers_prefix)."""
     m = _NAME.match(canonical)
     if m is None:
         raise ModelError(f"adapter parameter {canonical!r} has no HF PEFT name (only attention and dense-MLP "
                          "adapters export).")
     layer, parent, ab, proj = m.groups()
-    return f"base_model.model.model.layers.{layer}.{HF_PARENT[parent]}.{proj}.lora_{ab}.weight"
+    return f"base_model.model.{layers}.{layer}.{HF_PARENT[parent]}.{proj}.lora_{ab}.weight"
 
 
 def gather_adapter(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -58,7 +67,8 @@ def gather_adapter(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
                     kind = "column" if param.partition_dim == 0 else "row"
                 local[place.to_global(name)] = (param, kind)
     full = gather_unit(local)
-    return {hf_adapter_name(name): t.float().contiguous() for name, t in sorted(full.items())}
+    layers = hf_layers_prefix(getattr(config, "hf_config", None))
+    return {hf_adapter_name(name, layers): t.float().contiguous() for name, t in sorted(full.items())}
 
 
 def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_path: str | None,
@@ -73,13 +83,24 @@ def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_pa
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        spec.peft_config(base_model_name_or_path).save_pretrained(out_dir)
+        config = unwrap_model(chunks[0]).config
+        layers = hf_layers_prefix(getattr(config, "hf_config", None))
+        spec.peft_config(base_model_name_or_path, None if layers == TEXT_LAYERS else
+                         _full_module_names(tensors)).save_pretrained(out_dir)
         remove_stale_weights(out_dir, keep={ADAPTER_WEIGHTS, "adapter_config.json"})
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
         log_rank0(logger, "wrote LoRA adapter (%d tensors, PEFT format) to %s", len(tensors), out_dir)
     dist.barrier()
     return out_dir
+
+
+def _full_module_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The adapted modules' full names (``model.language_model.layers.0.self_attn.q_proj``), in key order: a VL
+    model's adapter names them in full, as the standard backend's does, so that PEFT does not also adapt the vision
+    blocks' layers of the same short names."""
+    names = (key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in tensors)
+    return list(dict.fromkeys(names))
 
 
 def export_merged(adapter_dir: str, base_model_name_or_path: str, out_dir: str | None = None,
