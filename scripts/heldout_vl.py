@@ -11,7 +11,8 @@ small 29 x 31 scaled up by the processor, large 500 x 500 scaled down, odd 97 x 
 three images (placeholders at the start, in the middle, in a second user turn), text-only rows mixed into the same
 file, and a system prompt. It builds the tiny Qwen2.5-VL (roll.demo.tiny_vl) and runs ``roll-parity`` (the
 standard backend on one process, mca at the layout) with the vision tower and merger frozen (the defaults) and
-with both trained (``freeze_vision_tower=false freeze_multi_modal_projector=false``), at TP1 and at TP2 / PP2.
+with both trained (``freeze_vision_tower=false freeze_multi_modal_projector=false``), at TP1 and at TP2 / PP2, and
+LoRA on the language model at TP1 and TP2, exporting both adapters (``--save-models``: PEFT's format, compared).
 Then ``roll-train`` on a copy of the data with one row's image path broken must exit 2 with a message naming the
 file, the row and the image. Prints one line per check; exits 1 if one fails.
 """
@@ -35,7 +36,10 @@ COMMON = {"stage": "sft", "cutoff_len": 96, "per_device_train_batch_size": 2, "g
 LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "nproc_per_node": 2},
            "pp2": {"pipeline_model_parallel_size": 2, "nproc_per_node": 2}}
 TRAIN_TOWER = {"freeze_vision_tower": False, "freeze_multi_modal_projector": False}
-CHECKS = {"tp1": ("tp1", {}), "tp1_tower": ("tp1", TRAIN_TOWER), "tp2": ("tp2", {}), "pp2_tower": ("pp2", TRAIN_TOWER)}
+LORA = {"finetuning_type": "lora", "lora_rank": 8, "learning_rate": 1.0e-2}
+CHECKS = {"tp1": ("tp1", {}), "tp1_tower": ("tp1", TRAIN_TOWER), "tp2": ("tp2", {}), "pp2_tower": ("pp2", TRAIN_TOWER),
+          "tp1_lora": ("tp1", LORA), "tp2_lora": ("tp2", LORA)}
+"""LoRA checks also export both adapters (roll-parity --save-models: the PEFT adapters compared tensor by tensor)."""
 
 
 def draw(kind: str, size: tuple[int, int], rng: random.Random):
@@ -105,7 +109,7 @@ def run_check(name: str, recipe: dict, out: str, steps: int) -> dict:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(recipe, fh, indent=1)  # JSON is valid YAML
     command = [sys.executable, "-m", "roll.parity", path, "--steps", str(steps), "--output-dir",
-               os.path.join(run_dir, "out"), "--json"]
+               os.path.join(run_dir, "out"), "--json"] + (["--save-models"] if "lora_rank" in recipe else [])
     proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=3600)
     try:
         verdict = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -159,7 +163,9 @@ def main() -> int:
             losses = verdict.get("losses", {})
             print(f"{name:<10} {'PASS' if verdict.get('passed') else 'FAIL'}  step 1 rel diff "
                   f"{(verdict.get('rel_diff') or [float('nan')])[0]:.1e}  max rel diff "
-                  f"{verdict.get('max_rel_diff', float('nan')):.1e}  standard "
+                  f"{verdict.get('max_rel_diff', float('nan')):.1e}  "
+                  + (f"adapter rel diff {verdict['weights']['rel_diff']:.1e}  " if verdict.get("weights") else "")
+                  + "standard "
                   f"{[round(v, 5) for v in losses.get('standard', [])]}", flush=True)
             if not verdict.get("passed"):
                 print(json.dumps({k: verdict.get(k) for k in ("failures", "error", "exit")})[:3000])
