@@ -76,6 +76,15 @@ ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("vl_lora_adapter_text_names_mca", "mca: a VL model's LoRA adapter saved under a text model's keys "
+           "(model.layers.*), which PEFT does not find in transformers' VL model", "backends/mca/lora/export.py",
+           'return VL_LAYERS if hf_config and "vision_config" in hf_config else TEXT_LAYERS', "return TEXT_LAYERS",
+           ("tests/unit/test_mca_qwen2_5_vl.py::test_a_vl_lora_adapter_is_named_as_peft_names_it_on_transformers_vl_model",),
+           fast=True),
+    Mutant("plan_vision_tower_never_trained", "--plan: an unfrozen vision tower counted as frozen (no gradients "
+           "or optimizer states for its 0.6B parameters)", "roll/plan/planner.py",
+           "(0 if finetuning.freeze_vision_tower else vision.tower_params())", "0",
+           ("tests/unit/test_plan.py::test_plan_counts_the_vision_tower_of_the_vl_recipe",), fast=True),
     Mutant("llamafactory_log_wrong_step_key", "scripts/llamafactory_parity.py files every LLaMA-Factory loss "
            "under the run's last step (total_steps read for current_steps)", "roll/parity/llamafactory.py",
            'losses[int(record["current_steps"])]', 'losses[int(record["total_steps"])]',

@@ -5,9 +5,10 @@ run may ask for, which parts train, and the model inputs of a micro-batch.
   but its merger, the multi-modal projector ``visual.merger.*``, the language model everything else (embedding,
   decoder, output layer). ``freeze_vision_tower`` / ``freeze_multi_modal_projector`` (default true, as
   LLaMA-Factory's) and ``freeze_language_model`` (default false) stop a part training (full fine-tuning).
-- **LoRA** is refused for now: backends/mca/lora would adapt the language model's Megatron layers only, and its
-  export names the adapters as a text model's (``base_model.model.model.layers.*``), which PEFT does not find in
-  transformers' VL model (``model.language_model.layers.*``).
+- **LoRA** adapts the language model's Megatron layers (backends/mca/lora), as the standard backend does by
+  default; the tower stays frozen and an unfrozen tower or merger with LoRA is refused. The adapter is exported under
+  transformers' VL names (``base_model.model.model.language_model.layers.*``, full module names in
+  ``target_modules``), as PEFT saves it on the standard backend.
 - **Inputs**: the micro-batch's ``pixel_values`` / ``image_grid_thw`` (docs/vl.md's batch contract) go to every
   pipeline stage's forward with the 3-D M-RoPE positions (``roll.mrope``); only the first stage encodes images.
 - Refused: context parallelism (the positions are not split with the tokens yet); packing is refused for VL
@@ -58,12 +59,11 @@ def check_config(config) -> None:
     if frozen_parts(config.finetuning) == {part for part, _ in FREEZE_KEYS}:
         raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
                           "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
-    if config.finetuning.finetuning_type == "lora":
-        raise ConfigError("finetuning_type lora with a vision-language model is not supported on the mca backend yet "
-                          "(its adapters would be saved under the language model's text-only names, which PEFT does "
-                          "not find in transformers' VL model): use finetuning_type full (freeze_vision_tower / "
-                          "freeze_multi_modal_projector / freeze_language_model choose what trains), or use_mca: "
-                          "false.")
+    if config.finetuning.finetuning_type == "lora" and {"vision", "projector"} - frozen_parts(config.finetuning):
+        raise ConfigError("finetuning_type lora with freeze_vision_tower or freeze_multi_modal_projector false: the "
+                          "mca backend adapts the language model only (the vision tower is HF's module, without "
+                          "adapters). Keep both true (the defaults), use finetuning_type full to train the tower, or "
+                          "use_mca: false (LoRA on the tower's layers).")
 
 
 def freeze_parts(chunks: list[torch.nn.Module], finetuning) -> None:

@@ -173,7 +173,8 @@ ROWS: tuple[Row, ...] = (
         "test_lora_adapts_the_language_model_only_by_default_and_the_tower_when_unfrozen; no effect on a text model"),
          mca=Honoured("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
                       "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",
-                      "vision-language models (docs/vl.md; LoRA refused there for now); no effect on a text model")),
+                      "vision-language models (docs/vl.md; LoRA: the language model only, an unfrozen tower or "
+                      "merger refused); no effect on a text model")),
     _row("export_merged", standard=Honoured(
         "tests/distributed/test_standard_deepspeed.py::test_lora_zero3_exports_adapter_and_merged_model"),
          mca=Honoured("tests/distributed/test_mca_lora.py::test_merged_export_equals_base_plus_adapter")),

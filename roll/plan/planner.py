@@ -139,7 +139,17 @@ def stage_params(shape: ModelShape, st: Strategy, finetuning, stage: int) -> Sta
     head = vocab * h / tp + h if last and (not shape.tie_word_embeddings or st.pp > 1) else (h if last else 0)
     dense, expert = layers * layer_dense + embed + head, layers * layer_expert
     largest = max(shape.attention_params() + mlp + moe_frac * shape.expert_params(), vocab * h)
+    vision = shape.vision if first else None  # mca: the whole HF tower on every TP rank of stage 0 (docs/vl.md)
+    if vision is not None:
+        dense += vision.total_params()
+        largest = max(largest, vision.block_params(), vision.merger_params())
     kind = finetuning.finetuning_type
+    if kind == "full" and vision is not None:
+        trained_vision = (0 if finetuning.freeze_vision_tower else vision.tower_params()) \
+            + (0 if finetuning.freeze_multi_modal_projector else vision.merger_params())
+        trained_text = 0 if finetuning.freeze_language_model else dense - vision.total_params()
+        return StageParams(dense, expert, trained_text + trained_vision,
+                           0 if finetuning.freeze_language_model else expert, largest)
     if kind == "lora":
         proj = shape.projections()
         attn = {k: v for k, v in proj.items() if k in ATTENTION}
@@ -297,6 +307,8 @@ def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
         + (f", SP over TP{st.tp}" if st.sp else "") + (f", CP{st.cp}" if st.cp > 1 else "")
         + (f", {min(st.pp - stage, t.gradient_accumulation_steps)} micro-batches in flight"
            if st.pp > 1 else "")))
+    if shape.vision is not None and stage == 0:
+        lines.append(_vision_activations(shape, st, config, batch))
     if stage == st.pp - 1 and config.finetuning.stage != "rm":  # a reward model's head is 1 wide: no logits
         vocab = -(-shape.vocab_size // st.vocab_multiple) * st.vocab_multiple
         lines.append(PlanLine("logits", d.cutoff_len * batch * vocab * 4 / st.tp,
@@ -304,6 +316,23 @@ def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
     lines.append(PlanLine("runtime reserve", RUNTIME_RESERVE_BYTES,
                           "CUDA context, NCCL, allocator slack (estimate)"))
     return lines, cpu
+
+
+def _vision_activations(shape: ModelShape, st: Strategy, config: RunConfig, batch: int) -> PlanLine:
+    """The vision tower's activations, at most: every token of the micro-batch an image token (merge^2 patches
+    each). The tower is not tensor- or sequence-parallel (one replica per TP rank); on the standard backend
+    gradient_checkpointing recomputes its blocks too, on mca it keeps them (the HF module)."""
+    ft, vision = config.finetuning, shape.vision
+    patches = config.data.cutoff_len * batch * vision.merge ** 2
+    train_tower, train_merger = ft.finetuning_type == "full" and not ft.freeze_vision_tower, \
+        ft.finetuning_type == "full" and not ft.freeze_multi_modal_projector
+    recompute = st.backend == "standard" and st.recompute == "full"
+    frozen = "tower and merger frozen: no activations kept" if not (train_tower or train_merger) else (
+        f"tower {'trained' if train_tower else 'frozen'}, merger {'trained' if train_merger else 'frozen'}"
+        + (", blocks recomputed" if recompute and train_tower else ""))
+    return PlanLine("vision activations",
+                    vision.activation_bytes(patches, st.act_bytes, train_tower, train_merger, recompute),
+                    f"at most {patches} patches (every token an image's), {frozen}")
 
 
 def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list[PlanLine]) -> list[str]:
@@ -369,7 +398,9 @@ def plan_run(config: RunConfig, gpu_memory_gb: float | None = None) -> MemoryPla
              f"{shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads} heads / "
              f"{shape.num_kv_heads} KV, "
              f"vocab {shape.vocab_size}" + (f", {shape.num_experts} experts top-{shape.experts_per_token}"
-                                            if shape.num_experts else "") + f"); shape from {source}")
+                                            if shape.num_experts else "")
+             + (f", vision tower + merger {shape.vision.total_params() / 1e9:.3g}B" if shape.vision else "")
+             + f"); shape from {source}")
     capacity = t.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb
     return MemoryPlan(st.backend, setup, model, stage, lines, capacity, cpu,
                       _suggestions(st, shape, config, lines))

@@ -14,6 +14,7 @@ from typing import Any
 
 from roll.errors import ModelError
 from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config
+from roll.plan.vision import VisionShape, vision_shape
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -106,6 +107,7 @@ class ModelShape:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    vision: VisionShape | None = None  # a Qwen-VL model's vision tower and merger (roll.plan.vision)
 
     def kinds(self) -> tuple[str, ...]:
         return self.layer_kinds or ("full",) * self.num_layers
@@ -177,7 +179,8 @@ class ModelShape:
             self._full_attention_params() if kind != "linear" else self._linear_attention_params()
             for kind in self.kinds()) + dense_layers * self.dense_mlp_params() + self.moe_layers * moe
         head = 0 if self.tie_word_embeddings else self.embedding_params()
-        return layers + self.embedding_params() + head + self.hidden_size
+        vision = self.vision.total_params() if self.vision else 0
+        return layers + self.embedding_params() + head + self.hidden_size + vision
 
     # ---- FLOPs (for mfu) ------------------------------------------------------------------------
 
@@ -228,6 +231,8 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen3-30b-a3b": ModelShape(2048, 48, 32, 4, 128, 6144, 151936, False, qk_norm=True, num_experts=128,
                                 experts_per_token=8, moe_intermediate_size=768, moe_layers=48),
     "llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256, False),  # Llama-3.1-8B has the same shape
+    "qwen2.5-vl-7b": ModelShape(3584, 28, 28, 4, 128, 18944, 152064, False, qkv_bias=True,
+                                vision=VisionShape(32, 1280, 3420, 3584, 3 * 2 * 14 * 14)),
 }
 _ALIASES = {"llama-3.1-8b": "llama-3-8b", "meta-llama-3-8b": "llama-3-8b", "meta-llama-3.1-8b": "llama-3-8b"}
 
@@ -327,7 +332,8 @@ def shape_from_hf_config(config: Any) -> ModelShape:
         linear_value_heads=int(_read(fields, "linear_value_heads")),
         linear_key_head_dim=int(_read(fields, "linear_key_head_dim")),
         linear_value_head_dim=int(_read(fields, "linear_value_head_dim")),
-        linear_conv_kernel=int(_read(fields, "linear_conv_kernel")))
+        linear_conv_kernel=int(_read(fields, "linear_conv_kernel")),
+        vision=vision_shape(config if isinstance(config, dict) else config.to_dict()))
 
 
 def resolve_shape(model_name_or_path: str | None) -> tuple[ModelShape, str]:

@@ -102,14 +102,32 @@ def test_mrope_positions_are_the_image_grid_offset_by_the_text_before_it(tiny_vl
         mrope_position_ids(torch.tensor([[hf_config["video_token_id"]]]), None, hf_config)
 
 
-def test_a_run_refuses_lora_and_context_parallelism_with_a_vl_model(tiny_vl_dir, tmp_path):
+def test_a_run_refuses_lora_on_the_tower_and_context_parallelism_with_a_vl_model(tiny_vl_dir, tmp_path):
     from roll.config.parser import resolve
     from roll.errors import ConfigError
 
     recipe = {"model_name_or_path": tiny_vl_dir, "stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
               "use_mca": True, "output_dir": str(tmp_path), "report_to": "none"}
-    with pytest.raises(ConfigError, match="finetuning_type lora with a vision-language model"):
-        resolve({**recipe, "finetuning_type": "lora"}, {}, None)
+    resolve({**recipe, "finetuning_type": "lora"}, {}, None)  # the language model's layers: fine
+    for key in ("freeze_vision_tower", "freeze_multi_modal_projector"):
+        with pytest.raises(ConfigError, match="finetuning_type lora with freeze_vision_tower or freeze_multi_modal"):
+            resolve({**recipe, "finetuning_type": "lora", key: False}, {}, None)
     with pytest.raises(ConfigError, match="context_parallel_size=2: a vision-language model"):
         resolve({**recipe, "context_parallel_size": 2, "nproc_per_node": 2}, {}, None)
     resolve(recipe, {}, None)  # full fine-tuning at TP1 is fine
+
+
+def test_a_vl_lora_adapter_is_named_as_peft_names_it_on_transformers_vl_model(tiny_vl):
+    """The mca export's keys and target_modules for a VL model: transformers' ``model.language_model.layers``
+    (scripts/heldout_vl.py's lora checks compare the whole adapter with the standard backend's PEFT one)."""
+    from backends.mca.lora.export import _full_module_names, hf_adapter_name, hf_layers_prefix
+
+    config = McaModelConfig.from_hf(tiny_vl[0])
+    canonical = "decoder.layers.3.self_attention.linear_qkv.lora_A.k_proj"
+    assert hf_adapter_name(canonical, config) == "base_model.model.model.layers.3.self_attn.k_proj.lora_A.weight"
+    vl = hf_layers_prefix({"model_type": "qwen2_5_vl", "vision_config": {}})
+    key = hf_adapter_name(canonical, config, vl)
+    assert key == "base_model.model.model.language_model.layers.3.self_attn.k_proj.lora_A.weight"
+    assert hf_layers_prefix({"model_type": "qwen2"}) == "model.layers"
+    assert _full_module_names({key: None, key.replace("lora_A", "lora_B"): None}) == [
+        "model.language_model.layers.3.self_attn.k_proj"]

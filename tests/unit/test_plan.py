@@ -16,7 +16,7 @@ from roll.cli import main as roll_train
 from roll.config.parser import resolve
 from roll.errors import ConfigError, ModelError
 from roll.plan.shape import KNOWN_SHAPES, ModelShape, resolve_shape, shape_from_hf_config
-from roll.plan.planner import GIB, Strategy, activation_bytes, plan_run, stage_params
+from roll.plan.planner import GIB, Strategy, activation_bytes, plan_run, stage_params, strategy_for
 
 N = 197184
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -242,3 +242,71 @@ def test_shape_defaults_for_missing_keys():
     got = (shape.num_kv_heads, shape.head_dim, shape.qkv_bias, shape.tie_word_embeddings)
     assert got == (4, 16, True, False)
     assert isinstance(shape, ModelShape)
+
+
+QWEN2_5_VL_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct's config.json on the Hub (the fields that size it)
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "vocab_size": 152064, "tie_word_embeddings": False, "sliding_window": 32768, "use_sliding_window": False,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "image_token_id": 151655,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653, "video_token_id": 151656,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def test_vision_tower_count_matches_transformers(family):
+    """The tower and merger counts of roll.plan.vision against transformers' own modules (tiny odd shapes)."""
+    import importlib
+
+    import transformers
+
+    from roll.plan.vision import vision_shape
+
+    config_class, model_class, vision = {
+        "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VisionTransformerPretrainedModel",
+                       dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=48)),
+        "qwen2_vl": ("Qwen2VLConfig", "Qwen2VisionTransformerPretrainedModel",
+                     dict(depth=3, embed_dim=24, mlp_ratio=3, num_heads=2, hidden_size=48)),
+        "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLVisionModel",
+                     dict(depth=3, hidden_size=24, intermediate_size=40, num_heads=2, out_hidden_size=48,
+                          num_position_embeddings=16, deepstack_visual_indexes=[0, 2])),
+    }[family]
+    config = getattr(transformers, config_class)(vision_config=vision)
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    tower = getattr(modeling, model_class)._from_config(config.vision_config)
+    shape = vision_shape(config.to_dict())
+    assert shape.total_params() == sum(p.numel() for p in tower.parameters())
+    assert shape.merger_params() == sum(p.numel() for p in tower.merger.parameters())
+
+
+def test_plan_counts_the_vision_tower_of_the_vl_recipe(tmp_path, monkeypatch):
+    """recipes/qwen2_5_vl_sft.yaml's --plan from a local config.json of the real model: 8.29B parameters (the
+    published size; 676.6M of them the tower and merger, by hand: patch embedding 1176 * 1280, 32 blocks of
+    19,702,200, merger 44,574,464), the tower on pipeline stage 0 only and trained only when unfrozen."""
+    from roll.config import parse_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_VL_7B))
+    shape, _ = resolve_shape(str(tmp_path))
+    assert shape.vision.total_params() == 1176 * 1280 + 32 * 19_702_200 + 44_574_464
+    builtin = KNOWN_SHAPES["qwen2.5-vl-7b"]
+    assert builtin.vision == shape.vision and builtin.total_params() == shape.total_params()
+    assert round(shape.total_params() / 1e7) == 829
+    plans = {}
+    for argv in ([], ["--use-mca"], ["--use-mca", "freeze_vision_tower=false", "pipeline_model_parallel_size=2"]):
+        _, config = parse_args(["recipes/qwen2_5_vl_sft.yaml", f"model_name_or_path={tmp_path}", *argv])
+        plans[" ".join(argv)] = plan = plan_run(config)
+        assert plan.fits and "vision tower + merger 0.677B" in plan.model
+    mca = {line.key: line for line in plans["--use-mca"].lines}
+    assert "3.81B trainable" in mca["gradients"].detail and mca["vision activations"].bytes == 0  # frozen
+    trained = plans["--use-mca freeze_vision_tower=false pipeline_model_parallel_size=2"]
+    lines = {line.key: line.bytes for line in trained.lines}
+    assert trained.stage == 0 and lines["vision activations"] > 0
+    p0 = stage_params(shape, strategy_for(config, shape), config.finetuning, 0)
+    p1 = stage_params(shape, strategy_for(config, shape), config.finetuning, 1)
+    # stage 0: embedding + tower + merger, stage 1: head + final norm (untied: embedding = head)
+    assert p0.dense - p1.dense == shape.vision.total_params() - shape.hidden_size
+    assert p0.trainable_dense - p1.trainable_dense == shape.vision.tower_params() - shape.hidden_size  # merger frozen

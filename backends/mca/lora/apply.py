@@ -51,13 +51,14 @@ class LoraSpec:
     def hf_target_modules(self) -> list[str]:
         return [p for p in HF_ORDER if any(p in projs for projs in self.targets.values())]
 
-    def peft_config(self, base_model_name_or_path: str | None = None):
+    def peft_config(self, base_model_name_or_path: str | None = None, modules: list[str] | None = None):
         """The PEFT ``LoraConfig`` of these adapters (written as ``adapter_config.json``): what PEFT needs to
-        rebuild the same model, the scaling included."""
+        rebuild the same model, the scaling included. ``modules``: full module names instead of the short ones."""
         from peft import LoraConfig, TaskType
 
         return LoraConfig(task_type=TaskType.CAUSAL_LM, r=self.rank, lora_alpha=self.alpha,
-                          lora_dropout=self.dropout, use_rslora=self.rslora, target_modules=self.hf_target_modules,
+                          lora_dropout=self.dropout, use_rslora=self.rslora,
+                          target_modules=modules or self.hf_target_modules,
                           base_model_name_or_path=base_model_name_or_path)
 
 

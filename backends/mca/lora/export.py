@@ -36,11 +36,26 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_SUBDIR = "adapter_config.json", "adapter
 _NAME = re.compile(r"^(decoder\.layers\.\d+\.[\w.]+)\.lora_([AB])\.(\w+)$")
 
 
-def hf_adapter_name(canonical: str, config) -> str:
-    """Canonical Megatron adapter name (global layer) -> the key PEFT saves for it. The HF module is the one
-    the family's conversion template maps onto the adapted Megatron linear (``self_attention.linear_kv_up_proj``
-    -> ``self_attn.kv_b_proj``; ``mlp.shared_experts.linear_fc1`` -> Qwen2-MoE's ``mlp.shared_expert.gate_proj``),
-    so the adapter sits on the same weight on both sides."""
+TEXT_LAYERS, VL_LAYERS = "model.layers", "model.language_model.layers"
+"""Where transformers keeps the decoder layers: a causal LM's, and a Qwen-VL model's language model (docs/vl.md)."""
+
+
+def hf_layers_prefix(hf_config: dict | None) -> str:
+    """The decoder layers' module path in the HF model of ``hf_config`` (its config.json dict)."""
+    return VL_LAYERS if hf_config and "vision_config" in hf_config else TEXT_LAYERS
+
+
+def in_layers(hf_module: str, layers: str) -> str:
+    """An HF module path of the checkpoint's layout (``model.layers.3.self_attn.k_proj``: what the conversion
+    templates name) as the module of ``layers`` (a VL model's ``model.language_model.layers.3...``)."""
+    return layers + hf_module[len(TEXT_LAYERS):] if hf_module.startswith(TEXT_LAYERS + ".") else hf_module
+
+
+def hf_adapter_name(canonical: str, config, layers: str = TEXT_LAYERS) -> str:
+    """Canonical Megatron adapter name (global layer) -> the key PEFT saves for it (``layers``: hf_layers_prefix).
+    The HF module is the one the family's conversion template maps onto the adapted Megatron linear
+    (``self_attention.linear_kv_up_proj`` -> ``self_attn.kv_b_proj``; ``mlp.shared_experts.linear_fc1`` -> Qwen2-MoE's
+    ``mlp.shared_expert.gate_proj``), so the adapter sits on the same weight on both sides."""
     m = _NAME.match(canonical)
     if m is None:
         raise ModelError(f"adapter parameter {canonical!r} has no HF PEFT name (only decoder-layer adapters export).")
@@ -50,7 +65,7 @@ def hf_adapter_name(canonical: str, config) -> str:
     if len(hf_modules) != 1 or not hf_modules[0].startswith("model."):
         raise ModelError(f"adapter parameter {canonical!r}: the conversion template maps {module}.weight to "
                          f"{', '.join(hf_names)}, none of them (exactly one) an HF {proj!r} module.")
-    return f"base_model.model.{hf_modules[0]}.lora_{ab}.weight"
+    return f"base_model.model.{in_layers(hf_modules[0], layers)}.lora_{ab}.weight"
 
 
 def gather_adapter(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -65,7 +80,8 @@ def gather_adapter(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
                     kind = "column" if param.partition_dim == 0 else "row"
                 local[place.to_global(name)] = (param, kind)
     full = gather_unit(local)
-    return {hf_adapter_name(name, config): t.float().contiguous() for name, t in sorted(full.items())}
+    layers = hf_layers_prefix(getattr(config, "hf_config", None))
+    return {hf_adapter_name(name, config, layers): t.float().contiguous() for name, t in sorted(full.items())}
 
 
 def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_path: str | None,
@@ -80,13 +96,24 @@ def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_pa
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        spec.peft_config(base_model_name_or_path).save_pretrained(out_dir)
+        config = unwrap_model(chunks[0]).config
+        layers = hf_layers_prefix(getattr(config, "hf_config", None))
+        spec.peft_config(base_model_name_or_path, None if layers == TEXT_LAYERS else
+                         _full_module_names(tensors)).save_pretrained(out_dir)
         remove_stale_weights(out_dir, keep={ADAPTER_WEIGHTS, "adapter_config.json"})
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
         log_rank0(logger, "wrote LoRA adapter (%d tensors, PEFT format) to %s", len(tensors), out_dir)
     dist.barrier()
     return out_dir
+
+
+def _full_module_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The adapted modules' full names (``model.language_model.layers.0.self_attn.q_proj``), in key order: a VL
+    model's adapter names them in full, as the standard backend's does, so that PEFT does not also adapt the vision
+    blocks' layers of the same short names."""
+    names = (key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in tensors)
+    return list(dict.fromkeys(names))
 
 
 def export_merged(adapter_dir: str, base_model_name_or_path: str, out_dir: str | None = None,
