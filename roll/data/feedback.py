@@ -32,8 +32,8 @@ from roll.data import formats
 from roll.data.formats import RowError, Skip
 from roll.data.named_templates import TemplateEncoder, split_lengths, tokenize_slots
 from roll.data.policy import PaddingPolicy
-from roll.data.processors import (META_COLUMNS, SEQ, _bounded_messages, _Processor, _tokenize, bounded, char_bound,
-                                  split_budget)
+from roll.data.processors import (META_COLUMNS, SEQ, _bounded_messages, _conversation, _Processor, _tokenize,
+                                  bounded, char_bound, split_budget)
 from roll.data.templates import Renderer
 from roll.errors import DataError
 
@@ -99,7 +99,7 @@ class FeedbackProcessor(_Processor):
 
     def _render(self, renderer: Renderer, row: dict, limit: int) -> tuple[str, str, bool]:
         tag = kto_tag(row)
-        turns = renderer.turns(formats.conversation(row, self.fmt), "last")
+        turns = renderer.turns(_conversation(row, self.fmt), "last")
         prompt = "".join(p + r for p, r, _ in turns[:-1]) + turns[-1][0]
         return bounded(prompt, limit, "tail"), bounded(turns[-1][1], limit, "head"), tag
 
@@ -107,7 +107,7 @@ class FeedbackProcessor(_Processor):
         """(prompt slots, reply slots, tag) of a named template: LLaMA-Factory's encode_oneturn of the row."""
         tag = kto_tag(row)
         messages = _bounded_messages(formats.conversation(row, self.fmt), limit)
-        return (*self.encoder.one_turn(messages), tag)
+        return (*self.encoder.one_turn(messages, formats.tools(row)), tag)
 
 
 def _join(prompt: list[int], answer: list[int], p_keep: int, a_keep: int,

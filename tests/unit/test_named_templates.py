@@ -260,17 +260,6 @@ def test_replace_eos_and_pretrain_eos():
         DataArguments(template="qwen3_nothnk")
 
 
-def test_function_call_turns_are_refused_naming_the_row():
-    from roll.errors import DataError
-
-    tokenizer = _tokenizer("qwen")
-    row = {"conversations": [{"from": "human", "value": "Weather in Paris?"},
-                             {"from": "function_call", "value": '{"name": "weather", "arguments": {}}'},
-                             {"from": "observation", "value": "21"}, {"from": "gpt", "value": "21 degrees."}]}
-    with pytest.raises(DataError, match=r"mem.json, row 0 .*function-call turns are not supported with a named"):
-        _sft(tokenizer, "qwen", row)
-
-
 # ---- stage kto (LLaMA-Factory's kto rows: encode_oneturn, infer_seqlen; the KL rows from the collator) ----
 
 def _kto(tokenizer, name, rows, cutoff_len=4096, **data):
