@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from roll import IGNORE_INDEX
 from roll.data.formats import Skip
-from roll.data.tool_formats import calls_text, tools_text
+from roll.data.tool_formats import FORMATS as TOOL_FORMATS, calls_text, tools_text
 from roll.errors import ConfigError
 
 
@@ -312,12 +312,22 @@ def encoder_for(data_args) -> TemplateEncoder | None:
     """The run's TemplateEncoder, or None when ``template:`` is unset (the tokenizer's own template)."""
     if data_args.template is None:
         return None
-    return TemplateEncoder(TEMPLATES[data_args.template], default_system=data_args.default_system,
+    template = TEMPLATES[data_args.template]
+    if getattr(data_args, "tool_format", None) is not None:  # LLaMA-Factory: calls as the reply then EOS
+        template = replace(template, tool_format=data_args.tool_format,
+                           function=(CONTENT,) if template.efficient_eos else (CONTENT, EOS))
+    return TemplateEncoder(template, default_system=data_args.default_system,
                            enable_thinking=data_args.enable_thinking, preserve_thinking=data_args.preserve_thinking)
 
 
-def check_template_options(name: str | None, train_on_prompt: bool, last_turn_only: bool) -> str | None:
+def check_template_options(name: str | None, train_on_prompt: bool, last_turn_only: bool,
+                           tool_format: str | None = None) -> str | None:
     """What is wrong with these settings, or None (checked at config time)."""
+    if tool_format is not None and (name is None or tool_format not in TOOL_FORMATS):
+        return (f"tool_format={tool_format!r}: " + (f"choose one of {', '.join(TOOL_FORMATS)} (LLaMA-Factory's tool "
+                "formats roll writes), or leave it unset for the template's own" if name is not None else
+                "a tool format is a named template's (set template:); the tokenizer's own chat template lays "
+                "tools out its own way") + ".")
     if name is not None and name not in TEMPLATES:
         from roll.config.coerce import closest  # late: roll.config imports this module
 

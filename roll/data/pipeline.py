@@ -237,11 +237,11 @@ def fingerprint(ds, fn) -> str:
     """
     import sys
 
-    from roll.data import dataset_info, formats, named_templates, processors, templates
+    from roll.data import dataset_info, formats, named_templates, processors, templates, tool_formats
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
     # the processor's own module too (feedback for kto, reward for rm)
-    modules = dict.fromkeys([formats, processors, templates, named_templates, dataset_info,
+    modules = dict.fromkeys([formats, processors, templates, named_templates, tool_formats, dataset_info,
                              sys.modules[type(fn).__module__]])
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
                            code_digest(*modules))

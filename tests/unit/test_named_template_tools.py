@@ -143,3 +143,21 @@ def test_malformed_tool_rows_name_file_and_row(name, change, message):
                        .replace("[", r"\[").replace("{", r"\{").replace(".", r"\.")):
         plain = {"conversations": ROW["conversations"]}  # well-formed with or without a template
         processor(batch_of([plain, plain, plain, row]), [0, 1, 2, 3])
+
+
+def test_tool_format_replaces_the_templates_own():
+    """LLaMA-Factory's tool_format: the tool list and calls in that format, a call as the reply then EOS (the
+    template's function slots replaced); refused without a template or for a format roll does not write."""
+    from roll.errors import ConfigError
+
+    tokenizer = _tokenizer("qwen")
+    out = SupervisedProcessor(tokenizer, 4096, "sharegpt", "mem.json", encoder=encoder_for(
+        DataArguments(template="qwen", tool_format="default")))(batch_of([ROW]), [0])
+    system = QWEN_SYSTEM.replace("assistant.<|im_end|>", "assistant." + DEFAULT_TOOLS + "<|im_end|>")
+    assert (out["input_ids"][0], out["labels"][0]) == _expected(tokenizer, [
+        ([system, CHATML_USER], False), ([DEFAULT_CALL, EOS], True), ([QWEN_OBSERVATION], False),
+        (["21 degrees.<|im_end|>\n"], True)])
+    with pytest.raises(ConfigError, match="tool_format='gemma4': choose one of default, glm4, llama3, mistral, qwen"):
+        DataArguments(template="qwen", tool_format="gemma4")
+    with pytest.raises(ConfigError, match="a tool format is a named template's"):
+        DataArguments(tool_format="qwen")
