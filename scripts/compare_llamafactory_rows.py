@@ -25,8 +25,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEMPLATES = ("default", "empty", "chatml", "qwen", "qwen3", "qwen3_nothink", "qwen2_vl", "llama3", "mistral",
-             "deepseek3", "glm4")
+TEMPLATES = ("default", "empty", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "mistral", "deepseek3", "glm4")
+"""roll's names but qwen2_vl, which LLaMA-Factory reads only with a multimodal processor (its text layout is qwen's
+with another default system prompt)."""
 FAMILY_SPECIALS = {"llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                               "<|end_of_text|>"],
                    "glm4": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]}
@@ -45,20 +46,21 @@ def _text(rng: random.Random, lo: int = 1, hi: int = 12) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))).strip() or "ok"
 
 
-def _call(rng: random.Random, parallel: bool) -> str:
+def _call(rng: random.Random, parallel: bool, wrapped: bool) -> str:
     calls = [{"name": "get_weather", "arguments": {"city": _text(rng, 1, 2), "unit": "c"}},
              {"name": "add", "arguments": {"xs": [rng.randint(0, 9), 2.5]}}]
     if parallel:
         return json.dumps(calls, ensure_ascii=rng.random() < 0.5)
     content = json.dumps(rng.choice(calls), ensure_ascii=rng.random() < 0.5)
-    if rng.random() < 0.2:  # tool_call words around the JSON, a thought before it
+    if wrapped and rng.random() < 0.2:  # tool_call words around the JSON, a thought before it
         content = f"<think>\n{_text(rng)}\n</think>\n\n<tool_call>{content}</tool_call>"
     return content
 
 
-def make_rows(n: int, seed: int, tools: bool, parallel: bool) -> list[dict]:
+def make_rows(n: int, seed: int, tools: bool, parallel: bool, wrapped: bool) -> list[dict]:
     """Conversations of 1-3 turns, with system prompts, thoughts, and (``tools``) tool lists, function calls
-    and observations; a kto_tag each."""
+    (``parallel``: some with two calls; ``wrapped``: some in <tool_call> after a thought) and observations;
+    a kto_tag each."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -66,7 +68,7 @@ def make_rows(n: int, seed: int, tools: bool, parallel: bool) -> list[dict]:
         for t in range(rng.randint(1, 3)):
             turns.append({"from": "human", "value": _text(rng)})
             if tools and rng.random() < 0.5:
-                turns.append({"from": "function_call", "value": _call(rng, parallel and rng.random() < 0.3)})
+                turns.append({"from": "function_call", "value": _call(rng, parallel and rng.random() < 0.3, wrapped)})
                 turns.append({"from": "observation", "value": json.dumps({"result": _text(rng, 1, 3)})})
             reply = _text(rng)
             if rng.random() < 0.25:
@@ -201,7 +203,8 @@ def main() -> int:
     failed = 0
     for template in opts.templates.split(","):
         tools = not opts.no_tools
-        rows = make_rows(opts.rows, opts.seed, tools, parallel=template != "glm4")
+        # glm4 has no parallel calls; mistral's template (LLaMA-Factory's Llama2Template) reads a call as JSON only
+        rows = make_rows(opts.rows, opts.seed, tools, parallel=template != "glm4", wrapped=template != "mistral")
         for stage in opts.stages.split(","):
             case = os.path.join(work, f"{template}-{stage}")
             os.makedirs(case, exist_ok=True)

@@ -208,7 +208,7 @@ def make_processor(source: Source, *, data_args, tokenizer, stage: str, processo
             "enable_thinking": data_args.enable_thinking}
     options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all",
                               "train_on_prompt": data_args.train_on_prompt, **chat},
-               "pairwise": chat,
+               "pairwise": chat, "reward": chat,
                "feedback": {"encoder": encoder},
                "pretrain": {"packing": data_args.packing,
                             "eos_id": pretrain_eos_id(tokenizer, encoder.template) if encoder else None}}

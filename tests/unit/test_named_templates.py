@@ -348,3 +348,20 @@ def test_kto_mismatched_rows_of_a_named_template_keep_the_prompt_start():
     # prompt 4 + completion 4 in 6: both past half, the completion int(6 * 4 / 8) = 3, the prompt's first 3
     assert mismatched_rows(rows, 6, named_template=True)[0]["input_ids"] == [1, 2, 3, 9, 10, 11]
     assert mismatched_rows(rows, 6)[0]["input_ids"] == [2, 3, 4, 9, 10, 11]  # the tokenizer template's rule
+
+
+@pytest.mark.parametrize("processor, fmt", [("reward", "pairwise"), ("feedback", "sharegpt"), ("pairwise", "pairwise")])
+def test_every_conversation_stage_gets_the_named_template(processor, fmt):
+    """make_processor hands the named template to rm's, kto's and dpo's processors (rm's was left out: its rows
+    were laid out with the tokenizer's template whatever template: said)."""
+    import datasets
+
+    from roll.data.loading import Source
+    from roll.data.pipeline import make_processor
+
+    row = {"prompt": "2+3?", "chosen": "5.", "rejected": "6."} if fmt == "pairwise" else \
+        {"conversations": TWO_TURNS["conversations"], "kto_tag": True}
+    fn = make_processor(Source("mem.json", datasets.Dataset.from_list([row])), data_args=DataArguments(
+        template="qwen", formatting=fmt), tokenizer=_tokenizer("qwen"), stage="x", processor=processor,
+        allowed=(fmt,))
+    assert fn.encoder is not None and fn.encoder.template.name == "qwen"
