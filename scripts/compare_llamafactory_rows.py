@@ -141,11 +141,11 @@ def roll_rows(spec: dict) -> dict:
     return result
 
 
-def differences(lf: dict, roll: dict, stage: str) -> tuple[int, int, list[str]]:
-    """(rows compared, rows that differ, the first few differences)."""
-    n, bad, notes = len(roll["input_ids"]), 0, []
+def differences(lf: dict, roll: dict, stage: str) -> tuple[int, int, int, list[str]]:
+    """(rows compared, rows that differ, KL rows compared, the first few differences)."""
+    n, bad, kl_rows, notes = len(roll["input_ids"]), 0, 0, []
     if len(lf["input_ids"]) != n:
-        return n, n, [f"LLaMA-Factory kept {len(lf['input_ids'])} rows, roll {n}"]
+        return n, n, 0, [f"LLaMA-Factory kept {len(lf['input_ids'])} rows, roll {n}"]
     for i in range(n):
         labels = list(lf["labels"][i])
         labels[:1] = [-100]  # roll never trains the first position (nothing predicts it)
@@ -156,12 +156,13 @@ def differences(lf: dict, roll: dict, stage: str) -> tuple[int, int, list[str]]:
                 kl_labels = list(lf["kl_labels"][i])
                 kl_labels[:1] = [-100]
                 keys += [("kl_input_ids", lf["kl_input_ids"][i]), ("kl_labels", kl_labels)]
+                kl_rows += 1
         wrong = [k for k, v in keys if roll[k][i] != v]
         if wrong:
             bad += 1
             if len(notes) < 3:
                 notes.append(f"row {i}: {', '.join(wrong)} differ")
-    return n, bad, notes
+    return n, bad, kl_rows, notes
 
 
 def _tokenizers(work: str) -> dict[str, str]:
@@ -226,9 +227,11 @@ def main() -> int:
                 failed += 1
                 continue
             lf = json.load(open(spec["out_json"], encoding="utf-8"))
-            n, bad, notes = differences(lf, roll_rows(spec), stage)
+            n, bad, kl_rows, notes = differences(lf, roll_rows(spec), stage)
             failed += bad > 0
-            print(f"{template:14s} {stage:4s} {n} rows, {bad} differ" + (f": {'; '.join(notes)}" if notes else ""))
+            kl = f" (and {kl_rows} KL rows)" if stage == "kto" else ""
+            print(f"{template:14s} {stage:4s} {n} rows{kl}, {bad} differ" + (f": {'; '.join(notes)}" if notes else ""),
+                  flush=True)
     return 1 if failed else 0
 
 
