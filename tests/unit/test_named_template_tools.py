@@ -161,3 +161,15 @@ def test_tool_format_replaces_the_templates_own():
         DataArguments(template="qwen", tool_format="gemma4")
     with pytest.raises(ConfigError, match="a tool format is a named template's"):
         DataArguments(tool_format="qwen")
+
+
+def test_kto_rows_lay_out_the_tools_and_calls_of_their_prompt():
+    """A kto row with tools: the whole conversation (tool list, call, result) is the prompt, the last reply slot
+    is trained (LLaMA-Factory's kto rows pass the tools to encode_oneturn)."""
+    from roll.data.feedback import FeedbackProcessor
+
+    tokenizer = _tokenizer("qwen")
+    out = FeedbackProcessor(tokenizer, 4096, "sharegpt", "mem.json", encoder=encoder_for(
+        DataArguments(template="qwen")))(batch_of([{**ROW, "kto_tag": True}]), [0])
+    layout = [(slots, i == len(LAYOUTS["qwen"]) - 1) for i, (slots, _) in enumerate(LAYOUTS["qwen"])]
+    assert (out["input_ids"][0], out["labels"][0]) == _expected(tokenizer, layout)
