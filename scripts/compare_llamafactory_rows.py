@@ -1,8 +1,8 @@
 """roll's named templates against LLaMA-Factory's own data code, row by row: token ids and labels of the same
-generated rows, for each template name and stage (sft, kto), with function calls, observations and tool lists.
+generated rows, for each template name and stage (sft, kto, dpo), with function calls, observations and tool lists.
 
 usage: python scripts/compare_llamafactory_rows.py [--lf-python lf/bin/python] [--rows 200] [--cutoff-len 4096]
-           [--templates qwen,llama3,...] [--stages sft,kto] [--no-tools] [--work-dir /tmp/lf-rows]
+           [--templates qwen,llama3,...] [--stages sft,kto,dpo] [--no-tools] [--work-dir /tmp/lf-rows]
 
 LLaMA-Factory runs in its own virtual environment (``bash scripts/llamafactory_venv.sh lf``): this script runs
 itself there with ``--lf-worker`` (LLaMA-Factory's get_train_args, load_tokenizer, get_template_and_fix_tokenizer
@@ -76,7 +76,10 @@ def make_rows(n: int, seed: int, tools: bool, parallel: bool, wrapped: bool) -> 
             turns.append({"from": "gpt", "value": reply})
         if rng.random() < 0.3:
             turns.insert(0, {"from": "system", "value": _text(rng)})
-        row = {"conversations": turns, "kto_tag": i % 3 != 0}
+        chosen = turns[-1] if not (tools and rng.random() < 0.3) else {"from": "function_call",
+                                                                        "value": _call(rng, False, wrapped)}
+        row = {"conversations": turns, "kto_tag": i % 3 != 0, "chosen": chosen,
+               "rejected": {"from": "gpt", "value": "not " + _text(rng)}}
         if tools:
             row["tools"] = json.dumps(rng.sample(TOOLS, rng.randint(1, 2)), ensure_ascii=False) if rng.random() < 0.8 \
                 else ""
@@ -93,13 +96,13 @@ def lf_worker(spec_path: str) -> None:
 
     spec = json.load(open(spec_path, encoding="utf-8"))
     folder = os.path.dirname(spec["data"])
-    columns = {"messages": "conversations", "kto_tag": "kto_tag"} if spec["stage"] == "kto" else \
-        {"messages": "conversations"}
+    columns = {"messages": "conversations", **{"kto": {"kto_tag": "kto_tag"}, "dpo": {
+        "chosen": "chosen", "rejected": "rejected"}}.get(spec["stage"], {})}
     if spec["tools"]:
         columns["tools"] = "tools"
     with open(os.path.join(folder, "dataset_info.json"), "w", encoding="utf-8") as handle:
         json.dump({"rows": {"file_name": os.path.basename(spec["data"]), "formatting": "sharegpt",
-                            "columns": columns}}, handle)
+                            "ranking": spec["stage"] == "dpo", "columns": columns}}, handle)
     model_args, data_args, training_args, _, _ = get_train_args(dict(
         model_name_or_path=spec["tokenizer"], stage=spec["stage"], do_train=True, finetuning_type="full",
         dataset="rows", dataset_dir=folder, template=spec["template"], cutoff_len=spec["cutoff_len"],
@@ -109,7 +112,8 @@ def lf_worker(spec_path: str) -> None:
     template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
     train = get_dataset(template, model_args, data_args, training_args, stage=spec["stage"],
                         **tokenizer_module)["train_dataset"]
-    keys = [k for k in ("input_ids", "labels", "kl_input_ids", "kl_labels", "kto_tags") if k in train.column_names]
+    keys = [k for k in ("input_ids", "labels", "kl_input_ids", "kl_labels", "kto_tags", "chosen_input_ids",
+                        "chosen_labels", "rejected_input_ids", "rejected_labels") if k in train.column_names]
     with open(spec["out_json"], "w", encoding="utf-8") as handle:
         json.dump({k: list(train[k]) for k in keys}, handle)
 
@@ -122,16 +126,19 @@ def roll_rows(spec: dict) -> dict:
     from roll.data import load_tokenizer
     from roll.data.feedback import FeedbackProcessor, mismatched_rows
     from roll.data.named_templates import encoder_for
-    from roll.data.processors import SupervisedProcessor
+    from roll.data.processors import PairwiseProcessor, SupervisedProcessor
 
     data_args = DataArguments(template=spec["template"], enable_thinking=spec["enable_thinking"])
     tokenizer = load_tokenizer(ModelArguments(model_name_or_path=spec["tokenizer"]), data_args)
     rows = [json.loads(line) for line in open(spec["data"], encoding="utf-8")]
     batch = {k: [row.get(k) for row in rows] for k in sorted({k for row in rows for k in row})}
-    cls = FeedbackProcessor if spec["stage"] == "kto" else SupervisedProcessor
-    out = cls(tokenizer, spec["cutoff_len"], "sharegpt", spec["data"], encoder=encoder_for(data_args))(
+    cls = {"kto": FeedbackProcessor, "dpo": PairwiseProcessor}.get(spec["stage"], SupervisedProcessor)
+    fmt = "pairwise" if spec["stage"] == "dpo" else "sharegpt"
+    out = cls(tokenizer, spec["cutoff_len"], fmt, spec["data"], encoder=encoder_for(data_args))(
         batch, list(range(len(rows))))
     assert all(reason == "" for reason in out["_drop"]), out["_drop"]
+    if spec["stage"] == "dpo":
+        return {k: out[k] for k in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")}
     result = {"input_ids": out["input_ids"], "labels": out["labels"], "truncated": out["_truncated"]}
     if spec["stage"] == "kto":
         features = [{"input_ids": i, "labels": lab} for i, lab in zip(out["input_ids"], out["labels"])]
@@ -143,13 +150,16 @@ def roll_rows(spec: dict) -> dict:
 
 def differences(lf: dict, roll: dict, stage: str) -> tuple[int, int, int, list[str]]:
     """(rows compared, rows that differ, KL rows compared, the first few differences)."""
-    n, bad, kl_rows, notes = len(roll["input_ids"]), 0, 0, []
-    if len(lf["input_ids"]) != n:
-        return n, n, 0, [f"LLaMA-Factory kept {len(lf['input_ids'])} rows, roll {n}"]
+    sides = ("chosen_", "rejected_") if stage == "dpo" else ("",)
+    n, bad, kl_rows, notes = len(roll[f"{sides[0]}input_ids"]), 0, 0, []
+    if len(lf[f"{sides[0]}input_ids"]) != n:
+        return n, n, 0, [f"LLaMA-Factory kept {len(lf[sides[0] + 'input_ids'])} rows, roll {n}"]
     for i in range(n):
-        labels = list(lf["labels"][i])
-        labels[:1] = [-100]  # roll never trains the first position (nothing predicts it)
-        keys = [("input_ids", lf["input_ids"][i]), ("labels", labels)]
+        keys = []
+        for side in sides:
+            labels = list(lf[f"{side}labels"][i])
+            labels[:1] = [-100]  # roll never trains the first position (nothing predicts it)
+            keys += [(f"{side}input_ids", lf[f"{side}input_ids"][i]), (f"{side}labels", labels)]
         if stage == "kto":
             keys.append(("kto_tags", lf["kto_tags"][i]))
             if not (roll["truncated"][i] or roll["truncated"][i - 1]):
@@ -185,7 +195,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--cutoff-len", type=int, default=4096)
     parser.add_argument("--templates", default=",".join(TEMPLATES))
-    parser.add_argument("--stages", default="sft,kto")
+    parser.add_argument("--stages", default="sft,kto,dpo")
     parser.add_argument("--no-tools", action="store_true", help="rows without tool lists and function calls")
     parser.add_argument("--enable-thinking", default="true", choices=("true", "false"))
     parser.add_argument("--seed", type=int, default=0)

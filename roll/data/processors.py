@@ -307,20 +307,18 @@ class PairwiseProcessor(_Processor):
 
     def _slots(self, row: dict, limit: int):
         """(prompt, chosen, rejected) slots of a named template: each side laid out as its last turn
-        (LLaMA-Factory's encode_oneturn; the prompt is the chosen side's)."""
+        (LLaMA-Factory's encode_oneturn; the prompt is the chosen side's; a function_call answer in the
+        template's function slots)."""
         prompt, chosen, rejected = formats.pair(row)
-        for side in ("chosen", "rejected"):
-            last = formats.turns_to_messages(row[side], side)[-1] if isinstance(row[side], (dict, list)) else {}
-            if last.get("function_call"):
-                raise RowError(f"a function_call {side} answer is not laid out by the named templates yet (only "
-                               "function_call turns of the prompt are); give the answer as a reply")
-        prompt = _bounded_messages(prompt, limit)
-        tools = formats.tools(row)
-        prompt_slots, chosen_slots = self.encoder.one_turn(
-            prompt + [{"role": "assistant", "content": bounded(chosen, limit, "head")}], tools)
-        _, rejected_slots = self.encoder.one_turn(
-            prompt + [{"role": "assistant", "content": bounded(rejected, limit, "head")}], tools)
-        return prompt_slots, chosen_slots, rejected_slots
+        prompt, tools = _bounded_messages(prompt, limit), formats.tools(row)
+        sides = []
+        for side, answer in (("chosen", chosen), ("rejected", rejected)):
+            turn = formats.turns_to_messages(row[side], side)[-1] if isinstance(row[side], (dict, list)) else {}
+            call = bool(turn.get("function_call"))
+            message = {"role": "assistant", "content": answer if call else bounded(answer, limit, "head")}
+            sides.append(self.encoder.one_turn(prompt + [{**message, "function_call": True} if call else message],
+                                               tools))
+        return sides[0][0], sides[0][1], sides[1][1]
 
     def _render(self, renderer: Renderer, row: dict, limit: int) -> tuple[str, str, str]:
         formats.refuse_tools(row, TEMPLATES)

@@ -173,3 +173,19 @@ def test_kto_rows_lay_out_the_tools_and_calls_of_their_prompt():
         DataArguments(template="qwen")))(batch_of([{**ROW, "kto_tag": True}]), [0])
     layout = [(slots, i == len(LAYOUTS["qwen"]) - 1) for i, (slots, _) in enumerate(LAYOUTS["qwen"])]
     assert (out["input_ids"][0], out["labels"][0]) == _expected(tokenizer, layout)
+
+
+def test_a_function_call_answer_of_a_pair_is_laid_out_as_a_call():
+    """dpo: a chosen (or rejected) answer that is a function_call turn is written in the function slots and the
+    tool format, as LLaMA-Factory's pairwise rows are; the prompt carries the tool list."""
+    from roll.data.processors import PairwiseProcessor
+
+    tokenizer = _tokenizer("qwen")
+    row = {"conversations": ROW["conversations"][:1], "chosen": {"from": "function_call", "value": CALL},
+           "rejected": {"from": "gpt", "value": "No idea."}, "tools": TOOLS}
+    out = PairwiseProcessor(tokenizer, 4096, "pairwise", "mem.json",
+                            encoder=encoder_for(DataArguments(template="qwen")))(batch_of([row]), [0])
+    prompt = LAYOUTS["qwen"][0]
+    for side, answer in (("chosen", QWEN_CALL), ("rejected", "No idea.")):
+        assert (out[f"{side}_input_ids"][0], out[f"{side}_labels"][0]) == _expected(
+            tokenizer, [prompt, ([answer + "<|im_end|>\n"], True)])
