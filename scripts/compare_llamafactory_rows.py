@@ -110,7 +110,8 @@ def lf_worker(spec_path: str) -> None:
         enable_thinking=spec["enable_thinking"]))
     tokenizer_module = load_tokenizer(model_args)
     template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
-    train = get_dataset(template, model_args, data_args, training_args, stage=spec["stage"],
+    stage = "rm" if spec["stage"] == "dpo" else spec["stage"]  # its run_dpo reads pairs as stage rm's
+    train = get_dataset(template, model_args, data_args, training_args, stage=stage,
                         **tokenizer_module)["train_dataset"]
     keys = [k for k in ("input_ids", "labels", "kl_input_ids", "kl_labels", "kto_tags", "chosen_input_ids",
                         "chosen_labels", "rejected_input_ids", "rejected_labels") if k in train.column_names]
@@ -220,8 +221,9 @@ def main() -> int:
             case = os.path.join(work, f"{template}-{stage}")
             os.makedirs(case, exist_ok=True)
             data = os.path.join(case, "rows.jsonl")
-            with open(data, "w", encoding="utf-8") as handle:
-                handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            staged = [{**row, "conversations": row["conversations"][:-1]} for row in rows] if stage == "dpo" else rows
+            with open(data, "w", encoding="utf-8") as handle:  # dpo: the conversation is the prompt
+                handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in staged)
             spec = {"data": data, "tokenizer": tokenizers.get(template, tokenizers["qwen"]), "stage": stage,
                     "template": template, "cutoff_len": opts.cutoff_len, "tools": tools,
                     "enable_thinking": opts.enable_thinking == "true", "out": os.path.join(case, "out"),
