@@ -138,9 +138,6 @@ def check_chat_template(config) -> None:
     from roll.data.named_templates import TEMPLATES
 
     stage, names = config.finetuning.stage, ", ".join(TEMPLATES)
-    if stage == "kto":  # roll.config.run refuses template: for kto (its rows use the tokenizer's template)
-        raise ConfigError(f"the tokenizer in {path!r} has no chat template, which stage kto needs to lay out "
-                          "conversations (kto does not take `template:` yet): use a tokenizer that has one.")
     raise ConfigError(f"the tokenizer in {path!r} has no chat template, which stage {stage} needs to lay out "
                       f"conversations. Set template: to one of {names} (the one the model will be prompted "
                       "with), or use a tokenizer that has a chat template.")

@@ -62,6 +62,7 @@ STREAM_ORDER = f"{STREAM_UNIT}::test_stream_order_is_seeded_and_a_resumed_reader
 
 NAMED = "roll/data/named_templates.py"
 NAMED_UNIT = "tests/unit/test_named_templates.py"
+TOOLS_UNIT = "tests/unit/test_named_template_tools.py"
 RM_UNIT = "tests/unit/test_reward.py"
 MCA_RM = "tests/distributed/test_mca_rm.py::test_rm_layouts_backend_parity_and_export"
 RM_ZERO3 = "tests/distributed/test_standard_deepspeed.py::test_rm_zero3_two_processes_matches_one"
@@ -160,6 +161,20 @@ MUTANTS: list[Mutant] = [
            'object.__setattr__(self, "system", self.system or (CONTENT,))',
            'object.__setattr__(self, "system", self.system or self.user)',
            (f"{NAMED_UNIT}::test_default_system_replaces_the_templates_and_the_rows_own_wins",)),
+    Mutant("kto_named_rows_keep_the_prompt_end", "stage kto with template: cuts a row's prompt from the left "
+           "(the tokenizer template's rule), not keeping its start as LLaMA-Factory's kto rows do",
+           "roll/data/feedback.py", "ids, labels = _join(prompt, answer, p_keep, a_keep, keep_prompt_start=named)",
+           "ids, labels = _join(prompt, answer, p_keep, a_keep)",
+           (f"{NAMED_UNIT}::test_kto_named_template_truncation_is_llamafactorys_for_rows_and_kl_rows",), fast=True),
+    Mutant("tools_replace_the_system_prompt", "a row's tool list replaces the system prompt (LLaMA-Factory appends "
+           "it to the system prompt, the template's default one included)", NAMED,
+           'system = system + (tools_text(t.tool_format, tools) if tools else "")',
+           'system = tools_text(t.tool_format, tools) if tools else system',
+           (f"{TOOLS_UNIT}::test_tools_calls_and_observations_in_each_templates_layout[qwen]",)),
+    Mutant("glm4_call_in_the_reply_slot", "template glm4 lays a function call out in its reply slot (with the "
+           "newline before it); LLaMA-Factory's glm4 has a function slot of its own", NAMED,
+           'function=("{{content}}",), tool_format="glm4"', 'tool_format="glm4"',
+           (f"{TOOLS_UNIT}::test_glm4_calls_in_their_own_slot_and_efficient_eos",)),
     Mutant("registry_prompt_and_query_joined_by_a_space", "a registered alpaca row's prompt and query are joined by "
            "a space (LLaMA-Factory: a newline)", "roll/data/dataset_info.py", '{"instruction": "\\n".join(parts)',
            '{"instruction": " ".join(parts)',

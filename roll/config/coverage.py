@@ -132,6 +132,9 @@ ROWS: tuple[Row, ...] = (
     _row("template default_system", both=Honoured(
         "tests/unit/test_named_templates.py::test_each_name_lays_out_llamafactorys_text_and_labels",
         "the named templates are LLaMA-Factory's layouts; unset: the tokenizer's own chat template")),
+    _row("tool_format", both=Honoured(
+        "tests/unit/test_named_template_tools.py::test_tool_format_replaces_the_templates_own",
+        "LLaMA-Factory's tool formats; unset: the template's own")),
     _row("enable_thinking preserve_thinking", both=Honoured(
         "tests/unit/test_named_templates.py::test_qwen3_thinking_is_trained_or_prompt")),
     _row("train_on_prompt", both=Honoured(

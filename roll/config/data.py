@@ -29,6 +29,9 @@ class DataArguments:
     template: str | None = None
     """Chat template: None uses the tokenizer's own; a name (qwen, qwen3, qwen3_nothink, qwen2_vl, llama3, mistral, deepseek3, glm4, chatml, default, empty) lays conversations out, labels and truncates them as LLaMA-Factory's template of that name does."""
 
+    tool_format: str | None = None
+    """With a named template: the format of tool lists and function calls (LLaMA-Factory's tool_format: default, qwen, llama3, mistral, glm4) instead of the template's own; a call is then laid out as the reply then EOS (efficient_eos: the reply alone), as LLaMA-Factory does."""
+
     default_system: str | None = None
     """The system prompt of conversations that have none (replaces a named template's default one)."""
 
@@ -96,7 +99,8 @@ class DataArguments:
             raise ConfigError(f"preprocessing_batch_size must be positive, got {self.preprocessing_batch_size}.")
         if self.buffer_size < 1:
             raise ConfigError(f"buffer_size must be positive, got {self.buffer_size}.")
-        problem = check_template_options(self.template, self.train_on_prompt, self.train_on_last_turn_only)
+        problem = check_template_options(self.template, self.train_on_prompt, self.train_on_last_turn_only,
+                                         self.tool_format)
         if problem:
             raise ConfigError(problem)
         self._check_mixing()

@@ -90,8 +90,6 @@ KEYS: dict[str, Renamed | Inert] = {
     "ignore_pad_token_for_loss": Inert("padding is never trained in roll", only=(True,),
                                        use="padding is always left out of the loss"),
     "eval_on_each_dataset": _off("evaluate one eval_dataset per run (eval_loss of the whole set)"),
-    "tool_format": Inert("the default", only=(None,), use="tool calls are laid out by the tokenizer's own chat "
-                                                          "template (leave template unset)"),
     "data_shared_file_system": Inert("where data is prepared first: each node's local rank 0 tokenizes first, "
                                      "the others load its cache (the same rows)"),
     # -- fine-tuning ---------------------------------------------------------------------------------------

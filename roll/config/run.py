@@ -90,10 +90,6 @@ class RunConfig:
         if self.data.packing:
             raise ConfigError("packing is not supported for stage kto (each micro-batch is collated with its "
                               "mismatched rows); set packing: false.")
-        if self.data.template is not None:
-            raise ConfigError(f"template: {self.data.template} is not supported for stage kto yet: kto rows are "
-                              "laid out with the tokenizer's own chat template, not with LLaMA-Factory's named "
-                              "layouts (their trained span and truncation differ); remove `template:`.")
         t = self.training
         sizes = [("per_device_train_batch_size", t.per_device_train_batch_size)]
         if self.data.val_size or self.data.eval_dataset:

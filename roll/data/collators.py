@@ -213,7 +213,9 @@ def build_collator(name: str, tokenizer, policy: PaddingPolicy, data_args=None, 
         raise ValueError(f"unknown collator {name!r}; known: {', '.join(COLLATORS)}")
     if policy.pad_to == "max_length" and data_args is not None and policy.max_length != data_args.cutoff_len:
         raise ValueError(f"policy max_length {policy.max_length} != cutoff_len {data_args.cutoff_len}")
-    extra = {"cutoff_len": data_args.cutoff_len} if name == "FeedbackCollator" and data_args is not None else {}
+    extra = {}
+    if name == "FeedbackCollator" and data_args is not None:
+        extra = {"cutoff_len": data_args.cutoff_len, "named_template": data_args.template is not None}
     collator = COLLATORS[name](pad_token_id=tokenizer.pad_token_id, policy=policy, **extra)
     if vision is not None:
         from roll.data.vision import VisionCollator

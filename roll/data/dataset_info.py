@@ -18,8 +18,9 @@ working directory, as there). Each name maps to an object:
 An entry's rows are rewritten into roll's own columns (``DatasetEntry.canonical``) before the stage's
 format reads them, with LLaMA-Factory's meanings: an alpaca prompt is ``prompt`` and ``query`` joined by a
 newline, leaving out empty ones; a system prompt or a history is read only from a column the entry names.
-``columns.images`` names the image paths of a vision-language model's rows (roll.data.vision). What roll cannot
-train on is refused when the recipe is read: videos, audios, tools,
+``columns.images`` names the image paths of a vision-language model's rows (roll.data.vision); ``tools`` (a JSON list
+of tool descriptions, read only when named, as there) is laid out by the named templates. What roll cannot train on
+is refused when the recipe is read: videos, audios,
 ``num_samples``, and hub entries other than ``hf_hub_url``.
 """
 
@@ -43,7 +44,7 @@ REGISTRY = "dataset_info.json"
 
 COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "history": None,
            "messages": "conversations", "system": None, "chosen": "chosen", "rejected": "rejected",
-           "kto_tag": None, "images": None}
+           "kto_tag": None, "images": None, "tools": None}
 """The columns an entry may name, with the column read when it names none (None: not read)."""
 
 TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
@@ -60,8 +61,6 @@ KEYS = frozenset(LOCATIONS + ("formatting", "ranking", "columns", "tags", "split
 REFUSED_COLUMNS = {
     "videos": "multimodal rows (videos) are not supported: roll reads text and images (docs/vl.md)",
     "audios": "multimodal rows (audios) are not supported: roll reads text and images (docs/vl.md)",
-    "tools": "tool descriptions are not laid out into the system prompt yet: drop columns.tools (the "
-             "function-call and observation turns themselves are read)",
 }
 
 
@@ -131,9 +130,9 @@ class DatasetEntry:
         out = self._sharegpt(row) if self.formatting == "sharegpt" else self._alpaca(row)
         if fmt == "text":
             return {"text": _first_prompt(out)}
-        kto = self.column("kto_tag")
-        if kto is not None:
-            out["kto_tag"] = row.get(kto)
+        for part in ("kto_tag", "tools"):
+            if self.column(part) is not None:
+                out[part] = row.get(self.column(part))
         return out
 
     def _get(self, row: dict, part: str):

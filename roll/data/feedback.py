@@ -7,12 +7,16 @@
 - **FeedbackProcessor** -> ``input_ids``, ``attention_mask``, ``labels`` and ``kto_tag``: the last reply
   and its end-of-turn are trained; everything before it (earlier replies included) is the prompt, cut to
   ``cutoff_len`` by the pairwise rule (``split_budget``: the prompt from the left, the reply from the right).
+  With a named template (``template: qwen``) the row is LLaMA-Factory's kto row: the conversation laid out
+  as its last turn (``TemplateEncoder.one_turn``, the reply slot trained whole, an efficient_eos template's
+  EOS after it) and cut by LLaMA-Factory's rule (``split_lengths``: both keep their start).
 - **FeedbackCollator**: ``B`` rows -> ``2B``: the rows, then their mismatched rows, and ``kto_tags [B]``.
   Mismatched row ``j`` is row ``j``'s prompt with the completion of the micro-batch's previous row (row 0
   takes the last row's): TRL's rotation by +1, formed from the micro-batch itself (as TRL's vision collator
   does), so it is the same on both backends and every layout, whatever the shuffle. A micro-batch is the
   same set of rows, in the same order, on both backends (roll.data's one sample order). A mismatched row is
-  cut to ``cutoff_len`` by ``split_budget`` too; a filler row (no trained token: the end of an epoch on the
+  cut to ``cutoff_len`` by the rows' rule (``split_lengths`` with a named template, as LLaMA-Factory cuts
+  its KL rows; else ``split_budget``); a filler row (no trained token: the end of an epoch on the
   mca backend) takes no part in the rotation.
 """
 
@@ -26,8 +30,10 @@ import torch
 from roll import IGNORE_INDEX
 from roll.data import formats
 from roll.data.formats import RowError, Skip
+from roll.data.named_templates import TemplateEncoder, split_lengths, tokenize_slots
 from roll.data.policy import PaddingPolicy
-from roll.data.processors import META_COLUMNS, SEQ, _Processor, _tokenize, bounded, char_bound, split_budget
+from roll.data.processors import (META_COLUMNS, SEQ, _bounded_messages, _conversation, _Processor, _tokenize,
+                                  bounded, char_bound, split_budget)
 from roll.data.templates import Renderer
 from roll.errors import DataError
 
@@ -52,21 +58,36 @@ def kto_tag(row: dict) -> bool:
 class FeedbackProcessor(_Processor):
     """kto rows -> input_ids, attention_mask, labels (the last reply + end-of-turn trained), kto_tag."""
 
+    encoder: TemplateEncoder | None = None
+    """A named template (``template:``, roll.data.named_templates); None: the tokenizer's chat template."""
+
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        renderer = Renderer.for_tokenizer(self.tokenizer)
         out: dict[str, list] = {k: [] for k in SEQ + (TAG,) + META_COLUMNS}
         limit = char_bound(self.tokenizer, self.cutoff_len)
-        parsed = self.parse(batch, indices, lambda row: self._render(renderer, row, limit))
-        texts = [text for item in parsed if not isinstance(item, Skip) for text in item[:2]]
-        token_iter = iter(_tokenize(self.tokenizer, texts))
+        if self.encoder is not None:
+            parsed = self.parse(batch, indices, lambda row: self._slots(row, limit))
+            token_iter = iter(tokenize_slots(self.tokenizer, [g for item in parsed if not isinstance(item, Skip)
+                                                              for g in item[:2]]))
+        else:
+            renderer = Renderer.for_tokenizer(self.tokenizer)
+            parsed = self.parse(batch, indices, lambda row: self._render(renderer, row, limit))
+            token_iter = iter(_tokenize(self.tokenizer, [text for item in parsed if not isinstance(item, Skip)
+                                                         for text in item[:2]]))
+        named = self.encoder is not None
         for item in parsed:
             if isinstance(item, Skip):
                 self.empty(out, item.reason, SEQ)
                 out[TAG].append(False)
                 continue
             prompt, answer = next(token_iter), next(token_iter)
-            p_keep, a_keep = split_budget(len(prompt), len(answer), self.cutoff_len)
-            ids, labels = _join(prompt, answer, p_keep, a_keep)
+            if named and self.encoder.template.efficient_eos:
+                answer = answer + [self.tokenizer.eos_token_id]
+            p_keep, a_keep = (split_lengths if named else split_budget)(len(prompt), len(answer), self.cutoff_len)
+            if a_keep <= 0:  # an empty reply slot (template empty): nothing to train
+                self.empty(out, "no_trainable_tokens", SEQ)
+                out[TAG].append(False)
+                continue
+            ids, labels = _join(prompt, answer, p_keep, a_keep, keep_prompt_start=named)
             out["input_ids"].append(ids)
             out["attention_mask"].append([1] * len(ids))
             out["labels"].append(labels)
@@ -78,14 +99,23 @@ class FeedbackProcessor(_Processor):
 
     def _render(self, renderer: Renderer, row: dict, limit: int) -> tuple[str, str, bool]:
         tag = kto_tag(row)
-        turns = renderer.turns(formats.conversation(row, self.fmt), "last")
+        turns = renderer.turns(_conversation(row, self.fmt), "last")
         prompt = "".join(p + r for p, r, _ in turns[:-1]) + turns[-1][0]
         return bounded(prompt, limit, "tail"), bounded(turns[-1][1], limit, "head"), tag
 
+    def _slots(self, row: dict, limit: int):
+        """(prompt slots, reply slots, tag) of a named template: LLaMA-Factory's encode_oneturn of the row."""
+        tag = kto_tag(row)
+        messages = _bounded_messages(formats.conversation(row, self.fmt), limit)
+        return (*self.encoder.one_turn(messages, formats.tools(row)), tag)
 
-def _join(prompt: list[int], answer: list[int], p_keep: int, a_keep: int) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of the prompt's last ``p_keep`` tokens and the answer's first ``a_keep`` (trained)."""
-    prompt, answer = prompt[len(prompt) - p_keep:], answer[:a_keep]
+
+def _join(prompt: list[int], answer: list[int], p_keep: int, a_keep: int,
+          keep_prompt_start: bool = False) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of ``p_keep`` prompt tokens (its last ones; its first with ``keep_prompt_start``, as
+    LLaMA-Factory cuts) and the answer's first ``a_keep`` (trained)."""
+    prompt = prompt[:p_keep] if keep_prompt_start else prompt[len(prompt) - p_keep:]
+    answer = answer[:a_keep]
     labels = [IGNORE_INDEX] * len(prompt) + answer
     labels[0] = IGNORE_INDEX  # nothing predicts the first token (DESIGN.md section 2)
     return prompt + answer, labels
@@ -102,8 +132,10 @@ def _prompt_and_completion(row: dict[str, Any]) -> tuple[list[int], list[int]] |
     return ids[:first], ids[first:]
 
 
-def mismatched_rows(features: list[dict[str, Any]], cutoff_len: int) -> list[dict[str, list[int]]]:
-    """The mismatched row of each row of a micro-batch (see the module docstring).
+def mismatched_rows(features: list[dict[str, Any]], cutoff_len: int,
+                    named_template: bool = False) -> list[dict[str, list[int]]]:
+    """The mismatched row of each row of a micro-batch (see the module docstring); ``named_template``: cut as
+    LLaMA-Factory cuts (``split_lengths``, the prompt keeps its start).
 
     Example (cutoff_len 8)::
 
@@ -118,8 +150,9 @@ def mismatched_rows(features: list[dict[str, Any]], cutoff_len: int) -> list[dic
             "labels": list(f["labels"])} for f in features]  # fillers stay fillers
     for k, i in enumerate(real):
         prompt, completion = spans[i][0], spans[real[k - 1]][1]
-        p_keep, a_keep = split_budget(len(prompt), len(completion), cutoff_len)
-        ids, labels = _join(prompt, completion, p_keep, a_keep)
+        split = split_lengths if named_template else split_budget
+        p_keep, a_keep = split(len(prompt), len(completion), cutoff_len)
+        ids, labels = _join(prompt, completion, p_keep, a_keep, keep_prompt_start=named_template)
         out[i] = {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
     return out
 
@@ -142,6 +175,8 @@ class FeedbackCollator:
     pad_token_id: int
     policy: PaddingPolicy = field(default_factory=PaddingPolicy)
     cutoff_len: int = 1024
+    named_template: bool = False
+    """The rows are a named template's (``template:``): mismatched rows are cut as LLaMA-Factory cuts."""
 
     def __post_init__(self) -> None:
         if self.policy.packing:
@@ -151,7 +186,8 @@ class FeedbackCollator:
         from roll.data.collators import SequenceCollator  # roll.data.collators lists this class
 
         rows = [{key: f[key] for key in ("input_ids", "attention_mask", "labels")} for f in features]
-        batch = SequenceCollator(self.pad_token_id, self.policy)(rows + mismatched_rows(features, self.cutoff_len))
+        mismatched = mismatched_rows(features, self.cutoff_len, self.named_template)
+        batch = SequenceCollator(self.pad_token_id, self.policy)(rows + mismatched)
         batch["kto_tags"] = torch.tensor([bool(f[TAG]) for f in features])
         return batch
 

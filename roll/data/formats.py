@@ -116,6 +116,26 @@ def turns_to_messages(turns: Any, column: str) -> list[dict]:
     return messages
 
 
+def tools(row: dict) -> str:
+    """A row's ``tools`` column: a JSON list of tool descriptions as text ('' when the row has none); a named
+    template writes it into the system prompt (roll.data.tool_formats)."""
+    value = row.get("tools")
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str):
+        raise RowError(f"'tools' must be a JSON string (a list of tool descriptions, as in LLaMA-Factory's "
+                       f"datasets), got {type(value).__name__}")
+    return value
+
+
+def refuse_tools(row: dict, names) -> None:
+    """The tokenizer's own chat template does not lay a row's tool list out: RowError when the row has one."""
+    if tools(row):
+        raise RowError(f"the row has a 'tools' list, which only the named templates lay out (LLaMA-Factory's tool "
+                       f"formats): set template: to one of {', '.join(names)} (the model family's), or drop the "
+                       "column")
+
+
 def sharegpt_messages(row: dict) -> list[dict]:
     column = "conversations" if row.get("conversations") is not None else "messages"
     messages = turns_to_messages(row.get(column), column)

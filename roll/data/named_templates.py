@@ -16,6 +16,10 @@ trains on the same token ids with the same labels:
   position is EOS instead, and one EOS ends the sequence.
 - Reasoning templates (qwen3) put an empty ``<think>\\n\\n</think>\\n\\n`` before a reply that has none:
   trained with ``enable_thinking``, else part of the prompt.
+- Tools (roll.data.tool_formats): a row's ``tools`` list is written in the template's tool format after the
+  system prompt, inside its system slot; a ``function_call`` turn is a reply in the template's function
+  slots (its calls in the tool format), trained as a reply; an ``observation`` turn is a prompt in the
+  observation slots.
 
 Truncation to ``cutoff_len`` (``split_lengths``) is LLaMA-Factory's: turns are taken in order (the last
 first with ``train_on_last_turn_only`` / LLaMA-Factory's ``mask_history``) while the budget lasts; a turn
@@ -26,11 +30,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from roll import IGNORE_INDEX
-from roll.data.formats import RowError, Skip
+from roll.data.formats import Skip
+from roll.data.tool_formats import FORMATS as TOOL_FORMATS, calls_text, tools_text
 from roll.errors import ConfigError
 
 
@@ -49,6 +54,8 @@ Piece = Union[str, int]
 
 THOUGHT = ("<think>\n", "\n</think>\n\n")
 """The empty thought a reasoning template puts before a reply without one: THOUGHT[0] + THOUGHT[1]."""
+TOOL_CALL = ("<tool_call>", "</tool_call>")
+"""The words a function_call turn may put around its JSON (LLaMA-Factory's tool_call_words)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,10 @@ class NamedTemplate:
     """Default: the system text alone (``{{content}}``), not the user slots."""
     observation: tuple[Slot, ...] | None = None
     """A tool result's slots; default: the user slots."""
+    function: tuple[Slot, ...] | None = None
+    """A function_call turn's slots; default: the assistant slots."""
+    tool_format: str = "default"
+    """How tool lists and calls are written (roll.data.tool_formats.FORMATS)."""
     prefix: tuple[Slot, ...] = ()
     default_system: str = ""
     stop_words: tuple[str, ...] = ()
@@ -81,6 +92,7 @@ class NamedTemplate:
             object.__setattr__(self, "assistant", (CONTENT,) if self.efficient_eos else (CONTENT, EOS))
         object.__setattr__(self, "system", self.system or (CONTENT,))
         object.__setattr__(self, "observation", self.observation or self.user)
+        object.__setattr__(self, "function", self.function or self.assistant)
 
 
 _CHATML_USER = "<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"
@@ -88,7 +100,7 @@ _QWEN = dict(user=(_CHATML_USER,), assistant=("{{content}}<|im_end|>\n",),
              system=("<|im_start|>system\n{{content}}<|im_end|>\n",),
              observation=("<|im_start|>user\n<tool_response>\n{{content}}\n</tool_response><|im_end|>\n"
                           "<|im_start|>assistant\n",),
-             stop_words=("<|im_end|>",), replace_eos=True)
+             stop_words=("<|im_end|>",), replace_eos=True, tool_format="qwen")
 _LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
 
 TEMPLATES: dict[str, NamedTemplate] = {t.name: t for t in (
@@ -111,15 +123,16 @@ TEMPLATES: dict[str, NamedTemplate] = {t.name: t for t in (
                   observation=(_LLAMA3_HEADER.format(role="ipython") + "{{content}}<|eot_id|>"
                                + _LLAMA3_HEADER.format(role="assistant"),),
                   prefix=(BOS,), stop_words=("<|eot_id|>", "<|eom_id|>"), replace_eos=True,
-                  pretrain_eos="<|end_of_text|>"),
+                  pretrain_eos="<|end_of_text|>", tool_format="llama3"),
     NamedTemplate("mistral", user=("[INST] {{content}}[/INST]",), assistant=(" {{content}}", EOS),
                   system=("{{content}}\n\n",),
                   observation=('[TOOL_RESULTS] {"content": {{content}}}[/TOOL_RESULTS]',), prefix=(BOS,),
-                  system_in_first_user=True),
+                  system_in_first_user=True, function=("[TOOL_CALLS] {{content}}", EOS), tool_format="mistral"),
     NamedTemplate("deepseek3", user=("<｜User｜>{{content}}<｜Assistant｜>",), prefix=(BOS,)),
     NamedTemplate("glm4", user=("<|user|>\n{{content}}<|assistant|>",), assistant=("\n{{content}}",),
                   system=("<|system|>\n{{content}}",), observation=("<|observation|>\n{{content}}<|assistant|>",),
-                  prefix=("[gMASK]<sop>",), stop_words=("<|user|>", "<|observation|>"), efficient_eos=True),
+                  prefix=("[gMASK]<sop>",), stop_words=("<|user|>", "<|observation|>"), efficient_eos=True,
+                  function=("{{content}}",), tool_format="glm4"),
 )}
 """The names ``template:`` accepts (LLaMA-Factory's layouts of the same names)."""
 
@@ -161,30 +174,35 @@ class TemplateEncoder:
             expected = ("user", "tool") if i % 2 == 0 else ("assistant",)
             if message["role"] not in expected:
                 raise Skip("bad_turn_order")
-            if message.get("function_call"):
-                raise RowError(f"template {self.template.name}: function-call turns are not supported with a "
-                               "named template yet; leave `template:` unset to lay them out with the "
-                               "tokenizer's own chat template")
         return system or self.system_default, [dict(m) for m in messages]
 
-    def _encode(self, system: str, messages: list[dict]) -> list[list[Slot]]:
-        """Each message's slots, in order (the first carries the prefix and the system prompt)."""
+    def _encode(self, system: str, messages: list[dict], tools: str = "") -> list[list[Slot]]:
+        """Each message's slots, in order (the first carries the prefix, the system prompt and the tools)."""
         t, encoded = self.template, []
+        # LLaMA-Factory's Llama2Template (mistral) reads a call's content as JSON alone
+        words = (None, None) if t.system_in_first_user else (THOUGHT, TOOL_CALL)
         for i, message in enumerate(messages):
             slots: list[Slot] = []
             content = message["content"]
             if i == 0:
                 slots += list(t.prefix)
-                if system and t.system_in_first_user:
-                    content = next(s for s in _fill(t.system, system) if isinstance(s, str)) + content
-                elif system:
-                    slots += _fill(t.system, system)
-            role_slots = {"user": t.user, "tool": t.observation, "assistant": t.assistant}[message["role"]]
+                if system or tools:
+                    system = system + (tools_text(t.tool_format, tools) if tools else "")
+                    if t.system_in_first_user:
+                        content = next(s for s in _fill(t.system, system) if isinstance(s, str)) + content
+                    else:
+                        slots += _fill(t.system, system)
+            if message.get("function_call"):
+                role_slots, content = t.function, calls_text(t.tool_format, content, *words)
+            else:
+                role_slots = {"user": t.user, "tool": t.observation, "assistant": t.assistant}[message["role"]]
             encoded.append(slots + _fill(role_slots, content))
         return encoded
 
-    def turns(self, messages: list[dict], last_turn_only: bool = False) -> list[tuple[list[Slot], list[Slot]]]:
-        """[(prompt slots, reply slots)] of every turn of a conversation (LLaMA-Factory's encode_multiturn)."""
+    def turns(self, messages: list[dict], last_turn_only: bool = False,
+              tools: str = "") -> list[tuple[list[Slot], list[Slot]]]:
+        """[(prompt slots, reply slots)] of every turn of a conversation (LLaMA-Factory's encode_multiturn);
+        ``tools``: the row's tool list (JSON text, '' for none)."""
         system, messages = self._messages(messages)
         thinking = self.template.reasoning
         discard_history = thinking and last_turn_only and not self.preserve_thinking
@@ -192,7 +210,7 @@ class TemplateEncoder:
             for i in range(1, len(messages), 2):
                 if not self.enable_thinking or (discard_history and i < len(messages) - 2):
                     messages[i]["content"] = remove_thought(messages[i]["content"])
-        encoded = self._encode(system, messages)
+        encoded = self._encode(system, messages, tools)
         if thinking:
             for i in ([len(messages) - 2] if discard_history else range(0, len(messages), 2)):
                 self._add_thought(encoded, i, messages[i + 1]["content"])
@@ -206,7 +224,7 @@ class TemplateEncoder:
         else:
             encoded[prompt] = encoded[prompt] + [THOUGHT[0] + THOUGHT[1]]
 
-    def one_turn(self, messages: list[dict]) -> tuple[list[Slot], list[Slot]]:
+    def one_turn(self, messages: list[dict], tools: str = "") -> tuple[list[Slot], list[Slot]]:
         """(everything before the last reply, the last reply): a preference pair's side
         (LLaMA-Factory's encode_oneturn)."""
         system, messages = self._messages(messages)
@@ -216,7 +234,7 @@ class TemplateEncoder:
                     messages[i]["content"] = remove_thought(messages[i]["content"])
             if not self.enable_thinking:
                 messages[-1]["content"] = remove_thought(messages[-1]["content"])
-        encoded = self._encode(system, messages)
+        encoded = self._encode(system, messages, tools)
         if self.template.reasoning:
             self._add_thought(encoded, len(encoded) - 2, messages[-1]["content"])
         return [slot for slots in encoded[:-1] for slot in slots], encoded[-1]
@@ -294,12 +312,22 @@ def encoder_for(data_args) -> TemplateEncoder | None:
     """The run's TemplateEncoder, or None when ``template:`` is unset (the tokenizer's own template)."""
     if data_args.template is None:
         return None
-    return TemplateEncoder(TEMPLATES[data_args.template], default_system=data_args.default_system,
+    template = TEMPLATES[data_args.template]
+    if getattr(data_args, "tool_format", None) is not None:  # LLaMA-Factory: calls as the reply then EOS
+        template = replace(template, tool_format=data_args.tool_format,
+                           function=(CONTENT,) if template.efficient_eos else (CONTENT, EOS))
+    return TemplateEncoder(template, default_system=data_args.default_system,
                            enable_thinking=data_args.enable_thinking, preserve_thinking=data_args.preserve_thinking)
 
 
-def check_template_options(name: str | None, train_on_prompt: bool, last_turn_only: bool) -> str | None:
+def check_template_options(name: str | None, train_on_prompt: bool, last_turn_only: bool,
+                           tool_format: str | None = None) -> str | None:
     """What is wrong with these settings, or None (checked at config time)."""
+    if tool_format is not None and (name is None or tool_format not in TOOL_FORMATS):
+        return (f"tool_format={tool_format!r}: " + (f"choose one of {', '.join(TOOL_FORMATS)} (LLaMA-Factory's tool "
+                "formats roll writes), or leave it unset for the template's own" if name is not None else
+                "a tool format is a named template's (set template:); the tokenizer's own chat template lays "
+                "tools out its own way") + ".")
     if name is not None and name not in TEMPLATES:
         from roll.config.coerce import closest  # late: roll.config imports this module
 

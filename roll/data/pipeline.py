@@ -213,7 +213,8 @@ def make_processor(source: Source, *, data_args, tokenizer, stage: str, processo
             "enable_thinking": data_args.enable_thinking}
     options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all",
                               "train_on_prompt": data_args.train_on_prompt, **chat},
-               "pairwise": chat,
+               "pairwise": chat, "reward": chat,
+               "feedback": {"encoder": encoder},
                "pretrain": {"packing": data_args.packing,
                             "eos_id": pretrain_eos_id(tokenizer, encoder.template) if encoder else None}}
     if vision is not None:  # roll.data.vision: images laid out (stage sft only, roll.data.vision.check_config)
@@ -248,11 +249,11 @@ def fingerprint(ds, fn) -> str:
     """
     import sys
 
-    from roll.data import dataset_info, formats, named_templates, processors, templates, vision
+    from roll.data import dataset_info, formats, named_templates, processors, templates, tool_formats, vision
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
     # the processor's own module too (feedback for kto, reward for rm)
-    modules = dict.fromkeys([formats, processors, templates, named_templates, dataset_info, vision,
+    modules = dict.fromkeys([formats, processors, templates, named_templates, tool_formats, dataset_info, vision,
                              sys.modules[type(fn).__module__]])
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
                            code_digest(*modules))

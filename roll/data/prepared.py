@@ -42,11 +42,12 @@ NOT_DATA_SETTINGS = frozenset({"tokenized_path", "overwrite_cache", "preprocessi
 def data_settings(data_args, tokenizer, *, stage: str, seed: int) -> dict:
     """What the prepared rows depend on: every row-changing data key, the stage, the seed, the tokenizer and
     roll's data-processing code (each a digest), by name."""
-    from roll.data import dataset_info, feedback, formats, named_templates, packing, processors, reward, templates
+    from roll.data import (dataset_info, feedback, formats, named_templates, packing, processors, reward, templates,
+                           tool_formats)
 
     settings = {f.name: getattr(data_args, f.name) for f in dataclasses.fields(data_args)
                 if f.init and f.name not in NOT_DATA_SETTINGS}
-    code = (formats, processors, templates, named_templates, dataset_info, packing) + (
+    code = (formats, processors, templates, named_templates, tool_formats, dataset_info, packing) + (
         (feedback,) if stage == "kto" else ()) + ((reward,) if stage == "rm" else ())
     settings.update(stage=stage, seed=seed, tokenizer=tokenizer_digest(tokenizer),
                     registry={name: repr(entry) for name, entry in

@@ -29,7 +29,7 @@ from roll import IGNORE_INDEX
 from roll.data import formats
 from roll.data.dataset_info import DatasetEntry
 from roll.data.formats import RowError, Skip
-from roll.data.named_templates import TemplateEncoder, assemble, split_lengths, tokenize_slots
+from roll.data.named_templates import TEMPLATES, TemplateEncoder, assemble, split_lengths, tokenize_slots
 from roll.data.templates import Renderer
 from roll.errors import DataError
 from roll.logging import warn_once
@@ -201,7 +201,7 @@ class SupervisedProcessor(_Processor):
         parsed = self.parse(batch, indices, lambda row: [
             (bounded(prompt, limit, "tail"), bounded(reply, limit, "head"), trainable)
             for prompt, reply, trainable in renderer.turns(
-                with_system(formats.conversation(row, self.fmt), self.default_system), self.train_turns)])
+                with_system(_conversation(row, self.fmt), self.default_system), self.train_turns)])
         texts = [text for turns in parsed if not isinstance(turns, Skip)
                  for prompt, reply, _ in turns for text in (prompt, reply)]
         token_iter = iter(_tokenize(self.tokenizer, texts))
@@ -223,7 +223,7 @@ class SupervisedProcessor(_Processor):
         out: dict[str, list] = {k: [] for k in SEQ + META_COLUMNS}
         limit = char_bound(self.tokenizer, self.cutoff_len)
         parsed = self.parse(batch, indices, lambda row: encoder.turns(
-            _bounded_messages(formats.conversation(row, self.fmt), limit), last))
+            _bounded_messages(formats.conversation(row, self.fmt), limit), last, formats.tools(row)))
         groups = [slots for turns in parsed if not isinstance(turns, Skip) for turn in turns for slots in turn]
         token_iter = iter(tokenize_slots(self.tokenizer, groups))
         for turns in parsed:
@@ -246,8 +246,15 @@ def with_system(messages: list[dict], system: str | None) -> list[dict]:
 
 def _bounded_messages(messages: list[dict], limit: int) -> list[dict]:
     """Each message cut to ``limit`` characters from its start (a named template keeps the start of a prompt
-    and of a reply; see char_bound)."""
-    return [{**m, "content": bounded(m["content"], limit, "head")} for m in messages]
+    and of a reply; see char_bound); a function call is kept whole (its JSON is parsed)."""
+    return [m if m.get("function_call") else {**m, "content": bounded(m["content"], limit, "head")}
+            for m in messages]
+
+
+def _conversation(row: dict, fmt: str) -> list[dict]:
+    """formats.conversation for the tokenizer's own chat template, which does not lay a tool list out."""
+    formats.refuse_tools(row, TEMPLATES)
+    return formats.conversation(row, fmt)
 
 
 @dataclass
@@ -300,16 +307,21 @@ class PairwiseProcessor(_Processor):
 
     def _slots(self, row: dict, limit: int):
         """(prompt, chosen, rejected) slots of a named template: each side laid out as its last turn
-        (LLaMA-Factory's encode_oneturn; the prompt is the chosen side's)."""
+        (LLaMA-Factory's encode_oneturn; the prompt is the chosen side's; a function_call answer in the
+        template's function slots)."""
         prompt, chosen, rejected = formats.pair(row)
-        prompt = _bounded_messages(prompt, limit)
-        prompt_slots, chosen_slots = self.encoder.one_turn(
-            prompt + [{"role": "assistant", "content": bounded(chosen, limit, "head")}])
-        _, rejected_slots = self.encoder.one_turn(
-            prompt + [{"role": "assistant", "content": bounded(rejected, limit, "head")}])
-        return prompt_slots, chosen_slots, rejected_slots
+        prompt, tools = _bounded_messages(prompt, limit), formats.tools(row)
+        sides = []
+        for side, answer in (("chosen", chosen), ("rejected", rejected)):
+            turn = formats.turns_to_messages(row[side], side)[-1] if isinstance(row[side], (dict, list)) else {}
+            call = bool(turn.get("function_call"))
+            message = {"role": "assistant", "content": answer if call else bounded(answer, limit, "head")}
+            sides.append(self.encoder.one_turn(prompt + [{**message, "function_call": True} if call else message],
+                                               tools))
+        return sides[0][0], sides[0][1], sides[1][1]
 
     def _render(self, renderer: Renderer, row: dict, limit: int) -> tuple[str, str, str]:
+        formats.refuse_tools(row, TEMPLATES)
         prompt, chosen, rejected = formats.pair(row)
         prompt = with_system(prompt, self.default_system)
         chosen_turns = renderer.turns(prompt + [{"role": "assistant", "content": chosen}])

@@ -63,7 +63,8 @@ def _kto_example(job) -> list[str]:
     label = "desirable" if first["kto_tag"] else "undesirable"
     out = [f"--- first training row (kto_tag: {str(first['kto_tag']).lower()}, {label}) ---\n"
            + marked_text(job.tokenizer, first["input_ids"], first["labels"])]
-    kl = mismatched_rows(rows, getattr(job.collator, "cutoff_len", len(first["input_ids"])))[0]
+    kl = mismatched_rows(rows, getattr(job.collator, "cutoff_len", len(first["input_ids"])),
+                         getattr(job.collator, "named_template", False))[0]
     out.append("--- its mismatched row for the KL reference point (its prompt, the completion of the "
                f"{'second' if len(rows) > 1 else 'same'} row) ---\n"
                + marked_text(job.tokenizer, kl["input_ids"], kl["labels"]))

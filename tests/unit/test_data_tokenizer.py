@@ -65,7 +65,6 @@ def test_roll_train_refuses_a_tokenizer_without_chat_template_for_conversation_s
             check_chat_template(config)
     else:
         check_chat_template(config)
-    if stage != "kto":  # kto refuses template: at config time (tests/unit/test_kto.py)
-        check_chat_template(resolve({"model_name_or_path": bare_tokenizer_dir, "stage": stage,
-                                     "dataset": "x.json", "per_device_train_batch_size": 2,
-                                     "template": "default"}, {}, None))
+    check_chat_template(resolve({"model_name_or_path": bare_tokenizer_dir, "stage": stage,
+                                 "dataset": "x.json", "per_device_train_batch_size": 2,
+                                 "template": "default"}, {}, None))

@@ -100,6 +100,13 @@ def test_registered_names_load_with_their_columns_and_tags(bpe, registry):
     # kto_tag is carried into the row for stage kto
     entry = lookup("feedback", "data")
     assert entry.canonical({"m": [], "label": False}, "sharegpt")["kto_tag"] is False
+    # a tools column is read when the entry names it (LLaMA-Factory's columns.tools), else not
+    from roll.data.dataset_info import parse_entry
+
+    tools = parse_entry("t", {"file_name": "x.json", "formatting": "sharegpt", "columns": {"messages": "m", "tools": "fn"}},
+                        "r", "data")
+    assert tools.canonical({"m": [], "fn": "[]"}, "sharegpt")["tools"] == "[]"
+    assert "tools" not in entry.canonical({"m": [], "label": False, "tools": "[]"}, "sharegpt")
     # another dataset_dir
     moved = registry / "elsewhere"
     (registry / "data").rename(moved)
@@ -161,7 +168,6 @@ def test_with_columns_only_the_named_columns_are_read(bpe, registry, roll_warnin
     ({"ms_hub_url": "x/y"}, "ModelScope"),
     ({"file_name": "alpaca.json", "formatting": "openai"}, "formatting must be alpaca or sharegpt"),
     ({"file_name": "alpaca.json", "columns": {"videos": "vid"}}, "columns.videos: multimodal rows"),
-    ({"file_name": "alpaca.json", "columns": {"tools": "tools"}}, "columns.tools: tool descriptions"),
     ({"file_name": "alpaca.json", "columns": {"promt": "q"}}, "columns.promt .*did you mean 'prompt'"),
     ({"file_name": "alpaca.json", "tags": ["from"]}, "tags must be an object"),
     ({"file_name": "alpaca.json", "num_samples": 10}, "num_samples is not supported yet; use max_samples"),

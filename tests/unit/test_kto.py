@@ -236,7 +236,6 @@ def test_mismatched_rows_rotate_by_one_over_real_rows_and_keep_cutoff_len():
     ({"ref_free": True}, "ref_free=True does not apply to stage kto"),
     ({"pref_ftx": 0.1}, "pref_ftx=0.1 only applies to stage: dpo"),
     ({"packing": True}, "packing is not supported for stage kto"),
-    ({"template": "qwen3_nothink"}, "template: qwen3_nothink is not supported for stage kto yet"),
     ({"stage": "dpo", "kto_desirable_weight": 2.0}, "kto_desirable_weight=2.0 only applies to stage: kto"),
 ])
 def test_kto_keys_are_checked_at_config_time(tmp_path, keys, message):

@@ -260,12 +260,108 @@ def test_replace_eos_and_pretrain_eos():
         DataArguments(template="qwen3_nothnk")
 
 
-def test_function_call_turns_are_refused_naming_the_row():
-    from roll.errors import DataError
+# ---- stage kto (LLaMA-Factory's kto rows: encode_oneturn, infer_seqlen; the KL rows from the collator) ----
+
+def _kto(tokenizer, name, rows, cutoff_len=4096, **data):
+    from roll.data.feedback import FeedbackProcessor
+
+    out = FeedbackProcessor(tokenizer, cutoff_len, "sharegpt", "mem.json",
+                            encoder=encoder_for(DataArguments(template=name, **data)))(batch_of(rows), [0, 1][:len(rows)])
+    assert out["_drop"] == [""] * len(rows), out["_drop"]
+    return [{k: out[k][i] for k in ("input_ids", "attention_mask", "labels", "kto_tag")} for i in range(len(rows))]
+
+
+KTO_ROWS = [{"conversations": TWO_TURNS["conversations"], "kto_tag": False},
+            {"conversations": [{"from": "human", "value": "3+3?"}, {"from": "gpt", "value": "Six."}], "kto_tag": True}]
+
+
+def test_kto_rows_with_a_named_template_train_the_last_reply_slot_and_the_kl_rows_swap_it():
+    """A kto row is LLaMA-Factory's encode_oneturn: every earlier turn (its reply too) is the prompt, the last
+    reply slot is trained with the newline after <|im_end|>; the mismatched row is the row's prompt with the
+    previous row's reply slot, as LLaMA-Factory builds its KL row from prompt + [other response]."""
+    from roll.data.feedback import FeedbackCollator
 
     tokenizer = _tokenizer("qwen")
-    row = {"conversations": [{"from": "human", "value": "Weather in Paris?"},
-                             {"from": "function_call", "value": '{"name": "weather", "arguments": {}}'},
-                             {"from": "observation", "value": "21"}, {"from": "gpt", "value": "21 degrees."}]}
-    with pytest.raises(DataError, match=r"mem.json, row 0 .*function-call turns are not supported with a named"):
-        _sft(tokenizer, "qwen", row)
+    rows = _kto(tokenizer, "qwen", KTO_ROWS)
+    prompt0 = [QWEN_SYSTEM] + [slot for slots, _ in CHATML_TURNS[:3] for slot in slots]
+    prompt1 = [QWEN_SYSTEM, "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n"]
+    assert (rows[0]["input_ids"], rows[0]["labels"]) == _expected(tokenizer, [(prompt0, False), (["4.<|im_end|>\n"], True)])
+    assert (rows[1]["input_ids"], rows[1]["labels"]) == _expected(tokenizer, [(prompt1, False), (["Six.<|im_end|>\n"], True)])
+    assert [r["kto_tag"] for r in rows] == [False, True]
+    batch = FeedbackCollator(tokenizer.pad_token_id, cutoff_len=4096, named_template=True)(rows)
+    kl0 = _expected(tokenizer, [(prompt0, False), (["Six.<|im_end|>\n"], True)])
+    kl1 = _expected(tokenizer, [(prompt1, False), (["4.<|im_end|>\n"], True)])
+    for row, (ids, labels) in zip((2, 3), (kl0, kl1)):
+        n = len(ids)
+        assert batch["input_ids"][row, :n].tolist() == ids and batch["labels"][row, :n].tolist() == labels
+        assert batch["attention_mask"][row].sum() == n
+
+
+def test_kto_named_template_truncation_is_llamafactorys_for_rows_and_kl_rows():
+    """infer_seqlen on each row and on each mismatched row: both keep their start (the tokenizer-template
+    rule would keep the prompt's end)."""
+    from roll.data.feedback import FeedbackCollator
+
+    tokenizer = _tokenizer("qwen3_nothink")
+    long = [{"conversations": [{"from": "human", "value": "one two three four five six seven eight nine ten"},
+                               {"from": "gpt", "value": "alpha beta gamma delta epsilon zeta eta theta"}],
+             "kto_tag": True},
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "kto_tag": False}]
+    enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (
+        "<|im_start|>user\none two three four five six seven eight nine ten<|im_end|>\n<|im_start|>assistant\n",
+        "alpha beta gamma delta epsilon zeta eta theta<|im_end|>\n", "Hello.<|im_end|>\n")]
+    cutoff = 16
+    rows = _kto(tokenizer, "qwen3_nothink", long, cutoff_len=cutoff)
+    assert [len(e) for e in enc] == [18, 11, 4]
+    p, r = 10, 6  # both past half the budget: the reply int(16 * 11 / 29) = 6, the prompt the rest
+    assert rows[0]["input_ids"] == enc[0][:p] + enc[1][:r] and rows[0]["labels"] == [X] * p + enc[1][:r]
+    kl = FeedbackCollator(tokenizer.pad_token_id, cutoff_len=cutoff, named_template=True)(rows)
+    # the kept prompt (10) with the second row's reply (4 < 16 / 2: whole); its start is kept
+    assert kl["input_ids"][2, :14].tolist() == enc[0][:10] + enc[2]
+    assert kl["labels"][2, :14].tolist() == [X] * 10 + enc[2]
+    # the second row's prompt with the first row's kept reply (6)
+    prompt1 = rows[1]["input_ids"][:-len(enc[2])]
+    assert kl["input_ids"][3, :len(prompt1) + 6].tolist() == prompt1 + enc[1][:6]
+
+
+@pytest.mark.parametrize("name, enable", [("glm4", True), ("qwen3", True), ("qwen3", False)])
+def test_kto_efficient_eos_and_thinking(name, enable):
+    """glm4: the reply slot then EOS (LLaMA-Factory appends it to a kto response); qwen3: the empty thought
+    before the reply, trained with enable_thinking, else the end of the prompt."""
+    tokenizer = _tokenizer(name)
+    row = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "kto_tag": True}
+    got = _kto(tokenizer, name, [row], enable_thinking=enable)[0]
+    if name == "glm4":
+        expected = [(["[gMASK]<sop>", "<|user|>\nHi<|assistant|>"], False), (["\nHello.", EOS], True)]
+    elif enable:
+        expected = [CHATML_TURNS[0], (["<think>\n\n</think>\n\n", "Hello.<|im_end|>\n"], True)]
+    else:
+        expected = [(CHATML_TURNS[0][0] + ["<think>\n\n</think>\n\n"], False), (["Hello.<|im_end|>\n"], True)]
+    assert (got["input_ids"], got["labels"]) == _expected(tokenizer, expected)
+
+
+def test_kto_mismatched_rows_of_a_named_template_keep_the_prompt_start():
+    from roll.data.feedback import mismatched_rows
+
+    rows = [{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [X, X, X, X, 5, 6]},
+            {"input_ids": [7, 8, 9, 10, 11, 12], "labels": [X, X, 9, 10, 11, 12]}]
+    # prompt 4 + completion 4 in 6: both past half, the completion int(6 * 4 / 8) = 3, the prompt's first 3
+    assert mismatched_rows(rows, 6, named_template=True)[0]["input_ids"] == [1, 2, 3, 9, 10, 11]
+    assert mismatched_rows(rows, 6)[0]["input_ids"] == [2, 3, 4, 9, 10, 11]  # the tokenizer template's rule
+
+
+@pytest.mark.parametrize("processor, fmt", [("reward", "pairwise"), ("feedback", "sharegpt"), ("pairwise", "pairwise")])
+def test_every_conversation_stage_gets_the_named_template(processor, fmt):
+    """make_processor hands the named template to rm's, kto's and dpo's processors (rm's was left out: its rows
+    were laid out with the tokenizer's template whatever template: said)."""
+    import datasets
+
+    from roll.data.loading import Source
+    from roll.data.pipeline import make_processor
+
+    row = {"prompt": "2+3?", "chosen": "5.", "rejected": "6."} if fmt == "pairwise" else \
+        {"conversations": TWO_TURNS["conversations"], "kto_tag": True}
+    fn = make_processor(Source("mem.json", datasets.Dataset.from_list([row])), data_args=DataArguments(
+        template="qwen", formatting=fmt), tokenizer=_tokenizer("qwen"), stage="x", processor=processor,
+        allowed=(fmt,))
+    assert fn.encoder is not None and fn.encoder.template.name == "qwen"
