@@ -433,4 +433,8 @@ MUTANTS: list[Mutant] = [
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),
+    Mutant("stop_poll_reads_the_device_every_step", "a GPU run (NCCL) all-reduces its stop flag on the default "
+           "group: a device tensor whose read waits for the device after every step",
+           "roll/reliability.py", "op=dist.ReduceOp.MAX, group=host_group())", "op=dist.ReduceOp.MAX)",
+           ("tests/distributed/test_stop_poll_dist.py",)),
 ]
