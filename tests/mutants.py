@@ -433,6 +433,11 @@ MUTANTS: list[Mutant] = [
     Mutant("async_save_unfinished_at_the_end_mca", "mca, save_async: the last checkpoint, still being written "
            "when training ends, is never published", LOOP, "            self._finish_saves()\n        finally:",
            "        finally:", (ASYNC_KILL_MCA,)),
+    Mutant("packed_windows_attend_across_samples_mca", "mca packed batches: a window's samples attend to each other "
+           "(causal over the window instead of block-diagonal)", "backends/mca/attention.py",
+           "allowed = (sequence[:, :, None] == sequence[:, None, :]) & causal",
+           "allowed = causal.expand(len(windows), size, size)",
+           ("tests/unit/test_mca_platform.py::test_packed_windows_hold_whole_sequences_and_equal_per_sequence_attention",)),
     Mutant("stop_poll_reads_the_device_every_step", "a GPU run (NCCL) all-reduces its stop flag on the default "
            "group: a device tensor whose read waits for the device after every step",
            "roll/reliability.py", "op=dist.ReduceOp.MAX, group=host_group())", "op=dist.ReduceOp.MAX)",
