@@ -441,5 +441,5 @@ MUTANTS: list[Mutant] = [
     Mutant("stop_poll_reads_the_device_every_step", "a GPU run (NCCL) all-reduces its stop flag on the default "
            "group: a device tensor whose read waits for the device after every step",
            "roll/reliability.py", "op=dist.ReduceOp.MAX, group=host_group())", "op=dist.ReduceOp.MAX)",
-           ("tests/distributed/test_stop_poll_dist.py",)),
+           ("tests/distributed/test_stop_poll_dist.py::test_the_stop_poll_all_reduces_a_host_tensor_over_one_gloo_group",)),
 ]
