@@ -152,18 +152,46 @@ def any_rank(flag: bool) -> bool:
 
 
 def max_over_ranks(value: int) -> int:
-    """The largest ``value`` of all ranks (one all-reduce when a multi-rank process group exists)."""
+    """The largest ``value`` of all ranks (one all-reduce when a multi-rank process group exists).
+
+    Host only: the all-reduce runs on a CPU tensor, over the default group when it has a CPU backend (gloo) and
+    otherwise (NCCL) over a gloo group of all ranks (``host_group``), so the per-step stop poll never waits for
+    the accelerator: on NCCL an all-reduce of a device tensor read back with ``.item()`` would wait for every
+    kernel queued before it, once per step."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = f"cuda:{torch.cuda.current_device()}"
-    tensor = torch.tensor([value], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    tensor = torch.tensor([value], dtype=torch.int32)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=host_group())
     return int(tensor.item())
+
+
+_host: tuple[object, object] | None = None
+"""(the default process group, ``host_group``'s group for it)."""
+
+
+def host_group():
+    """The group ``max_over_ranks`` all-reduces a CPU tensor over: None (the default group) when that has a CPU
+    backend, else a gloo group of all ranks with the default group's timeout (``ddp_timeout``), made at the first
+    call (collective: every rank calls it at the same point, as every caller of ``max_over_ranks`` does) and
+    kept while the default group lives."""
+    global _host
+    import torch
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if "gloo" in dist.get_backend():  # "gloo", or a mixed "cpu:gloo,cuda:nccl"
+        return None
+    if _host is None or _host[0] is not world:
+        timeout = None
+        try:  # the default group's collective timeout (ProcessGroupNCCL's options); torch's default otherwise
+            timeout = world._get_backend(torch.device("cuda")).options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+        _host = (world, dist.new_group(backend="gloo", timeout=timeout))
+    return _host[1]
 
 
 # ---- non-finite steps ---------------------------------------------------------------------------

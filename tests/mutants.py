@@ -537,4 +537,13 @@ MUTANTS: list[Mutant] = [
            "([2, E, I, H]) instead of each expert's gate then up ([E, 2I, H])", "backends/mca/models/fused_experts.py",
            "start = begin + (expert * len(row.parts) + k) * size", "start = begin + (k * experts + expert) * size",
            ("tests/unit/test_mca_fused_experts.py::test_fused_experts_load_as_the_per_expert_checkpoint",)),
+    Mutant("packed_windows_attend_across_samples_mca", "mca packed batches: a window's samples attend to each other "
+           "(causal over the window instead of block-diagonal)", "backends/mca/attention.py",
+           "allowed = (sequence[:, :, None] == sequence[:, None, :]) & causal",
+           "allowed = causal.expand(len(windows), size, size)",
+           ("tests/unit/test_mca_platform.py::test_packed_windows_hold_whole_sequences_and_equal_per_sequence_attention",)),
+    Mutant("stop_poll_reads_the_device_every_step", "a GPU run (NCCL) all-reduces its stop flag on the default "
+           "group: a device tensor whose read waits for the device after every step",
+           "roll/reliability.py", "op=dist.ReduceOp.MAX, group=host_group())", "op=dist.ReduceOp.MAX)",
+           ("tests/distributed/test_stop_poll_dist.py::test_the_stop_poll_all_reduces_a_host_tensor_over_one_gloo_group",)),
 ]

@@ -14,6 +14,14 @@ indices* for packed sequences and CP:
 - a query may see a key iff both lie in the same packed sequence and key index <= query index
   (block-diagonal causal).
 
+Packed sequences without CP and without an explicit mask (roll's packed batches) take a cheaper form of the same
+attention (``PackedWindows``): whole packed sequences are gathered into windows of the longest sequence's length
+(at least ``WINDOW_MIN``; first fit), so one batched SDPA call computes ``windows x size^2`` scores instead of the
+stream's ``t^2`` (at seq 256, two rows of short samples: a fifth), with a block-diagonal causal mask per window. A
+query sees exactly the keys it saw before; only the order of the sums inside the kernel differs (rounding). The
+windows are planned once per forward from ``cu_seqlens`` (one host read of them per forward, not per layer) and
+shared by every layer.
+
 This checks the data plumbing (CP batch split, PackedSeqParams, CP-aware RoPE) on CPU; it is
 O(s^2) memory and not a replacement for TE's ring attention on GPUs.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -74,6 +83,86 @@ def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torc
     return torch.cat(parts)
 
 
+WINDOW_MIN = 64
+"""Smallest window of ``PackedWindows`` (tokens): below it the per-window overhead outweighs the scores saved."""
+
+
+@dataclass(frozen=True)
+class PackedWindows:
+    """A packed stream's sequences gathered into ``count`` windows of ``size`` slots, whole sequences each.
+
+    ``gather`` [count * size]: the stream token in each slot (a padding slot repeats token 0 and attends only to
+    itself, so its row is never empty; its output is dropped). ``scatter`` [t]: the slot of each stream token.
+    ``allowed`` [count, 1, size, size]: True where a slot may attend to a slot (same sequence, key not after query).
+    """
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    allowed: torch.Tensor
+    count: int
+    size: int
+
+    @staticmethod
+    def plan(cu_seqlens: list[int], device: torch.device | str = "cpu") -> Optional["PackedWindows"]:
+        """Windows for the sequences bounded by ``cu_seqlens`` (first fit, in stream order); None when they would
+        compute as many scores as the whole stream at once (one long sequence, or one window anyway) or do not
+        cover it from token 0."""
+        lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]) if end > start]
+        total = cu_seqlens[-1]  # THD streams start at 0
+        size = max([WINDOW_MIN, *lengths])
+        windows: list[list[int]] = []  # the start of each sequence, per window
+        fill: list[int] = []
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            if end == start:
+                continue
+            w = next((w for w, used in enumerate(fill) if used + end - start <= size), len(windows))
+            if w == len(windows):
+                windows.append([])
+                fill.append(0)
+            windows[w].append(start)
+            fill[w] += end - start
+        if len(windows) * size * size >= total * total or sum(lengths) != total:
+            return None
+        gather = torch.zeros(len(windows) * size, dtype=torch.long)
+        scatter = torch.empty(total, dtype=torch.long)
+        sequence = torch.arange(len(windows) * size).neg_().sub_(1)  # a padding slot: a sequence of its own
+        ends = dict(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        for w, starts in enumerate(windows):
+            slot = w * size
+            for number, start in enumerate(starts):
+                length = ends[start] - start
+                gather[slot:slot + length] = torch.arange(start, start + length)
+                sequence[slot:slot + length] = number
+                slot += length
+        real = sequence >= 0
+        scatter[gather[real]] = torch.nonzero(real).squeeze(1)
+        sequence = sequence.view(len(windows), size)
+        causal = torch.ones(size, size, dtype=torch.bool).tril_()
+        allowed = (sequence[:, :, None] == sequence[:, None, :]) & causal
+        return PackedWindows(gather.to(device), scatter.to(device), allowed[:, None].to(device), len(windows), size)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """Stream [t, h, d] -> windows [size, count, h, d] (the [s, b, h, d] layout of a plain batch)."""
+        return x.index_select(0, self.gather).view(self.count, self.size, *x.shape[1:]).transpose(0, 1)
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        """Windows [size, count, h, d] -> stream [t, h, d]."""
+        return x.transpose(0, 1).reshape(self.count * self.size, *x.shape[2:]).index_select(0, self.scatter)
+
+
+_planned: tuple[object, Optional[PackedWindows]] | None = None
+"""(the ``cu_seqlens`` tensor of the forward being run, its windows): every layer of a forward gets the same
+PackedSeqParams, so the plan is made by the first layer and reused by the others."""
+
+
+def packed_windows(cu_seqlens: torch.Tensor) -> Optional[PackedWindows]:
+    """``PackedWindows.plan`` for ``cu_seqlens``, once per tensor (the one host read of it in a forward)."""
+    global _planned
+    if _planned is None or _planned[0] is not cu_seqlens:
+        _planned = (cu_seqlens, PackedWindows.plan(cu_seqlens.tolist(), cu_seqlens.device))
+    return _planned[1]
+
+
 class LocalCoreAttention(DotProductAttention):
     """``DotProductAttention`` plus packed THD sequences and context parallelism (any device)."""
 
@@ -121,11 +210,17 @@ class LocalCoreAttention(DotProductAttention):
         packed = packed_seq_params is not None
         if packed and packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed sequences must use qkv_format 'thd', got {packed_seq_params.qkv_format!r}.")
-        if packed:  # [t, h, d] -> [t, 1, h, d]: one code path for both layouts
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"LocalCoreAttention handles causal attention only with packed sequences or context "
                              f"parallelism; got attn_mask_type {mask_type.name}.")
+        if packed and self.cp_group is None and attention_mask is None:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            windows = packed_windows(packed_seq_params.cu_seqlens_q if cu is None else cu)
+            if windows is not None and windows.scatter.numel() == query.shape[0]:
+                out = self._sdpa(*(windows.split(t) for t in (query, key, value)), windows.allowed)
+                return windows.merge(out).flatten(1)  # [t, h * dv]
+        if packed:  # [t, h, d] -> [t, 1, h, d]: one code path for both layouts
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         allowed = self._allowed(query.shape[0], packed_seq_params, attention_mask, query.device)
         if self.cp_group is not None:
             key = _AllGatherSeq.apply(key, self.cp_group)

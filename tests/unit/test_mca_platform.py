@@ -113,6 +113,45 @@ def test_cp_token_index_rejects_unpadded_sequences():
         cp_token_index(torch.tensor([0, 6]), 2, 0)
 
 
+def _per_sequence_attention(q, k, v, cu: list[int]) -> torch.Tensor:
+    """Independent reference: SDPA's own causal attention over each packed sequence alone ([t, h, d] in/out)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True)
+            for a, b in zip(cu[:-1], cu[1:])]
+    return torch.cat([o.transpose(0, 1) for o in outs])
+
+
+def test_packed_windows_hold_whole_sequences_and_equal_per_sequence_attention():
+    """roll's packed batches at seq 256: many short samples per row. Windows of whole sequences (first fit, at
+    least WINDOW_MIN slots) compute the attention each sequence gets alone, forward and backward, in far fewer
+    scores than the t x t stream; a stream that is one long sequence (or fits one window) keeps the stream form."""
+    from backends.mca.attention import WINDOW_MIN, PackedWindows
+
+    torch.manual_seed(0)
+    lengths = [37, 90, 5, 128, 61, 1, 70, 110]  # 128: a sequence that fills a window alone
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    t = cu[-1]
+    windows = PackedWindows.plan(cu)
+    assert windows.size == 128 > WINDOW_MIN and windows.count == 5  # the longest; [37 90 1] [5 61] [128] [70] [110]
+    assert windows.count * windows.size ** 2 < t * t / 3
+    assert sorted(windows.gather[windows.scatter].tolist()) == list(range(t))  # every token has its own slot
+    q = torch.randn(t, 4, 8, requires_grad=True, dtype=torch.float64)
+    k, v = (torch.randn(t, 2, 8, requires_grad=True, dtype=torch.float64) for _ in range(2))
+    out = windows.merge(F.scaled_dot_product_attention(
+        *(windows.split(x).permute(1, 2, 0, 3) for x in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))),
+        attn_mask=windows.allowed).permute(2, 0, 1, 3))
+    expected = _per_sequence_attention(q, k, v, cu)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert PackedWindows.plan([0, 300]) is None and PackedWindows.plan([0, 20, 50]) is None  # one window anyway
+    assert PackedWindows.plan([0, 200, 300]).count == 2  # [200] [100]: 2 x 200^2 < 300^2
+
+
 # -- compat patch gating (fake patches: the real ones would change this process for good) -------------
 
 @pytest.fixture

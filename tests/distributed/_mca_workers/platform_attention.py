@@ -55,17 +55,25 @@ def reference(out: str) -> None:
 
 
 def packed_vs_separate(model) -> float:
-    """max |logits of the pack - logits of each sequence run alone| (TP-gathered)."""
+    """max |logits of the pack - logits of each sequence run alone| (TP-gathered), for a pack attended as one
+    stream ([11, 21]: one window would not be smaller) and one attended in ``PackedWindows`` ([11, 21, 70, 40]:
+    three windows of 70)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    seqs, tokens, _, positions, params = packed_batch([11, 21])  # odd lengths are fine without CP
+    from backends.mca.attention import packed_windows
+
+    worst = 0.0
     model.eval()
-    with torch.no_grad():
-        packed = gather_from_tensor_model_parallel_region(model(tokens, positions, None, packed_seq_params=params))
-        alone = [gather_from_tensor_model_parallel_region(model(s[None], torch.arange(len(s))[None], None))
-                 for s in seqs]
+    for lens, windows in (([11, 21], None), ([11, 21, 70, 40], 3)):  # odd lengths are fine without CP
+        seqs, tokens, _, positions, params = packed_batch(lens)
+        assert getattr(packed_windows(params.cu_seqlens_q), "count", None) == windows, lens
+        with torch.no_grad():
+            packed = gather_from_tensor_model_parallel_region(model(tokens, positions, None, packed_seq_params=params))
+            alone = [gather_from_tensor_model_parallel_region(model(s[None], torch.arange(len(s))[None], None))
+                     for s in seqs]
+        worst = max(worst, (packed - torch.cat(alone, dim=1)).abs().max().item())
     model.train()
-    return (packed - torch.cat(alone, dim=1)).abs().max().item()
+    return worst
 
 
 def cp2(out: str) -> dict:
