@@ -41,6 +41,8 @@ def test_config_maps_partial_rotary_dense_first_layers_and_sigmoid_routing():
     rope = {k: v for k, v in hf["rope_parameters"].items() if k != "partial_rotary_factor"}
     assert McaModelConfig.from_hf({**hf, "rope_parameters": rope, "partial_rotary_factor": 0.75}).rotary_percent == 0.75
     assert McaModelConfig.from_hf({**hf, "rope_parameters": rope}).rotary_percent == 0.5
+    # both (a transformers 5 save whose top-level key was edited): transformers' model rotates rope_parameters' share
+    assert McaModelConfig.from_hf({**hf, "partial_rotary_factor": 0.5}).rotary_percent == 0.25
     grouped = McaModelConfig.from_hf(_hf(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4))
     assert (grouped.moe_router_num_groups, grouped.moe_router_group_topk) == (4, 2)
     # the HF config round-trips through mca_config.json unchanged

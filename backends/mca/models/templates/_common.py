@@ -123,9 +123,10 @@ def fill_head_dim(hf: dict, out: dict) -> None:
 
 def partial_rotary_factor(hf: dict, default: float) -> float:
     """The fraction of each head RoPE rotates: top level in hub configs, inside ``rope_parameters`` in
-    transformers 5 saves; ``default`` is the config class's own (transformers does not write it)."""
+    transformers 5 saves; ``default`` is the config class's own (transformers does not write it). Where a
+    config.json has both, transformers builds the model with ``rope_parameters``' value: so does this."""
     rope, _ = rope_config(hf)
-    value = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
+    value = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     return float(default if value is None else value)
 
 
