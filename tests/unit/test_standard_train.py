@@ -237,11 +237,24 @@ def test_dpo_loss_is_the_mean_over_pairs_of_the_global_batch(tiny_model_dir, tmp
     assert a[1]["rewards/margins"] == pytest.approx(b[1]["rewards/margins"], rel=1e-3)
 
 
-def test_trainer_consumes_the_pipeline_order(tiny_model_dir, tmp_path):
-    """Global step k takes samples [k*B, (k+1)*B): no second shuffle by the Trainer."""
-    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path, max_steps=3, per_device_train_batch_size=2,
-                                         gradient_accumulation_steps=2, learning_rate=0.0)
+def test_trainer_consumes_the_shared_order(tiny_model_dir, tmp_path):
+    """Epoch e in torch.randperm's order seeded seed + e (accelerate's seedable sampler, as HF's Trainer draws
+    for LLaMA-Factory; roll.data.order), the epoch's uneven end (10 rows, 4 a step) trained as it is; with
+    shuffle: false the rows' own order."""
+    def randperm(seed):
+        return torch.randperm(10, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path / "seeded", n=10, max_steps=4, seed=3,
+                                         per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                         learning_rate=0.0)
     # the data loader prefetches one batch beyond the last step; what was trained on is the prefix
+    assert collator.seen[:14] == randperm(3) + randperm(4)[:4]
+    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path / "data_seed", n=10, max_steps=1, seed=3,
+                                         data_seed=8, per_device_train_batch_size=4, learning_rate=0.0)
+    assert collator.seen[:4] == randperm(8)[:4]
+    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path / "in_order", max_steps=3, shuffle=False,
+                                         per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                         learning_rate=0.0)
     assert collator.seen[:12] == list(range(12)) and collator.seen[12:] in ([], [12, 13])
 
 
