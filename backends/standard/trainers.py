@@ -46,6 +46,18 @@ from roll.train_log import append_record, start_train_log, train_log_path
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
+def epoch_reaches_sampler(loader):
+    """``loader`` (accelerate's ``DataLoaderShard``) with its ``EpochSampler`` installed as accelerate installs its
+    own seedable sampler (``set_sampler``), so ``set_epoch`` reaches it also through the ``SkipBatchSampler``
+    that ``skip_first_batches`` wraps around the data-parallel ``BatchSamplerShard`` on a resume (without it, a
+    run resumed in epoch 1 or later on several ranks read epoch 0's order)."""
+    batches = getattr(loader, "batch_sampler", None)  # BatchSampler, or BatchSamplerShard around one
+    sampler = getattr(batches, "sampler", None) or getattr(getattr(batches, "batch_sampler", None), "sampler", None)
+    if isinstance(sampler, EpochSampler) and hasattr(loader, "set_sampler"):
+        loader.set_sampler(sampler)
+    return loader
+
+
 class RollTrainerMixin:
     """The shared sample order and speed metrics; mixed in before HF/TRL's trainer."""
 
@@ -61,6 +73,9 @@ class RollTrainerMixin:
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         return EpochSampler(len(dataset), self.roll_sample_order())
+
+    def get_train_dataloader(self):
+        return epoch_reaches_sampler(super().get_train_dataloader())
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         pad_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)

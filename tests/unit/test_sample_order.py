@@ -83,3 +83,25 @@ def test_shuffle_false_and_data_seed():
     expected = _accelerate_batches(6, 2, 1, 0, 0, 0, sampler=torch.utils.data.SequentialSampler(range(6)))
     assert [m for s in range(3) for m in BatchPlan(2, 1, order=SampleOrder(0, False)).micro_batch_indices(s, 6)] \
         == expected == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_a_resumed_epoch_keeps_its_order_on_every_rank():
+    """HF's Trainer resumes inside epoch 1 with accelerate's skip_first_batches, then set_epoch(1): rank 1 of
+    2 must read epoch 1's batches (it read epoch 0's before the standard backend wired its sampler as accelerate
+    wires its own)."""
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    from backends.standard.trainers import epoch_reaches_sampler
+
+    data, seed = list(range(12)), 3
+    for dp, rank in ((1, 0), (2, 0), (2, 1)):
+        expected = _accelerate_batches(12, 2, dp, rank, seed, epoch=1)[1:]
+        loader = DataLoader(data, batch_size=2, sampler=EpochSampler(12, SampleOrder(seed)))
+        loader = epoch_reaches_sampler(prepare_data_loader(loader, num_processes=dp, process_index=rank,
+                                                           put_on_device=False))
+        resumed = skip_first_batches(loader, 1)
+        resumed.set_epoch(1)  # what Trainer._inner_training_loop calls (and on the wrapped batch sampler)
+        wrapped = getattr(resumed.batch_sampler, "batch_sampler", None)
+        if hasattr(wrapped, "set_epoch"):
+            wrapped.set_epoch(1)
+        assert [batch.tolist() for batch in resumed] == expected, (dp, rank)
