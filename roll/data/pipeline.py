@@ -123,6 +123,12 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
     stats.num_samples_in = sum(len(s.dataset) for s in sources)
     tokenized = mix_datasets([_tokenize(s, data_args, tokenizer, stage, processor, formats) for s in sources],
                              data_args, seed, sizes=sizes)
+    kept = len(tokenized) and any(d == "" for d in tokenized["_drop"])
+    if processor == "pretrain" and not kept and len(tokenized) < stats.num_samples_in:  # texts, no whole row
+        raise DataError(f"{data_args.dataset}: no training row: the texts of each tokenization batch "
+                        f"({data_args.preprocessing_batch_size} rows) hold fewer than cutoff_len={data_args.cutoff_len} "
+                        "tokens, and stage pt drops a batch's short remainder, as LLaMA-Factory does. Lower "
+                        "cutoff_len, or set packing: true (every document its own sample).")
     train = _drop_skipped(tokenized, stats)
     eval_ds = None
     if data_args.eval_dataset:

@@ -75,8 +75,11 @@ def test_directory_saved_dataset_and_several_sources(bpe, tmp_path):
 def test_text_files_for_pt(bpe, tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("the cat sees the dog\n\none two three\n", encoding="utf-8")
-    bundle = build(bpe, stage="pt", processor_formats=("pretrain", ("text",)), dataset=str(path))
+    bundle = build(bpe, stage="pt", processor_formats=("pretrain", ("text",)), dataset=str(path), packing=True)
     assert bundle.stats.num_samples == 2 and bundle.stats.dropped == {"empty_text": 1}
+    # concatenated, the two texts fill no cutoff_len row, and the short remainder is dropped (LLaMA-Factory's)
+    with pytest.raises(DataError, match=r"no training row: .* fewer than cutoff_len=64 .* packing: true"):
+        build(bpe, stage="pt", processor_formats=("pretrain", ("text",)), dataset=str(path))
 
 
 def test_max_samples_val_size_and_eval_dataset(bpe, tmp_path):
