@@ -230,7 +230,7 @@ MUTANTS: list[Mutant] = [
            (f"{STD_UNIT}::test_trainer_consumes_the_shared_order",), fast=True),
     Mutant("data_order_resume_epoch_lost_standard", "standard: a resumed epoch on several ranks reads epoch 0's order",
            TRAINERS, "loader.set_sampler(sampler)", "None",
-           ("tests/unit/test_sample_order.py::test_a_resumed_epoch_keeps_its_order_on_every_rank",), fast=True),
+           ("tests/unit/test_sample_order.py::test_a_resumed_epoch_keeps_its_order_on_every_rank",)),
     Mutant("data_order_same_every_epoch", "every epoch in the first epoch's order (HF reseeds per epoch)",
            "roll/data/order.py", "_permutation(num_samples, self.seed + epoch)", "_permutation(num_samples, self.seed)",
            ("tests/unit/test_sample_order.py::test_both_backends_draw_accelerates_batches_epoch_after_epoch",),
