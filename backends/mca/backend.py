@@ -129,12 +129,14 @@ class McaBackend(Backend):
         """pt/sft/dpo with Megatron's schedules, DDP and optimizer; checkpoints and logs in output_dir."""
         from backends.mca.trainer.loop import MegatronTrainer
         from roll.checkpoints import resolve_resume
+        from roll.data.order import SampleOrder
 
         training = self.config.training
         resume = resolve_resume(training.resume_from_checkpoint, training.output_dir)  # a wrong path fails first
         self._trainer = MegatronTrainer(models.policy, self.config.training, self.config.megatron, self.config.layout,
                                         pad_token_id=job.tokenizer.pad_token_id,
-                                        objective=self._objective(job.stage, models))
+                                        objective=self._objective(job.stage, models),
+                                        order=SampleOrder.from_config(self.config))
         self._trainer.arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
         return self._trainer.train(job.train_dataset, job.collator, resume_from=resume,
                                    eval_dataset=job.eval_dataset)

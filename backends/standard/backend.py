@@ -163,6 +163,7 @@ class StandardBackend(Backend):
     def _make_trainer(self, job: TrainJob, models: ModelBundle):
         from backends.standard import models as M
         from backends.standard.trainers import PreferenceBatch, RollTrainer, make_dpo_trainer_class
+        from roll.data.order import SampleOrder
 
         common = dict(args=self._hf_args, train_dataset=job.train_dataset, eval_dataset=job.eval_dataset,
                       processing_class=job.tokenizer)
@@ -189,6 +190,7 @@ class StandardBackend(Backend):
             trainer.moe_aux_coeff, trainer.moe_z_coeff = M.moe_loss_coefficients(
                 models.policy, self.config.megatron, job.stage)
         trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)
+        trainer.roll_order = SampleOrder.from_config(self.config)
         trainer.roll_dataset, trainer.roll_dataset_spec = job.train_dataset, self.config.data.dataset
         if self.config.training.save_async:
             from roll.background_save import BackgroundSaves

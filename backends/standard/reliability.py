@@ -193,8 +193,8 @@ class ReliabilityCallback(TrainerCallback):
         if self.trainer.roll_step_skipped:
             per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
             global_batch = per_rank * args.world_size
-            samples = reliability.global_batch_samples(state.global_step - 1, global_batch,
-                                                       len(self.trainer.train_dataset))
+            samples = self.trainer.roll_sample_order().step_rows(state.global_step - 1, global_batch,
+                                                                 len(self.trainer.train_dataset))
             self.skips.record(True, state.global_step, samples)
         else:
             self.skips.record(False, state.global_step)

@@ -2,10 +2,11 @@
 
 What they add to HF/TRL, and why:
 
-* **Sample order** (DESIGN.md §3). The pipeline already shuffled the dataset once with the seed;
-  the trainers iterate it in order (a SequentialSampler, no second shuffle). accelerate hands
-  micro-batch ``j`` of every rank ``r`` batch ``j * world + r``, so global step ``k`` consumes
-  exactly samples ``[k*B, (k+1)*B)`` with ``B = micro_batch * grad_accum * world``.
+* **Sample order** (DESIGN.md §3). The trainers draw the epoch's rows through ``roll.data.order``'s
+  ``EpochSampler``, the permutation accelerate's seedable sampler gives HF's Trainer (``data_seed`` else
+  ``seed``, plus the epoch), which the mca loop reads too. accelerate hands micro-batch ``j`` of every rank
+  ``r`` batch ``j * world + r``, so global step ``k`` consumes exactly the permutation's positions
+  ``[k*B, (k+1)*B)`` with ``B = micro_batch * grad_accum * world``.
 * **Loss** (DESIGN.md §1). pt/sft: HF counts the trainable tokens of all micro-batches of a step
   (``num_items_in_batch``, over ``labels[..., 1:]``) and gathers the count over ranks
   (``average_tokens_across_devices``); roll's ``compute_loss_func`` (``TokenMeanLossMixin``) divides the
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINING_ARGS_NAME
 
@@ -39,18 +39,43 @@ from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
 from roll import IGNORE_INDEX, redact
 from roll import loss as roll_loss
 from roll.config.finetuning import REFERENCE_FREE_LOSSES
+from roll.data.order import EpochSampler, SampleOrder
 from roll.perf import SpeedMeter, SpeedWindow, logged_only, real_tokens, training_dtype
 from roll.train_log import append_record, start_train_log, train_log_path
 
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
+def epoch_reaches_sampler(loader):
+    """``loader`` (accelerate's ``DataLoaderShard``) with its ``EpochSampler`` installed as accelerate installs its
+    own seedable sampler (``set_sampler``), so ``set_epoch`` reaches it also through the ``SkipBatchSampler``
+    that ``skip_first_batches`` wraps around the data-parallel ``BatchSamplerShard`` on a resume (without it, a
+    run resumed in epoch 1 or later on several ranks read epoch 0's order)."""
+    batches = getattr(loader, "batch_sampler", None)  # BatchSampler, or BatchSamplerShard around one
+    sampler = getattr(batches, "sampler", None) or getattr(getattr(batches, "batch_sampler", None), "sampler", None)
+    if isinstance(sampler, EpochSampler) and hasattr(loader, "set_sampler"):
+        loader.set_sampler(sampler)
+    return loader
+
+
 class RollTrainerMixin:
-    """Sequential sample order and speed metrics; mixed in before HF/TRL's trainer."""
+    """The shared sample order and speed metrics; mixed in before HF/TRL's trainer."""
+
+    roll_order: SampleOrder | None = None
+    """Set by the backend from the recipe; without it (a trainer built by hand) HF's own seed and no
+    shuffle option: ``SampleOrder(data_seed or seed)``."""
+
+    def roll_sample_order(self) -> SampleOrder:
+        if self.roll_order is not None:
+            return self.roll_order
+        return SampleOrder(self.args.data_seed if self.args.data_seed is not None else self.args.seed)
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return SequentialSampler(dataset)
+        return EpochSampler(len(dataset), self.roll_sample_order())
+
+    def get_train_dataloader(self):
+        return epoch_reaches_sampler(super().get_train_dataloader())
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         pad_id = getattr(getattr(self, "processing_class", None), "pad_token_id", None)

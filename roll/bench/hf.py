@@ -1,11 +1,10 @@
 """roll-bench's baseline (a): a plain ``transformers.Trainer`` on the data roll-train would see.
 
-roll prepares the data once (the same tokenizer, processor, packing and shuffle as ``roll-train``
-with the same recipe, so every case trains on the same rows in the same order); the training loop
-is Hugging Face's own: ``transformers.Trainer``, a twelve-line collator, no roll trainer, callback
-or backend. The only change to the Trainer is a sequential sampler, because roll's pipeline already
-shuffled with the seed and both backends iterate in order (a second shuffle would give the baseline
-other batches and so another loss after N steps).
+roll prepares the data once (the same tokenizer, processor and packing as ``roll-train`` with the same
+recipe, so every case trains on the same rows); the training loop is Hugging Face's own:
+``transformers.Trainer``, a twelve-line collator, no roll trainer, callback or backend. Its own seeded
+sampler draws the batches, the order both roll backends draw too (``roll.data.order``), so the baseline
+trains on the same batches (with ``shuffle: false`` HF's sequential sampler).
 
 It writes ``OUTPUT_DIR/train_log.jsonl`` with the keys roll-bench reads (``step``, ``loss``,
 ``tokens_per_second``, ``step_time``), one line per step.
@@ -60,7 +59,6 @@ def _prepared_data(recipe: str):
 
 def train(recipe: str, output_dir: str) -> None:
     import torch
-    from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     config, tokenizer, dataset = _prepared_data(recipe)
@@ -98,19 +96,17 @@ def train(recipe: str, output_dir: str) -> None:
         step_log.tokens += int((batch["input_ids"] != tokenizer.pad_token_id).sum())
         return batch
 
-    class SequentialTrainer(Trainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
-
     args = TrainingArguments(
         output_dir=output_dir, max_steps=training.max_steps, logging_steps=1, save_strategy="no",
         report_to=[], per_device_train_batch_size=training.per_device_train_batch_size,
         gradient_accumulation_steps=training.gradient_accumulation_steps,
         learning_rate=training.learning_rate, lr_scheduler_type="constant", seed=training.seed,
+        data_seed=training.data_seed,
+        train_sampling_strategy="random" if config.data.shuffle else "sequential",
         bf16=bool(training.bf16), use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
         dataloader_num_workers=training.dataloader_num_workers, remove_unused_columns=False)
-    SequentialTrainer(model=model, args=args, train_dataset=dataset, data_collator=counting_collate,
-                      callbacks=[step_log]).train()
+    Trainer(model=model, args=args, train_dataset=dataset, data_collator=counting_collate,
+            callbacks=[step_log]).train()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,7 +147,8 @@ ROWS: tuple[Row, ...] = (
         "tests/unit/test_standard_train.py::test_packed_rows_give_the_same_loss_as_padded_ones"),
          mca=Honoured(
              "tests/distributed/test_mca_train.py::test_packed_equals_unpacked_on_the_same_samples")),
-    _row("shuffle", both=Honoured("tests/unit/test_data_pipeline.py::test_one_seeded_sample_order")),
+    _row("shuffle", standard=Honoured("tests/unit/test_standard_train.py::test_trainer_consumes_the_shared_order"),
+         mca=Honoured("tests/unit/test_sample_order.py::test_both_backends_draw_accelerates_batches_epoch_after_epoch")),
     _row("preprocessing_num_workers preprocessing_batch_size", both=NoEffect(
         "tokenization speed only; the rows are the same")),
     _row("overwrite_cache", both=NoEffect("re-tokenizes instead of reusing the cache: the same rows")),
@@ -324,8 +325,8 @@ TRAINING_ROWS: tuple[Row, ...] = (
                  "it", True),
     _mca_refuses("full_determinism", "the mca backend seeds with seed; deterministic kernels are not "
                  "switched on: drop it", True),
-    _row("data_seed", both=Refused("the sample order is the data pipeline's (shuffle with seed): set seed",
-                                   7)),
+    _row("data_seed", standard=Honoured("tests/unit/test_standard_train.py::test_trainer_consumes_the_shared_order"),
+         mca=Honoured("tests/unit/test_sample_order.py::test_shuffle_false_and_data_seed")),
     _row("train_sampling_strategy", both=Refused(
         "the sample order is the data pipeline's: shuffle: true (random) or shuffle: false (sequential)",
         "group_by_length")),
@@ -355,8 +356,10 @@ TRAINING_ROWS: tuple[Row, ...] = (
         "save_strategy: steps, epoch or no", "best", by="McaBackend.check_config")),
     _row("save_steps save_total_limit resume_from_checkpoint", standard=Honoured(RESUME_STD),
          mca=Honoured(RESUME_MCA)),
-    _row("seed", both=Honoured("tests/unit/test_data_pipeline.py::test_one_seeded_sample_order",
-                               "also the model's initial LoRA weights")),
+    _row("seed", standard=Honoured("tests/unit/test_standard_train.py::test_trainer_consumes_the_shared_order",
+                                   "the sample order, and the model's initial LoRA weights"),
+         mca=Honoured("tests/unit/test_sample_order.py::test_both_backends_draw_accelerates_batches_epoch_after_epoch",
+                      "the sample order, and the model's initial LoRA weights")),
     _row("output_dir overwrite_output_dir save_hf_model", both=NoEffect(
         "where and whether the outputs are written (tests/reliability/test_outputs.py)")),
     _row("logging_steps logging_first_step log_on_each_node logging_nan_inf_filter "

@@ -54,13 +54,13 @@ class DataArguments:
     """Pack several samples into each cutoff_len row (never splitting one); attention never crosses samples."""
 
     max_samples: int | None = None
-    """Use at most this many rows of each source: a seeded random subset with shuffle, else the first rows."""
+    """Use the first this many rows of each dataset entry (before mixing), as LLaMA-Factory does."""
 
     val_size: float = 0.0
     """Fraction (0-1) or count (>=1) of training rows held out for evaluation."""
 
     shuffle: bool = True
-    """Shuffle once with `seed` before training; both backends consume that same order."""
+    """Each epoch in the HF Trainer's seeded random order (data_seed, else seed, plus the epoch) on both backends; false: the data's own order (LLaMA-Factory's disable_shuffling)."""
 
     preprocessing_num_workers: int | None = None
     """Processes for tokenization (datasets.map num_proc); None: in-process."""

@@ -81,15 +81,16 @@ def mixed_indices(lengths: list[int], strategy: str, probs: list[float] | None, 
     return np.fromiter((offsets[entry] + row for entry, row in order), dtype=np.int64)
 
 
-def mix_datasets(parts: list, data_args, seed: int):
-    """The tokenized sources of ``dataset:`` (one ``datasets.Dataset`` per loaded file) mixed per entry."""
+def mix_datasets(parts: list, data_args, seed: int, sizes: list[int] | None = None):
+    """The tokenized sources of ``dataset:`` (one ``datasets.Dataset`` per loaded file) mixed per entry;
+    ``sizes``: how many of ``parts`` each entry is (default ``entry_sizes``: every file of the entry)."""
     import datasets
 
     concat = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     if data_args.mix_strategy == "concat":
         return concat
     lengths, start = [], 0
-    for size in entry_sizes(data_args.dataset, data_args.dataset_dir):
+    for size in sizes if sizes is not None else entry_sizes(data_args.dataset, data_args.dataset_dir):
         lengths.append(sum(len(p) for p in parts[start:start + size]))
         start += size
     return concat.select(mixed_indices(lengths, data_args.mix_strategy, data_args.interleave_probs, seed))

@@ -1,10 +1,10 @@
-"""build_datasets: sources -> formats -> tokenized rows -> stats -> split -> shuffle -> (pack).
+"""build_datasets: sources -> formats -> tokenized rows -> stats -> split -> (pack).
 
-Order of operations (the one shared sample order, DESIGN.md section 3): each source is loaded and
-capped to ``max_samples`` (a seeded shuffle first when ``shuffle``), tokenized with a batched,
-cached ``datasets.map``, the sources are concatenated, rows without a trainable token are
-dropped and counted, ``val_size`` rows are held out (seeded), the training split is shuffled
-once with ``seed`` and, with ``packing``, packed (and the packed rows shuffled with the same seed).
+Order of operations: each source is loaded and capped to its first ``max_samples`` rows (LLaMA-Factory's
+meaning), tokenized with a batched, cached ``datasets.map``, the sources are mixed, rows without a
+trainable token are dropped and counted, ``val_size`` rows are held out (seeded) and, with ``packing``, the
+rest packed. The rows are not shuffled here: both backends draw each epoch's order from
+``roll.data.order`` (the HF Trainer's seeded sampler; DESIGN.md section 3).
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
-
 from roll import IGNORE_INDEX
 from roll.data import formats as fmts
 from roll.data import prepared
 from roll.data.fingerprint import code_digest, settings_digest, tokenizer_digest
 from roll.data.loading import Source, load_sources
-from roll.data.mixing import mix_datasets
+from roll.data.mixing import entry_sizes, mix_datasets
 from roll.data.named_templates import encoder_for, pretrain_eos_id
 from roll.data.packing import pack_dataset
 from roll.data.policy import PAIR_PREFIXES
@@ -125,20 +123,25 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
            seed: int, vision=None) -> DatasetBundle:
     start = time.perf_counter()
     stats = PreprocessStats()
-    sources = [_cap(s, data_args, seed) for s in load_sources(data_args.dataset, data_args.dataset_dir)]
+    sources, sizes = _cap(load_sources(data_args.dataset, data_args.dataset_dir), data_args.dataset, data_args)
     stats.num_samples_in = sum(len(s.dataset) for s in sources)
     tokenized = mix_datasets([_tokenize(s, data_args, tokenizer, stage, processor, formats, vision) for s in sources],
-                             data_args, seed)
+                             data_args, seed, sizes=sizes)
+    kept = len(tokenized) and any(d == "" for d in tokenized["_drop"])
+    if processor == "pretrain" and not kept and len(tokenized) < stats.num_samples_in:  # texts, no whole row
+        raise DataError(f"{data_args.dataset}: no training row: the texts of each tokenization batch "
+                        f"({data_args.preprocessing_batch_size} rows) hold fewer than cutoff_len={data_args.cutoff_len} "
+                        "tokens, and stage pt drops a batch's short remainder, as LLaMA-Factory does. Lower "
+                        "cutoff_len, or set packing: true (every document its own sample).")
     train = _drop_skipped(tokenized, stats)
     eval_ds = None
     if data_args.eval_dataset:
-        eval_sources = [_cap(s, data_args, seed) for s in load_sources(data_args.eval_dataset, data_args.dataset_dir)]
+        eval_sources, _ = _cap(load_sources(data_args.eval_dataset, data_args.dataset_dir), data_args.eval_dataset,
+                               data_args)
         eval_ds = _drop_skipped(_concat([_tokenize(s, data_args, tokenizer, stage, processor, formats, vision)
                                          for s in eval_sources]), PreprocessStats())
     elif data_args.val_size:
         train, eval_ds = _hold_out(train, data_args.val_size, seed)
-    if data_args.shuffle:
-        train = train.shuffle(seed=seed)
     if processor == "feedback":
         check_both_labels(train, data_args.dataset)
     _count(train, stats, pairwise=processor in PAIRWISE)
@@ -153,7 +156,6 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
     if data_args.packing:
         reuse = not _fresh(data_args)
         train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len, use_cache=reuse)
-        train = train.shuffle(seed=seed) if data_args.shuffle else train
         if eval_ds is not None:
             eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len, use_cache=reuse)
     stats.num_rows = len(train)
@@ -163,14 +165,28 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
     return DatasetBundle(train=train, eval=eval_ds, stats=stats)
 
 
-def _cap(source: Source, data_args, seed: int) -> Source:
-    n = data_args.max_samples
-    if n is None or n >= len(source.dataset):
-        return source
-    # The permutation datasets' shuffle(seed=seed) draws, kept so that errors name the file's row.
-    order = np.random.default_rng(seed).permutation(len(source.dataset)) if data_args.shuffle else range(n)
-    rows = [int(i) for i in order[:n]]
-    return dataclasses.replace(source, dataset=source.dataset.select(rows), file_rows=rows)
+def _cap(sources: list[Source], spec: str, data_args) -> tuple[list[Source], list[int]]:
+    """Each dataset entry's first ``max_samples`` rows, as LLaMA-Factory takes them (per entry of ``dataset:``,
+    before mixing; a folder entry's files in order, the files past the cap left out), and how many files each
+    entry keeps (``roll.data.mixing.mix_datasets``' ``sizes``)."""
+    sizes = entry_sizes(spec, data_args.dataset_dir)
+    if data_args.max_samples is None:
+        return sources, sizes
+    kept, kept_sizes, start = [], [], 0
+    for size in sizes:
+        left, count = data_args.max_samples, 0
+        for source in sources[start:start + size]:
+            if left == 0:
+                break
+            n = min(left, len(source.dataset))
+            if n < len(source.dataset):
+                rows = None if source.file_rows is None else source.file_rows[:n]
+                source = dataclasses.replace(source, dataset=source.dataset.select(range(n)), file_rows=rows)
+            kept.append(source)
+            left, count = left - n, count + 1
+        kept_sizes.append(count)
+        start += size
+    return kept, kept_sizes
 
 
 def resolve_format(source: Source, formatting: str, allowed: tuple[str, ...], stage: str) -> str:

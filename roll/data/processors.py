@@ -367,14 +367,15 @@ class PretrainProcessor(_Processor):
                 yield doc[start:start + self.cutoff_len], int(start == 0), len(doc) > self.cutoff_len
 
     def _concatenated(self, docs: list[list[int]]):
-        """Concatenate the batch's documents and cut into cutoff_len rows; the short remainder is kept.
+        """Concatenate the batch's documents and cut into cutoff_len rows; the short remainder is dropped, as
+        LLaMA-Factory (and HF's ``group_texts``) drop it, so both train on the same rows.
 
         Yields (ids, documents ending in this row, whether the cut splits a document).
         """
         flat = [tok for doc in docs for tok in doc]
         ends = list(itertools.accumulate(len(doc) for doc in docs))
         end_set = set(ends)
-        for start in range(0, len(flat), self.cutoff_len):
-            stop = min(start + self.cutoff_len, len(flat))
+        for start in range(0, len(flat) - self.cutoff_len + 1, self.cutoff_len):
+            stop = start + self.cutoff_len
             n_docs = bisect.bisect_right(ends, stop) - bisect.bisect_right(ends, start)
             yield flat[start:stop], n_docs, stop not in end_set

@@ -13,8 +13,7 @@ What the tool adds to each side (both read it alike; they are HF TrainingArgumen
 output directory. On LLaMA-Factory's side also ``do_train``, ``plot_loss: false`` and, when ``dataset`` is a
 file, a ``dataset_info.json`` that registers it (LLaMA-Factory 0.9.5 reads datasets by registered name only).
 ``--sequential`` asks both for the file's order (LLaMA-Factory's ``disable_shuffling: true``, roll's
-``shuffle: false``): the only order the two share until roll draws LLaMA-Factory's sampler order (issue 30
-item 4).
+``shuffle: false``); without it both draw the HF Trainer's seeded order (roll.data.order).
 """
 
 from __future__ import annotations
@@ -273,6 +272,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], object] | None = No
         shutil.rmtree(lf_dir, ignore_errors=True)
         config = llamafactory_config(recipe, options, lf_dir, os.path.join(root, "llamafactory_data"))
         config_path = os.path.join(root, "llamafactory.yaml")
+        os.makedirs(root, exist_ok=True)  # a recipe of registered names writes no dataset_info.json first
         with open(config_path, "w", encoding="utf-8") as fh:
             yaml.safe_dump(config, fh, sort_keys=False)
         runs = [Run(b, NAMES[b], options.recipe, roll_overrides(options, os.path.join(root, b)))

@@ -75,8 +75,11 @@ def test_directory_saved_dataset_and_several_sources(bpe, tmp_path):
 def test_text_files_for_pt(bpe, tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("the cat sees the dog\n\none two three\n", encoding="utf-8")
-    bundle = build(bpe, stage="pt", processor_formats=("pretrain", ("text",)), dataset=str(path))
+    bundle = build(bpe, stage="pt", processor_formats=("pretrain", ("text",)), dataset=str(path), packing=True)
     assert bundle.stats.num_samples == 2 and bundle.stats.dropped == {"empty_text": 1}
+    # concatenated, the two texts fill no cutoff_len row, and the short remainder is dropped (LLaMA-Factory's)
+    with pytest.raises(DataError, match=r"no training row: .* fewer than cutoff_len=64 .* packing: true"):
+        build(bpe, stage="pt", processor_formats=("pretrain", ("text",)), dataset=str(path))
 
 
 def test_max_samples_val_size_and_eval_dataset(bpe, tmp_path):
@@ -95,13 +98,25 @@ def test_max_samples_val_size_and_eval_dataset(bpe, tmp_path):
     assert len(build(bpe, dataset=path, val_size=0.01).eval) == 1  # rounds up, like datasets
 
 
-def test_one_seeded_sample_order(bpe, tmp_path):
+def test_max_samples_takes_each_entrys_first_rows_in_the_files_order(bpe, tmp_path):
+    """LLaMA-Factory's max_samples: the first rows of each dataset entry (a folder's files in name order),
+    before mixing; the pipeline keeps the rows in that order whatever shuffle says (the backends draw each
+    epoch's order: roll.data.order)."""
+    def ids(rows, name):
+        return build(bpe, dataset=write_json(tmp_path / name, rows), shuffle=False).train["input_ids"]
+
     path = write_json(tmp_path / "a.json", ROWS)
-    in_order = build(bpe, dataset=path, shuffle=False).train["input_ids"]
-    seed0 = build(bpe, dataset=path, seed=0).train["input_ids"]
-    assert build(bpe, dataset=path, seed=0).train["input_ids"] == seed0
-    assert build(bpe, dataset=path, seed=1).train["input_ids"] != seed0
-    assert seed0 != in_order and sorted(seed0) == sorted(in_order)
+    assert build(bpe, dataset=path, max_samples=5).train["input_ids"] == ids(ROWS[:5], "first5.json")
+    assert build(bpe, dataset=path, shuffle=False).train["input_ids"] == build(bpe, dataset=path).train["input_ids"]
+    assert build(bpe, dataset=f"{path},{path}", max_samples=3).train["input_ids"] == ids(ROWS[:3] * 2, "twice.json")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_json(folder / "1.json", ROWS[10:13])
+    write_json(folder / "2.json", ROWS[:10])
+    write_json(folder / "3.json", ROWS[13:])
+    mixed = build(bpe, dataset=f"{folder},{path}", max_samples=5, mix_strategy="interleave_under")
+    first = ROWS[10:13] + ROWS[:2]  # the folder's 5: file 1's 3 rows, then file 2's first 2; file 3 left out
+    assert mixed.train["input_ids"] == ids([r for pair in zip(first, ROWS[:5]) for r in pair], "rr.json")
 
 
 def test_skipped_rows_are_counted(bpe, tmp_path):
@@ -143,7 +158,7 @@ def test_wrong_type_in_a_row_names_file_and_row(bpe, tmp_path):
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_row_named_in_the_file_after_max_samples(bpe, tmp_path, shuffle):
-    """max_samples selects (and with shuffle reorders) rows; an error still names the row of the file."""
+    """max_samples selects rows; an error still names the row of the file."""
     rows = [dict(r) for r in ROWS]
     rows[5] = {"instruction": "Hi", "input": ""}  # no output: reaches the processor as None
     path = write_json(tmp_path / "a.jsonl", rows, lines=True)

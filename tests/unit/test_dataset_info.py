@@ -96,7 +96,8 @@ def test_registered_names_load_with_their_columns_and_tags(bpe, registry):
         _build(bpe, DPO, "dpo", dataset=same)["chosen_labels"]
     # stage pt trains the prompt column ("text" here); a folder's files are its rows
     same = _write(registry / "roll" / "corpus.json", [{"text": "First document."}, {"text": "Second one."}])
-    assert _build(bpe, PT, "pt", dataset="corpus")["input_ids"] == _build(bpe, PT, "pt", dataset=same)["input_ids"]
+    assert _build(bpe, PT, "pt", dataset="corpus", cutoff_len=4)["input_ids"] == \
+        _build(bpe, PT, "pt", dataset=same, cutoff_len=4)["input_ids"]
     # kto_tag is carried into the row for stage kto
     entry = lookup("feedback", "data")
     assert entry.canonical({"m": [], "label": False}, "sharegpt")["kto_tag"] is False

@@ -124,7 +124,7 @@ def test_fusion_flags_reach_megatron_only_with_transformer_engine(roll_warnings,
     assert sum("bias_activation_fusion, apply_rope_fusion: no effect here" in m for m in seen) == 1
 
 
-RECIPES = {"qwen3_full_sft": ("sft", 14), "qwen3_lora_sft": ("sft", 14), "qwen3_lora_pretrain": ("pt", 6),
+RECIPES = {"qwen3_full_sft": ("sft", 14), "qwen3_lora_sft": ("sft", 14), "qwen3_lora_pretrain": ("pt", 29),
            "qwen3_lora_dpo": ("dpo", 6), "qwen3_lora_kto": ("kto", 6)}
 
 

@@ -338,7 +338,7 @@ def test_a_step_the_fp16_grad_scaler_rejects_is_skipped_counted_and_logs_no_norm
     trainer = SimpleNamespace(_pending=[PendingStep(1, 1e-3, numbers)], _train_dataset=[0] * 4, _window=[],
                               objective=LanguageModelObjective(10), state=SimpleNamespace(skipped_steps=0),
                               _speed=SimpleNamespace(add=lambda tokens, rows: None), _rows_in_step=lambda s, n: 2,
-                              skips=SkipCounter(0), plan=SimpleNamespace(step_samples=lambda s, n: [0, 1]))
+                              skips=SkipCounter(0), plan=SimpleNamespace(step_rows=lambda s, n: [0, 1]))
     loop.MegatronTrainer._settle(trainer)
     (stats,) = trainer._window
     assert stats.skipped and stats.grad_norm is None and stats.loss == 2.5 and stats.real_tokens == 2

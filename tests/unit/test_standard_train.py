@@ -94,7 +94,8 @@ def train_in_process(model_dir, out_dir, stage="sft", n=32, save=False, evaluate
     rows = {"pt": _pt_rows, "sft": _sft_rows, "dpo": _dpo_rows}[stage](tok, n)
     base = dict(model_name_or_path=model_dir, stage=stage, output_dir=str(out_dir),
                 per_device_train_batch_size=4, learning_rate=3e-3, max_steps=6, logging_steps=1,
-                save_strategy="no", report_to="none", lr_scheduler_type="constant", seed=0, disable_tqdm=True)
+                save_strategy="no", report_to="none", lr_scheduler_type="constant", seed=0, disable_tqdm=True,
+                shuffle=False)  # the rows in order: step 1's hand-computed losses read rows 0-3
     if evaluate:  # the config checks that an eval set is declared; the job below carries the rows
         base["val_size"] = 0.1
     config = resolve({**base, **recipe}, {}, None)
@@ -237,11 +238,24 @@ def test_dpo_loss_is_the_mean_over_pairs_of_the_global_batch(tiny_model_dir, tmp
     assert a[1]["rewards/margins"] == pytest.approx(b[1]["rewards/margins"], rel=1e-3)
 
 
-def test_trainer_consumes_the_pipeline_order(tiny_model_dir, tmp_path):
-    """Global step k takes samples [k*B, (k+1)*B): no second shuffle by the Trainer."""
-    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path, max_steps=3, per_device_train_batch_size=2,
-                                         gradient_accumulation_steps=2, learning_rate=0.0)
+def test_trainer_consumes_the_shared_order(tiny_model_dir, tmp_path):
+    """Epoch e in torch.randperm's order seeded seed + e (accelerate's seedable sampler, as HF's Trainer draws
+    for LLaMA-Factory; roll.data.order), the epoch's uneven end (10 rows, 4 a step) trained as it is; with
+    shuffle: false the rows' own order."""
+    def randperm(seed):
+        return torch.randperm(10, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path / "seeded", n=10, max_steps=4, seed=3, shuffle=True,
+                                         per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                         learning_rate=0.0)
     # the data loader prefetches one batch beyond the last step; what was trained on is the prefix
+    assert collator.seen[:14] == randperm(3) + randperm(4)[:4]
+    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path / "data_seed", n=10, max_steps=1, seed=3,
+                                         data_seed=8, shuffle=True, per_device_train_batch_size=4, learning_rate=0.0)
+    assert collator.seen[:4] == randperm(8)[:4]
+    _, _, _, collator = train_in_process(tiny_model_dir, tmp_path / "in_order", max_steps=3, shuffle=False,
+                                         per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                         learning_rate=0.0)
     assert collator.seen[:12] == list(range(12)) and collator.seen[12:] in ([], [12, 13])
 
 

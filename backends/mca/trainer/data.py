@@ -1,10 +1,11 @@
 """The one shared sample order (DESIGN.md section 3), sharded over data-parallel ranks as micro-batches.
 
-The dataset arrives already shuffled once with the seed; both backends read it in that order, epoch
-after epoch. An epoch is ``ceil(N / B)`` optimizer steps with ``B = micro_batch * grad_accum * dp``;
-its step ``j`` consumes samples ``[j*B, (j+1)*B)`` (the last step of an epoch takes what is left, as
-Hugging Face's Trainer does without ``dataloader_drop_last``). Inside a step, micro-batch ``m`` of
-data-parallel rank ``r`` is slice ``m * dp + r`` of those samples: the split accelerate makes on the
+Both backends train epoch ``e`` in the order ``roll.data.order.SampleOrder`` gives (the permutation the HF
+Trainer's seeded sampler draws, seeded ``data_seed`` else ``seed``, plus ``e``; the dataset's own order with
+``shuffle: false``). An epoch is ``ceil(N / B)`` optimizer steps with ``B = micro_batch * grad_accum * dp``;
+its step ``j`` consumes the epoch's positions ``[j*B, (j+1)*B)`` (the last step of an epoch takes what is
+left, as Hugging Face's Trainer does without ``dataloader_drop_last``). Inside a step, micro-batch ``m`` of
+data-parallel rank ``r`` is slice ``m * dp + r`` of those positions: the split accelerate makes on the
 standard backend, so both backends also pad the same rows together. Slots past the end of the data
 are filled with a two-token row that trains nothing, so every rank runs the same number of
 micro-batches. The step number is the only state, so a resumed run continues exactly.
@@ -20,6 +21,7 @@ import torch
 
 from roll import IGNORE_INDEX
 from roll.data.collators import cu_seqlens_from_positions
+from roll.data.order import SampleOrder
 from roll.data.policy import PAIR_PREFIXES
 from roll.reliability import global_batch_samples
 
@@ -32,6 +34,8 @@ class BatchPlan:
     grad_accum: int
     dp_size: int = 1
     dp_rank: int = 0
+    order: SampleOrder | None = None
+    """Which row sits at each position of an epoch; None: the dataset's own order (evaluation)."""
 
     @property
     def global_batch_size(self) -> int:
@@ -44,22 +48,31 @@ class BatchPlan:
         """Dataset indices of this rank's micro-batches in global step ``step`` (0-based); None marks
         a slot past the end of the epoch.
 
-        Example: micro_batch_size 2, grad_accum 2, dp 2, dp_rank 1, 10 samples (2 steps an epoch)::
+        Example: micro_batch_size 2, grad_accum 2, dp 2, dp_rank 1, 10 samples (2 steps an epoch), no
+        ``order`` (with one, each position ``i`` becomes the epoch's row ``order.indices(10, epoch)[i]``)::
 
             micro_batch_indices(0, 10) -> [[2, 3], [6, 7]]
             micro_batch_indices(1, 10) -> [[None, None], [None, None]]   (samples 8, 9 are rank 0's)
             micro_batch_indices(2, 10) -> [[2, 3], [6, 7]]               (the next epoch)
         """
         start = self.step_samples(step, num_samples).start
+        rows = (range(num_samples) if self.order is None
+                else self.order.indices(num_samples, step // self.steps_per_epoch(num_samples)))
         out = []
         for m in range(self.grad_accum):
             first = start + (m * self.dp_size + self.dp_rank) * self.micro_batch_size
-            out.append([i if i < num_samples else None for i in range(first, first + self.micro_batch_size)])
+            out.append([rows[i] if i < num_samples else None for i in range(first, first + self.micro_batch_size)])
         return out
 
     def step_samples(self, step: int, num_samples: int) -> range:
         """Dataset indices global step ``step`` consumes on all ranks (the one rule both backends follow)."""
         return global_batch_samples(step, self.global_batch_size, num_samples)
+
+    def step_rows(self, step: int, num_samples: int) -> list[int]:
+        """Dataset rows global step ``step`` trains on all ranks (the positions through ``order``)."""
+        if self.order is None:
+            return list(self.step_samples(step, num_samples))
+        return self.order.step_rows(step, self.global_batch_size, num_samples)
 
     def samples_in_step(self, step: int, num_samples: int) -> int:
         """Real samples global step ``step`` consumes on all ranks (fewer at an epoch's end)."""

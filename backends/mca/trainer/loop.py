@@ -25,6 +25,7 @@ import torch.distributed as dist
 from backends.mca.models.gpt import model_device
 from backends.mca.trainer import checkpointing
 from backends.mca.trainer.data import LOSS_INPUTS, BatchPlan, collate_step, model_inputs, pad_to_length
+from roll.data.order import SampleOrder
 from backends.mca.trainer.metrics import MetricsWriter, speed_meter
 from backends.mca.trainer.optim import LRSchedule, build_optimizer, install_hooks, schedule_for, sync_params, wrap_ddp
 from backends.mca.trainer.param_groups import apply_weight_decay
@@ -67,7 +68,7 @@ class MegatronTrainer:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], training, megatron_args, layout, pad_token_id: int,
-                 objective=None) -> None:
+                 objective=None, order: SampleOrder | None = None) -> None:
         from megatron.core import parallel_state as ps
 
         self.training, self.layout, self.pad_token_id = training, layout, pad_token_id
@@ -88,8 +89,10 @@ class MegatronTrainer:
         self.chunks = wrap_ddp(chunks, megatron_args, fp16=training.fp16, bf16=training.bf16)
         self.optimizer = build_optimizer(self.chunks, training, megatron_args)
         install_hooks(self.chunks, self.optimizer, megatron_args)
+        if order is None:  # the recipe's data keys unknown here: HF's sampler with data_seed, else seed
+            order = SampleOrder(training.data_seed if training.data_seed is not None else training.seed)
         self.plan = BatchPlan(training.per_device_train_batch_size, training.gradient_accumulation_steps,
-                              ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+                              ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), order=order)
         self.device = model_device()
         self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         # Ranks whose numbers enter the logged sums: the last pipeline stage, one TP rank (TP ranks
@@ -238,7 +241,7 @@ class MegatronTrainer:
                 self.state.skipped_steps += 1
             real = int(values[size])
             self._speed.add(real, self._rows_in_step(entry.step - 1, num_samples))
-            self.skips.record(bool(skipped), entry.step, self.plan.step_samples(entry.step - 1, num_samples))
+            self.skips.record(bool(skipped), entry.step, self.plan.step_rows(entry.step - 1, num_samples))
             self._window.append(StepStats(loss, metrics, real, grad_norm, entry.learning_rate, bool(skipped), moe))
 
     # ---- forward / backward ---------------------------------------------------------------------

@@ -37,6 +37,7 @@ def main() -> None:
     from backends.mca.trainer.loop import MegatronTrainer
     from roll.config.parser import resolve
     from roll.data.collators import SequenceCollator
+    from roll.data.order import SampleOrder
     from roll.data.policy import PaddingPolicy
     from roll.router import build_job
 
@@ -59,8 +60,9 @@ def main() -> None:
             policy = PaddingPolicy.for_megatron(config.layout, cutoff_len=128, packing=True)
             dataset, collator = pack_pairs(dataset), SequenceCollator(job.tokenizer.pad_token_id, policy)
         chunks = backend.load_models("sft", job.tokenizer).policy
+        # the rows in order: packed row k holds rows 2k and 2k+1, so step k trains the same samples both ways
         trainer = MegatronTrainer(chunks, config.training, config.megatron, config.layout,
-                                  pad_token_id=job.tokenizer.pad_token_id)
+                                  pad_token_id=job.tokenizer.pad_token_id, order=SampleOrder(0, shuffle=False))
         losses[name] = [entry["loss"] for entry in trainer.train(dataset, collator).log_history]
         backend.teardown()
     if dist.get_rank() == 0:
