@@ -195,7 +195,7 @@ MUTANTS: list[Mutant] = [
     Mutant("partial_rotary_from_rope_parameters_ignored", "glm4_moe: a transformers-5 config's partial_rotary_factor "
            "(inside rope_parameters) ignored, the default 0.5 rotated instead",
            "backends/mca/models/templates/_common.py",
-           'value = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor"))',
+           'value = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))',
            'value = hf.get("partial_rotary_factor")',
            (f"{GLM_UNIT}::test_config_maps_partial_rotary_dense_first_layers_and_sigmoid_routing",), fast=True),
     Mutant("yarn_mscale_all_dim_dropped", "deepseek_v3: YaRN's mscale_all_dim not passed to Megatron (its softmax "
