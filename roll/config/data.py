@@ -103,8 +103,9 @@ class DataArguments:
         if self.packing_algorithm not in ("best_fit", "llamafactory"):
             raise ConfigError(f"packing_algorithm must be best_fit or llamafactory, got {self.packing_algorithm!r}.")
         if self.packing_algorithm == "llamafactory" and self.packing and self.streaming:
-            raise ConfigError("packing_algorithm: llamafactory packs per tokenization batch, which a stream does not "
-                              "have (LLaMA-Factory refuses packing with streaming); use packing_algorithm: best_fit.")
+            raise ConfigError("packing_algorithm: llamafactory is not supported with streaming: roll's stream packs "
+                              "blocks of its shuffle buffer best-fit (docs/data.md, 'Streaming'); use "
+                              "packing_algorithm: best_fit, or streaming: false for LLaMA-Factory's rows.")
         if self.buffer_size < 1:
             raise ConfigError(f"buffer_size must be positive, got {self.buffer_size}.")
         problem = check_template_options(self.template, self.train_on_prompt, self.train_on_last_turn_only,
