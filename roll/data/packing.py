@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 ALGORITHM = "bfd"
 """Name of the bin-filling rule, part of the cache key."""
 
-ALGORITHMS = ("best_fit", "llamafactory")
-"""``packing_algorithm`` values: roll's best-fit decreasing over the whole set, or LLaMA-Factory 0.9.5's greedy
-packing per tokenization batch (``llamafactory_bins``)."""
+PT_LLAMAFACTORY_PACKING = ("packing_algorithm: llamafactory: LLaMA-Factory's pt packing concatenates the texts of "
+                           "each tokenization batch and cuts them into cutoff_len rows, which is roll's stage pt with "
+                           "packing: false; set packing: false (or packing_algorithm: best_fit).")
+"""Why stage pt refuses LLaMA-Factory's packing (at config time and in the data pipeline)."""
 
 TOKENS_PER_WRITE = 1 << 22
 """Tokens gathered per Arrow record batch while writing packed rows: bounds the memory the writing takes."""

@@ -25,7 +25,7 @@ from roll.data.fingerprint import code_digest, settings_digest, tokenizer_digest
 from roll.data.loading import Source, load_sources
 from roll.data.mixing import entry_sizes, mix_datasets
 from roll.data.named_templates import encoder_for, pretrain_eos_id
-from roll.data.packing import pack_dataset
+from roll.data.packing import PT_LLAMAFACTORY_PACKING, pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.feedback import FeedbackProcessor, check_both_labels
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
@@ -66,9 +66,7 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
     if data_args.packing and processor in (*PAIRWISE, "feedback"):
         raise ConfigError(f"packing is not supported for stage {stage}; set packing: false.")
     if llamafactory_packing(data_args) and processor == "pretrain":
-        raise ConfigError("packing_algorithm: llamafactory: LLaMA-Factory's pt packing concatenates the texts of each "
-                          "tokenization batch and cuts them into cutoff_len rows, which is roll's stage pt with "
-                          "packing: false; set packing: false (or packing_algorithm: best_fit).")
+        raise ConfigError(PT_LLAMAFACTORY_PACKING)
     build = functools.partial(_build, data_args, tokenizer, stage=stage, processor=processor, formats=formats,
                               seed=seed, vision=vision)
     with local_rank0_first():
