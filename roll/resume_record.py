@@ -90,5 +90,5 @@ def check_same_data(checkpoint_dir: str, dataset, *, dataset_spec: str | None, g
             f"resume_from_checkpoint={checkpoint_dir!r} was trained on another training set than this run's "
             f"(dataset={dataset_spec!r}): {'; '.join(changes)}. Resuming would not continue its sample order. "
             "Resume with the data and the data keys it was trained with (dataset, max_samples, val_size, "
-            "cutoff_len, template, packing, shuffle, seed), or start a fresh run on the new data: "
+            "cutoff_len, template, packing, packing_algorithm, shuffle, seed), or start a fresh run on the new data: "
             "overwrite_output_dir: true (deletes the old checkpoints) or another output_dir.")

@@ -147,10 +147,16 @@ ROWS: tuple[Row, ...] = (
         "tests/unit/test_standard_train.py::test_packed_rows_give_the_same_loss_as_padded_ones"),
          mca=Honoured(
              "tests/distributed/test_mca_train.py::test_packed_equals_unpacked_on_the_same_samples")),
+    _row("packing_algorithm", both=Honoured(
+        "tests/unit/test_data_packing.py::test_llamafactory_packing_gives_its_rows_in_its_order",
+        "the shared pipeline packs (roll.data.packing), both backends train its rows; llamafactory: LLaMA-Factory "
+        "0.9.5's greedy rows, in its order")),
     _row("shuffle", standard=Honoured("tests/unit/test_standard_train.py::test_trainer_consumes_the_shared_order"),
          mca=Honoured("tests/unit/test_sample_order.py::test_both_backends_draw_accelerates_batches_epoch_after_epoch")),
-    _row("preprocessing_num_workers preprocessing_batch_size", both=NoEffect(
-        "tokenization speed only; the rows are the same")),
+    _row("preprocessing_num_workers preprocessing_batch_size", both=Honoured(
+        "tests/unit/test_data_packing.py::test_llamafactory_packing_gives_its_rows_in_its_order",
+        "tokenization speed only, except where LLaMA-Factory's rows depend on its tokenization batches: "
+        "stage pt's concatenation and packing_algorithm: llamafactory")),
     _row("overwrite_cache", both=NoEffect("re-tokenizes instead of reusing the cache: the same rows")),
     _row("streaming buffer_size mix_strategy interleave_probs", both=Honoured(
         "tests/distributed/test_streaming.py::test_streaming_same_losses_on_both_backends_and_across_a_resume",

@@ -53,6 +53,9 @@ class DataArguments:
     packing: bool = False
     """Pack several samples into each cutoff_len row (never splitting one); attention never crosses samples."""
 
+    packing_algorithm: Literal["best_fit", "llamafactory"] = "best_fit"
+    """With packing (sft): best_fit packs all rows best-fit decreasing (fuller rows); llamafactory packs as LLaMA-Factory 0.9.5 does, for the same rows in the same order: greedily per tokenization batch (preprocessing_batch_size rows, per preprocessing_num_workers shard), samples cut to cutoff_len - 1 and rows of cutoff_len - 1 tokens."""
+
     max_samples: int | None = None
     """Use the first this many rows of each dataset entry (before mixing), as LLaMA-Factory does."""
 
@@ -97,6 +100,12 @@ class DataArguments:
             raise ConfigError(f"preprocessing_num_workers must be positive, got {self.preprocessing_num_workers}.")
         if self.preprocessing_batch_size < 1:
             raise ConfigError(f"preprocessing_batch_size must be positive, got {self.preprocessing_batch_size}.")
+        if self.packing_algorithm not in ("best_fit", "llamafactory"):
+            raise ConfigError(f"packing_algorithm must be best_fit or llamafactory, got {self.packing_algorithm!r}.")
+        if self.packing_algorithm == "llamafactory" and self.packing and self.streaming:
+            raise ConfigError("packing_algorithm: llamafactory is not supported with streaming: roll's stream packs "
+                              "blocks of its shuffle buffer best-fit (docs/data.md, 'Streaming'); use "
+                              "packing_algorithm: best_fit, or streaming: false for LLaMA-Factory's rows.")
         if self.buffer_size < 1:
             raise ConfigError(f"buffer_size must be positive, got {self.buffer_size}.")
         problem = check_template_options(self.template, self.train_on_prompt, self.train_on_last_turn_only,

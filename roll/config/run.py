@@ -16,6 +16,7 @@ from roll.config.megatron import MegatronArguments
 from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
 from roll.data.dataset_info import check_sources
+from roll.data.packing import PT_LLAMAFACTORY_PACKING
 from roll.errors import ConfigError
 from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
@@ -75,6 +76,8 @@ class RunConfig:
         if self.finetuning.stage == "dpo" and self.data.packing:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
+        if self.finetuning.stage == "pt" and self.data.packing and self.data.packing_algorithm == "llamafactory":
+            raise ConfigError(PT_LLAMAFACTORY_PACKING)
         if self.finetuning.stage == "kto":
             self._check_kto()
         elif self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
@@ -108,10 +111,15 @@ class RunConfig:
         (one warning each). Each process of the node starts its own dataloader workers."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         per_process = max(1, cores // self.training.nproc_per_node)
+        lf_packing = self.data.packing and self.data.packing_algorithm == "llamafactory"
         for section, key, limit in ((self.data, "preprocessing_num_workers", cores),
                                     (self.training, "dataloader_num_workers", per_process)):
             value = getattr(section, key)
-            if value is not None and value > limit:
+            if value is not None and value > limit and key == "preprocessing_num_workers" and lf_packing:
+                warn_once(logger, f"{key}={value} is more than this machine's {cores} CPU core(s), kept: with "
+                                  "packing_algorithm: llamafactory it sets the packed rows (LLaMA-Factory packs per "
+                                  "worker's shard).")
+            elif value is not None and value > limit:
                 warn_once(logger, f"{key}={value} is more than this machine's {cores} CPU core(s) allow"
                                   f"{' per process' if limit != cores else ''}; using {limit}.")
                 setattr(section, key, limit)

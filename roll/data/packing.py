@@ -32,6 +32,11 @@ logger = logging.getLogger(__name__)
 ALGORITHM = "bfd"
 """Name of the bin-filling rule, part of the cache key."""
 
+PT_LLAMAFACTORY_PACKING = ("packing_algorithm: llamafactory: LLaMA-Factory's pt packing concatenates the texts of "
+                           "each tokenization batch and cuts them into cutoff_len rows, which is roll's stage pt with "
+                           "packing: false; set packing: false (or packing_algorithm: best_fit).")
+"""Why stage pt refuses LLaMA-Factory's packing (at config time and in the data pipeline)."""
+
 TOKENS_PER_WRITE = 1 << 22
 """Tokens gathered per Arrow record batch while writing packed rows: bounds the memory the writing takes."""
 
@@ -44,6 +49,55 @@ def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     members, bin_sizes = pack_bins(np.asarray(lengths, dtype=np.int64), capacity)
     bounds = np.cumsum(bin_sizes)
     return [part.tolist() for part in np.split(members, bounds[:-1])] if len(bin_sizes) else []
+
+
+def llamafactory_bins(lengths, capacity: int) -> list[list[int]]:
+    """LLaMA-Factory 0.9.5's greedy packing of one tokenization batch (its ``greedy_knapsack``): bins in creation
+    order, each filled largest-first with the longest remaining sample that still fits; among samples of one
+    length the last one in the batch goes first (LLaMA-Factory pops the length's index list).
+
+    Example: ``llamafactory_bins([3, 5, 2, 4, 2], 7) -> [[1, 4], [3, 0], [2]]``.
+    """
+    too_long = [i for i, n in enumerate(lengths) if n > capacity]
+    if too_long:
+        raise DataError(f"sample {too_long[0]} has {lengths[too_long[0]]} tokens, more than the bin size {capacity}")
+    by_length: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(index)
+    left = sorted(lengths)
+    bins = []
+    while left:
+        room, members = capacity, []
+        while (fits := bisect.bisect_right(left, room)) > 0:
+            length = left.pop(fits - 1)
+            members.append(by_length[length].pop())
+            room -= length
+        bins.append(members)
+    return bins
+
+
+def llamafactory_batches(count: int, batch_size: int, workers: int | None) -> list[tuple[int, int]]:
+    """(start, end) of the tokenization batches LLaMA-Factory packs one by one: ``datasets.map`` splits the rows
+    into ``workers`` contiguous shards (at most one per row) and each shard into batches of ``batch_size``."""
+    shards = max(1, min(workers or 1, count))
+    per_shard, extra = divmod(count, shards)
+    spans = []
+    for shard in range(shards):
+        start = shard * per_shard + min(shard, extra)
+        end = start + per_shard + (1 if shard < extra else 0)
+        spans += [(first, min(first + batch_size, end)) for first in range(start, end, batch_size)]
+    return spans
+
+
+def pack_llamafactory(lengths: np.ndarray, capacity: int, batch_size: int,
+                      workers: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``llamafactory_bins`` per tokenization batch (``llamafactory_batches``), in the layout of ``pack_bins``."""
+    members, bin_sizes = [], []
+    for start, end in llamafactory_batches(len(lengths), batch_size, workers):
+        for members_of_bin in llamafactory_bins(lengths[start:end].tolist(), capacity):
+            members += [start + i for i in members_of_bin]
+            bin_sizes.append(len(members_of_bin))
+    return np.asarray(members, dtype=np.int64), np.asarray(bin_sizes, dtype=np.int64)
 
 
 def pack_bins(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,29 +156,32 @@ def sample_lengths(dataset, column: str = "input_ids") -> np.ndarray:
     return lengths if indices is None else lengths[indices.column(0).to_numpy()]
 
 
-def pack_dataset(dataset, capacity: int, *, use_cache: bool = True):
+def pack_dataset(dataset, capacity: int, *, use_cache: bool = True, llamafactory: tuple[int, int | None] | None = None):
     """Pack a tokenized pt/sft dataset into rows of <= capacity tokens; returns (packed, efficiency).
 
-    The packed dataset is memory-mapped from its cache file, written here unless a run before wrote it
-    (``use_cache=False``: write it again).
+    ``llamafactory``: (preprocessing_batch_size, preprocessing_num_workers) to pack as LLaMA-Factory does
+    (``pack_llamafactory``); None: best-fit decreasing over all rows. The packed dataset is memory-mapped from its
+    cache file, written here unless a run before wrote it (``use_cache=False``: write it again).
     """
     import datasets
 
-    name = f"{packed_fingerprint(dataset, capacity)}.arrow"
+    name = f"{packed_fingerprint(dataset, capacity, llamafactory)}.arrow"
     path = os.path.join(datasets.config.HF_DATASETS_CACHE, "roll-packed", name)
     if not (use_cache and os.path.isfile(path)):
-        _write_packed(dataset, capacity, path)
+        _write_packed(dataset, capacity, path, llamafactory)
     else:
         logger.info("packing: reusing %s", path)
     packed = datasets.Dataset.from_file(path)
     return packed, efficiency(packed, capacity)
 
 
-def packed_fingerprint(dataset, capacity: int) -> str:
+def packed_fingerprint(dataset, capacity: int, llamafactory: tuple[int, int | None] | None = None) -> str:
     """Cache key: the tokenized dataset (datasets' own fingerprint of it, in its row order), the bin size, the
-    bin rule and this module's code (a changed packing never reuses an old file)."""
+    bin rule (with LLaMA-Factory's its batches) and this module's code (a changed packing never reuses an old
+    file)."""
     this_module = sys.modules[__name__]
-    return settings_digest(dataset._fingerprint, str(capacity), ALGORITHM, code_digest(this_module))
+    rule = ALGORITHM if llamafactory is None else f"llamafactory:{llamafactory[0]}:{llamafactory[1]}"
+    return settings_digest(dataset._fingerprint, str(capacity), rule, code_digest(this_module))
 
 
 def efficiency(packed, capacity: int) -> float:
@@ -144,13 +201,14 @@ def packed_features():
                               "seq_lens": datasets.List(datasets.Value("int64"))})
 
 
-def _write_packed(dataset, capacity: int, path: str) -> None:
+def _write_packed(dataset, capacity: int, path: str, llamafactory: tuple[int, int | None] | None = None) -> None:
     """Bins -> Arrow file at ``path`` (written under a temporary name and renamed: a reader never sees half a
     file, and two nodes writing one shared cache both leave a whole one)."""
     from datasets.arrow_writer import ArrowWriter
 
     lengths = sample_lengths(dataset)
-    members, bin_sizes = pack_bins(lengths, capacity)
+    members, bin_sizes = (pack_bins(lengths, capacity) if llamafactory is None
+                          else pack_llamafactory(lengths, capacity, *llamafactory))
     source = dataset.select_columns(["input_ids", "labels"]).with_format("arrow")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.{uuid.uuid4().hex}.partial"

@@ -25,7 +25,7 @@ from roll.data.fingerprint import code_digest, settings_digest, tokenizer_digest
 from roll.data.loading import Source, load_sources
 from roll.data.mixing import entry_sizes, mix_datasets
 from roll.data.named_templates import encoder_for, pretrain_eos_id
-from roll.data.packing import pack_dataset
+from roll.data.packing import PT_LLAMAFACTORY_PACKING, pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.feedback import FeedbackProcessor, check_both_labels
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
@@ -65,6 +65,8 @@ def build_datasets(data_args, tokenizer, *, stage: str, processor: str, formats:
         raise ValueError(f"unknown processor {processor!r}; known: {', '.join(PROCESSORS)}")
     if data_args.packing and processor in (*PAIRWISE, "feedback"):
         raise ConfigError(f"packing is not supported for stage {stage}; set packing: false.")
+    if llamafactory_packing(data_args) and processor == "pretrain":
+        raise ConfigError(PT_LLAMAFACTORY_PACKING)
     build = functools.partial(_build, data_args, tokenizer, stage=stage, processor=processor, formats=formats,
                               seed=seed, vision=vision)
     with local_rank0_first():
@@ -155,14 +157,29 @@ def _build(data_args, tokenizer, *, stage: str, processor: str, formats: tuple[s
         eval_ds = eval_ds.remove_columns([c for c in META_COLUMNS if c in eval_ds.column_names])
     if data_args.packing:
         reuse = not _fresh(data_args)
-        train, stats.packing_efficiency = pack_dataset(train, data_args.cutoff_len, use_cache=reuse)
+        lf_batches = ((data_args.preprocessing_batch_size, data_args.preprocessing_num_workers)
+                      if llamafactory_packing(data_args) else None)
+        pack = functools.partial(pack_dataset, capacity=sample_cutoff(data_args), use_cache=reuse,
+                                 llamafactory=lf_batches)
+        train, stats.packing_efficiency = pack(train)
         if eval_ds is not None:
-            eval_ds, _ = pack_dataset(eval_ds, data_args.cutoff_len, use_cache=reuse)
+            eval_ds, _ = pack(eval_ds)
     stats.num_rows = len(train)
     stats.preprocess_seconds = round(time.perf_counter() - start, 3)
     for line in stats.summary_lines():
         log_rank0(logger, "data: %s", line)
     return DatasetBundle(train=train, eval=eval_ds, stats=stats)
+
+
+def llamafactory_packing(data_args) -> bool:
+    """packing as LLaMA-Factory 0.9.5 packs (``packing_algorithm: llamafactory``)."""
+    return data_args.packing and data_args.packing_algorithm == "llamafactory"
+
+
+def sample_cutoff(data_args) -> int:
+    """The most tokens of a sample and of a packed row: cutoff_len, or cutoff_len - 1 when packing as
+    LLaMA-Factory does (it lowers cutoff_len by one with packing, then pads each row to cutoff_len)."""
+    return data_args.cutoff_len - 1 if llamafactory_packing(data_args) else data_args.cutoff_len
 
 
 def _cap(sources: list[Source], spec: str, data_args) -> tuple[list[Source], list[int]]:
@@ -236,10 +253,10 @@ def make_processor(source: Source, *, data_args, tokenizer, stage: str, processo
     if vision is not None:  # roll.data.vision: images laid out (stage sft only, roll.data.vision.check_config)
         options[processor].update(vision=vision, media_dir=vision_media_dir(source, data_args),
                                   images_column=source.entry.column("images") if source.entry else "images")
-        return VisionSupervisedProcessor(tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
+        return VisionSupervisedProcessor(tokenizer=tokenizer, cutoff_len=sample_cutoff(data_args), fmt=fmt,
                                          source=source.name, file_rows=source.file_rows, entry=source.entry,
                                          **options[processor])
-    return PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=data_args.cutoff_len, fmt=fmt,
+    return PROCESSORS[processor](tokenizer=tokenizer, cutoff_len=sample_cutoff(data_args), fmt=fmt,
                                  source=source.name, file_rows=source.file_rows, entry=source.entry,
                                  **options.get(processor, {}))
 

@@ -67,6 +67,8 @@ def test_optional_and_literal_values(recipe):
     (["recompute_method=block"], ["recompute_method only apply with recompute_granularity: full"]),
     (["recompute_granularity=selective", "recompute_num_layers=2"], ["recompute_num_layers only applies"]),
     (["stage=dpo", "packing=true"], ["packing is not supported for stage dpo"]),
+    (["stage=pt", "packing=true", "packing_algorithm=llamafactory"], ["LLaMA-Factory's pt packing", "packing: false"]),
+    (["packing_algorithm=greedy"], ["'packing_algorithm'", "llamafactory"]),
     (["stage=dpo", "pref_ftx=-0.1"], ["pref_ftx must be a finite number >= 0, got -0.1"]),
     (["pref_ftx=0.5"], ["pref_ftx=0.5 only applies to stage: dpo", "stage sft"]),
     (["use_rslora=true"], ["use_rslora only applies to finetuning_type: lora", "finetuning_type is full"]),

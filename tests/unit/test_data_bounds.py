@@ -113,6 +113,10 @@ def test_worker_counts_are_clamped_to_the_machine(tiny_model_dir, tmp_path, capl
     assert "dataloader_num_workers=1000 is more than" in caplog.text
     config = _config(tiny_model_dir, tmp_path, dataloader_num_workers=1, preprocessing_num_workers=1)
     assert (config.data.preprocessing_num_workers, config.training.dataloader_num_workers) == (1, 1)
+    # LLaMA-Factory packs per worker's shard: with its packing the recipe's count sets the rows, so it is kept
+    config = _config(tiny_model_dir, tmp_path, preprocessing_num_workers=1000, packing=True,
+                     packing_algorithm="llamafactory")
+    assert config.data.preprocessing_num_workers == 1000
 
 
 def test_a_global_batch_larger_than_the_training_set_is_refused():

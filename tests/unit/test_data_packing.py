@@ -10,8 +10,8 @@ import pytest
 from roll import IGNORE_INDEX
 from roll.config.data import DataArguments
 from roll.data import build_datasets
-from roll.data.packing import best_fit_decreasing
-from roll.errors import DataError
+from roll.data.packing import best_fit_decreasing, llamafactory_batches, llamafactory_bins, packed_fingerprint
+from roll.errors import ConfigError, DataError
 
 X = IGNORE_INDEX
 
@@ -34,6 +34,30 @@ def test_every_sample_in_exactly_one_bin_within_capacity(seed):
 def test_sample_longer_than_a_bin_is_an_error():
     with pytest.raises(DataError, match="sample 1 has 9 tokens"):
         best_fit_decreasing([3, 9], 8)
+
+
+def test_llamafactory_bins_hand_computed():
+    # LLaMA-Factory 0.9.5's greedy_knapsack by hand, bin size 10, lengths by index 0:4 1:7 2:3 3:3 4:6 5:2 6:1.
+    # bin 1: the longest that fits 10 is 7 (#1), room 3: a 3, the later of the two first (#3), room 0
+    # bin 2: 6 (#4), room 4: 4 (#0), room 0
+    # bin 3: 3 (#2), room 7: 2 (#5), room 5: 1 (#6)
+    assert llamafactory_bins([4, 7, 3, 3, 6, 2, 1], 10) == [[1, 3], [4, 0], [2, 5, 6]]
+    # (best-fit decreasing packs the same lengths into two rows of 10 and one of 6 as well, but other ones)
+    assert best_fit_decreasing([4, 7, 3, 3, 6, 2, 1], 10) == [[1, 2], [4, 0], [3, 5, 6]]
+    with pytest.raises(DataError, match="sample 1 has 9 tokens"):
+        llamafactory_bins([3, 9], 8)
+    # the batches datasets.map hands LLaMA-Factory's processor: batch_size rows per contiguous num_proc shard
+    assert llamafactory_batches(10, 3, None) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert llamafactory_batches(10, 3, 2) == [(0, 3), (3, 5), (5, 8), (8, 10)]
+    assert llamafactory_batches(2, 3, 4) == [(0, 1), (1, 2)]  # at most one shard per row
+
+
+def test_llamafactory_packing_refused_where_it_has_no_meaning(tmp_path):
+    with pytest.raises(ConfigError, match="streaming"):
+        DataArguments(dataset="x", packing=True, streaming=True, packing_algorithm="llamafactory")
+    args = DataArguments(dataset=str(tmp_path / "t.json"), packing=True, packing_algorithm="llamafactory")
+    with pytest.raises(ConfigError, match="packing: false"):
+        build_datasets(args, None, stage="pt", processor="pretrain", formats=("text",), seed=0)
 
 
 def _segments(row):
@@ -73,6 +97,51 @@ def test_packed_dataset_invariants(bpe, tmp_path, monkeypatch):
     assert stats.num_samples == 60 and stats.num_rows == len(packed.train) < 60
     assert stats.packing_efficiency == pytest.approx(stats.num_tokens / (len(packed.train) * 128))
     assert stats.num_tokens == plain.stats.num_tokens and plain.stats.packing_efficiency is None
+
+
+def _greedy_rows(samples, capacity, batch):
+    """LLaMA-Factory's packing written out plainly: per batch of rows, each new row takes the longest sample left
+    that fits (among equal lengths the last), until none fits."""
+    rows = []
+    for start in range(0, len(samples), batch):
+        part = samples[start:start + batch]
+        left = sorted(range(len(part)), key=lambda i: (len(part[i][0]), i))
+        while left:
+            room, row = capacity, []
+            while fits := [i for i in left if len(part[i][0]) <= room]:
+                left.remove(fits[-1])
+                row.append(part[fits[-1]])
+                room -= len(part[fits[-1]][0])
+            rows.append(row)
+    return rows
+
+
+def test_llamafactory_packing_gives_its_rows_in_its_order(bpe, tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    rng = random.Random(1)
+    words = "the cat sees a dog one two three four five".split()
+    rows = [{"instruction": " ".join(rng.choices(words, k=rng.randint(1, 4 if i % 8 else 30))), "input": "",
+             "output": " ".join(rng.choices(words, k=rng.randint(1, 6 if i % 8 else 40)))} for i in range(40)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(rows))
+
+    def build(**keys):
+        args = DataArguments(dataset=str(path), **keys)
+        return build_datasets(args, bpe, stage="sft", processor="supervised", formats=("alpaca",), seed=0)
+
+    # LLaMA-Factory cuts samples to cutoff_len - 1 with packing and fills rows of cutoff_len - 1 tokens
+    plain = build(cutoff_len=63)
+    packed = build(cutoff_len=64, packing=True, packing_algorithm="llamafactory", preprocessing_batch_size=16)
+    samples = list(zip(plain.train["input_ids"], plain.train["labels"]))
+    assert plain.stats.num_truncated > 0
+    got = [[(seg["input_ids"], seg["labels"]) for seg in _segments(row)] for row in packed.train]
+    assert got == _greedy_rows(samples, 63, 16)
+    best_fit = build(cutoff_len=64, packing=True)
+    assert best_fit.train["seq_lens"] != packed.train["seq_lens"]
+    keys = {packed_fingerprint(plain.train, 63, lf) for lf in (None, (16, None), (8, None), (16, 2))}
+    assert len(keys) == 4  # the rule and LLaMA-Factory's batches are part of the packed cache's key
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
