@@ -128,8 +128,8 @@ def test_tiny_dpo_recipe_at_pp2_from_the_command_line(tiny_model_factory, tmp_pa
 
 def test_dpo_on_one_process_matches_trl_every_step(tiny_model_dir, tmp_path):
     """One process each, 3 steps at lr 1e-2: the loss equals the standard backend's (TRL's) within 1e-5 at every
-    step (measured: 1.2e-6), and from step 2 on it is off ln 2 by more than 1e-2: a reference whose log-probs
-    come from the policy (loss stuck at ln 2) cannot pass. (The rewards are differences of log-prob sums near
+    step (measured: 1.2e-6), and from step 2 on it is off ln 2 by more than 1e-3: a reference whose log-probs
+    come from the policy (loss stuck at ln 2, within 1e-7) cannot pass. (The rewards are differences of log-prob sums near
     60, whose fp32 noise is about 3e-5 absolute: they are compared in test_dpo_layouts_and_backend_parity.)"""
     base = {**DPO, "model_name_or_path": tiny_model_dir, "learning_rate": 1e-2, "max_steps": 3,
             "output_dir": str(tmp_path / "mca")}
@@ -137,4 +137,4 @@ def test_dpo_on_one_process_matches_trl_every_step(tiny_model_dir, tmp_path):
     losses = train_runs(tmp_path, base, [{"name": "mca"}], nproc=1)["mca"]["losses"]
     assert len(losses) == len(standard) == 3, (losses, standard)
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, standard)), (losses, standard)
-    assert min(abs(loss - math.log(2)) for loss in standard[1:]) > 1e-2, standard
+    assert min(abs(loss - math.log(2)) for loss in standard[1:]) > 1e-3, standard  # 4.3e-3 at step 3 (HF order)
