@@ -89,7 +89,8 @@ def main() -> None:
     recipe = {"model_name_or_path": model_dir, "stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
               "cutoff_len": 64, "use_mca": True, "nproc_per_node": int(os.environ.get("WORLD_SIZE", "1")),
               "learning_rate": 1e-3, "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
-              "seed": 0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+              "seed": 0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+              "shuffle": False}  # step 1 trains rows 0-3, the rows the test's HF loss reads
     dist.init_process_group("gloo")  # this worker's: kept across the runs' Megatron set-ups
     results = {}
     for name, (overrides, trained) in RUNS.items():
@@ -101,7 +102,8 @@ def main() -> None:
         backend.setup_distributed()
         models = backend.load_models("sft", tokenizer)
         if trained:
-            freeze_parts(models.policy, SimpleNamespace(freeze_vision_tower=False, freeze_multi_modal_projector=False))
+            freeze_parts(models.policy, SimpleNamespace(freeze_vision_tower=False, freeze_multi_modal_projector=False,
+                                                     freeze_language_model=False))
         else:
             models = backend.apply_finetuning(ModelBundle(policy=models.policy))  # the recipe's (LF's) defaults
         before = tower_weights(models.policy)
