@@ -114,7 +114,8 @@ def test_rm_layouts_backend_parity_and_export(tiny_model_factory, tmp_path):
     assert reference["log"][0]["loss"] == pytest.approx(math.log(2), abs=1e-12)
     assert standard["log"][0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert all(reference["log"][0][name] == 0 for name in METRICS), reference["log"][0]
-    assert max(abs(e["loss"] - math.log(2)) for e in reference["log"][1:]) > 1e-3, reference["log"]  # it trains
+    # it trains (5.9e-4 off ln 2 at most with the HF Trainer's order; a frozen head stays at ln 2 exactly)
+    assert max(abs(e["loss"] - math.log(2)) for e in reference["log"][1:]) > 1e-4, reference["log"]
     for name in ("tp2_sp", "tp2_lora"):
         run = result[name]
         assert len(run["mca_rewards"]) == len(run["hf_rewards"]) == 32, run  # 16 held-out pairs
