@@ -226,7 +226,8 @@ class SkipCounter:
                 f"step {step}: the loss or grad norm was not finite for {self.consecutive} steps in a row "
                 f"(max_consecutive_skipped_steps={self.limit}), so training stopped; no update was made in those "
                 f"steps. Step {step}'s global batch held training samples {_ranges(samples)} (rows of the "
-                "prepared training set, 0-based, in the pipeline's order before the sampler's shuffle). Lower learning_rate, check those samples, or raise "
+                "prepared training set, 0-based: roll.data.order's rows of that step). Lower learning_rate, check those "
+                "samples, or raise "
                 "max_consecutive_skipped_steps (0: never stop); resume_from_checkpoint: true continues from the "
                 "last checkpoint.")
 

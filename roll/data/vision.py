@@ -73,11 +73,11 @@ def _image_processor(config_text: str):
 
 def is_vl_model(path: str | None) -> bool:
     """Whether ``path`` is a local model directory of a vision-language family roll lays images out for."""
-    from roll.hf_config import has_hf_config, hf_config_path, read_hf_config
+    from roll.hf_config import has_hf_config, read_hf_config
 
     if not (path and has_hf_config(path)):
         return False
-    return read_hf_config(path, f"{hf_config_path(path)} (model_name_or_path)").get("model_type") in VL_MODEL_TYPES
+    return read_hf_config(path).get("model_type") in VL_MODEL_TYPES
 
 
 def load_vision(model_args, tokenizer) -> Vision | None:
