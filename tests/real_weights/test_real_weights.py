@@ -24,9 +24,10 @@ CONVERT_TP1_BOUND = 1e-6
 """max |HF - Megatron| logit, TP1, seq 32. Measured: 0.0 (bit-identical)."""
 CONVERT_PP2_BOUND = 1e-6
 """max |HF - Megatron| logit at PP2 (15 layers per stage), seq 32. Measured: 0.0 (bit-identical)."""
-SFT_STEP1_BOUND = 1e-6
-"""sft step 1, standard vs mca, relative. Measured: 4.7e-8 with roll.loss on both sides; 8.2e-6 with the
-standard side on the model's own float32 F.cross_entropy (what it was), so this bound catches that."""
+SFT_STEP1_BOUND = 3e-6
+"""sft step 1, standard vs mca, relative. Measured: 4.7e-8 with roll.loss on both sides on the batch of roll's
+former order, 1.06e-6 on the HF Trainer's order's first batch (2026-11-27); 8.2e-6 with the standard side on the
+model's own float32 F.cross_entropy (what it was), so this bound still catches that."""
 SFT_STEP2_BOUND = 1e-5
 """sft step 2, relative. Measured: 2.7e-6 (Adam's first step is nearly sign(gradient): coordinates with a
 near-zero gradient take a full step of either sign, on each backend its own)."""
