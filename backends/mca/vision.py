@@ -18,12 +18,13 @@ run may ask for, which parts train, and the model inputs of a micro-batch.
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from roll.errors import ConfigError
 from roll.logging import log_rank0
+
+if TYPE_CHECKING:  # the config checks below run before the training stack is imported (roll-train --print-config)
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from roll.config.megatron import MegatronArguments
 from roll.config.model import ModelArguments
 from roll.config.training import TrainingArguments
 from roll.data.dataset_info import check_sources
-from roll.data.packing import PT_LLAMAFACTORY_PACKING
 from roll.errors import ConfigError
 from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config, text_config
 from roll.logging import warn_once
@@ -77,6 +76,8 @@ class RunConfig:
             raise ConfigError("packing is not supported for stage dpo (pairs are collated chosen over rejected); "
                               "set packing: false.")
         if self.finetuning.stage == "pt" and self.data.packing and self.data.packing_algorithm == "llamafactory":
+            from roll.data.packing import PT_LLAMAFACTORY_PACKING  # lazily: it imports the data stack
+
             raise ConfigError(PT_LLAMAFACTORY_PACKING)
         if self.finetuning.stage == "kto":
             self._check_kto()
