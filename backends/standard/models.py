@@ -62,19 +62,21 @@ def resolve_dtype(dtype: str, *, bf16: bool, fp16: bool) -> torch.dtype:
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, trust_remote_code: bool = False,
-                   attn_implementation: str | None = None, what: str = "model_name_or_path") -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained``; under a live ZeRO-3 config it loads partitioned.
+                   attn_implementation: str | None = None, what: str = "model_name_or_path",
+                   auto_class: str = "AutoModelForCausalLM") -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` (or another transformers ``auto_class``: a vision-language model's
+    ``AutoModelForImageTextToText``); under a live ZeRO-3 config it loads partitioned.
 
     Strict: a model weight the checkpoint lacks, a checkpoint tensor the model does not use or one of
     another shape is a ModelError (``roll.weights``), not a model trained from random weights."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     # ignore_mismatched_sizes: report shape mismatches to us (below) instead of raising HF's RuntimeError
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
-                                                       ignore_mismatched_sizes=True, **kwargs)
+    model, info = getattr(transformers, auto_class).from_pretrained(path, output_loading_info=True,
+                                                                     ignore_mismatched_sizes=True, **kwargs)
     check_loading_info(model, info, path, what=what)
     model.config.use_cache = False  # training never reuses a KV cache
     return model

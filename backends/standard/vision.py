@@ -38,18 +38,10 @@ def frozen_parts(finetuning) -> set[str]:
 def load_vl_model(path: str, *, dtype, trust_remote_code: bool = False, attn_implementation: str | None = None,
                   what: str = "model_name_or_path") -> nn.Module:
     """``AutoModelForImageTextToText.from_pretrained`` with the checks of models.load_causal_lm."""
-    from transformers import AutoModelForImageTextToText
+    from backends.standard.models import load_causal_lm
 
-    from backends.standard.models import check_loading_info
-
-    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True,
-                                                              ignore_mismatched_sizes=True, **kwargs)
-    check_loading_info(model, info, path, what=what)
-    model.config.use_cache = False
-    return model
+    return load_causal_lm(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                          attn_implementation=attn_implementation, what=what, auto_class="AutoModelForImageTextToText")
 
 
 def freeze_parts(model: nn.Module, finetuning) -> nn.Module:
