@@ -77,7 +77,10 @@ def is_vl_model(path: str | None) -> bool:
 
     if not (path and has_hf_config(path)):
         return False
-    return read_hf_config(path).get("model_type") in VL_MODEL_TYPES
+    try:
+        return read_hf_config(path).get("model_type") in VL_MODEL_TYPES
+    except ModelError:  # an unreadable config.json is reported, with its label, by the reader that needs it
+        return False
 
 
 def load_vision(model_args, tokenizer) -> Vision | None:
