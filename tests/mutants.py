@@ -366,6 +366,10 @@ MUTANTS: list[Mutant] = [
            "desirable_weight=self.args.undesirable_weight,",
            (f"{KTO_UNIT}::test_standard_kto_equals_trls_own_kto_loss_on_one_batch",)),
     # ---- one or two torchrun / roll-parity launches --------------------------------------------------
+    Mutant("every_rank_packs", "every rank of a node tokenizes and packs the data itself at the same time (the "
+           "local rank 0 first barrier gone): N times the work and memory, racing writes into one cache",
+           "roll/data/pipeline.py", "    first = local_rank() == 0\n", "    first = True\n",
+           ("tests/distributed/test_pack_once_dist.py::test_local_rank_0_packs_and_the_other_rank_loads_its_file",)),
     Mutant("kto_reference_point_dropped_mca", "mca: the KTO loss measured against 0, not the KL reference point",
            "backends/mca/trainer/kto.py", 'batch["kto_kl"] = reference[index]["logps"][:rows], z[index]',
            'batch["kto_kl"] = reference[index]["logps"][:rows], z[index] * 0',
