@@ -31,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 
+from roll.parity.heldout import run_parity
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = "dpo_en_demo.json"
 COMMON = {"cutoff_len": 128, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
@@ -104,23 +106,9 @@ def metric_gaps(run_dir: str) -> dict[str, float]:
 
 
 def run_check(name: str, recipe: dict, out: str, steps: int) -> dict:
-    """roll-parity on RECIPE; its JSON verdict plus the metrics' gaps and the command that reproduces it."""
+    """roll-parity on RECIPE (roll.parity.heldout); its JSON verdict plus the metrics' gaps."""
     run_dir = os.path.join(out, "runs", name)
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "recipe.yaml")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(recipe, fh, indent=1)  # JSON is valid YAML
-    command = [sys.executable, "-m", "roll.parity", path, "--steps", str(steps), "--output-dir",
-               os.path.join(run_dir, "out"), "--json"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    try:
-        verdict = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        verdict = {"passed": False, "error": proc.stderr[-2000:]}
-    verdict["exit"] = proc.returncode
-    verdict["command"] = f"roll-parity {path} --steps {steps}"
+    verdict = run_parity(recipe, run_dir, steps, timeout=1800)
     if verdict.get("losses"):
         verdict["metric_gaps"] = metric_gaps(os.path.join(run_dir, "out"))
     return verdict

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from roll.parity.heldout import offline_env, run_parity
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = ((300, 50), (40, 200), (29, 31), (500, 500), (97, 61), (64, 128), (150, 90))
 KINDS = ("stripes", "gradient", "checker", "noise")
@@ -97,27 +99,12 @@ def write_data(out: str, num_rows: int = 40) -> str:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    return offline_env(OMP_NUM_THREADS="1")
 
 
 def run_check(name: str, recipe: dict, out: str, steps: int) -> dict:
-    """roll-parity on RECIPE; its JSON verdict plus the command that reproduces it."""
-    run_dir = os.path.join(out, "runs", name)
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "recipe.yaml")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(recipe, fh, indent=1)  # JSON is valid YAML
-    command = [sys.executable, "-m", "roll.parity", path, "--steps", str(steps), "--output-dir",
-               os.path.join(run_dir, "out"), "--json"] + (["--save-models"] if "lora_rank" in recipe else [])
-    proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=3600)
-    try:
-        verdict = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        verdict = {"passed": False, "error": (proc.stdout + proc.stderr)[-3000:]}
-    verdict["exit"] = proc.returncode
-    verdict["command"] = f"roll-parity {path} --steps {steps}"
-    return verdict
+    """roll-parity on RECIPE (roll.parity.heldout; a LoRA check exports and compares both adapters)."""
+    return run_parity(recipe, os.path.join(out, "runs", name), steps, save_models="lora_rank" in recipe, env=_env())
 
 
 def check_bad_path(dataset: str, model: str, out: str) -> tuple[bool, str]:

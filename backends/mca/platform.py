@@ -7,8 +7,8 @@ Transformer Engine is absent; without TE/Apex its torch norms also refuse sequen
 gloo refuses the uneven collectives MoE with expert-TP issues; on any device its expert-bias token count does not
 broadcast its padding mask (``expert_bias_padding_mask``). One more is not about the platform: the
 checkpoint reader PyTorch and megatron use would unpickle anything a checkpoint holds
-(``restricted_checkpoint_reads``, applied everywhere; docs/reliability.md, "What roll trusts"). The patches
-to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``,
+(``restricted_checkpoint_reads``, applied everywhere; docs/reliability.md, "What roll trusts"). The CUDA
+ones (a CPU-only torch build) are written in ``backends.mca.cpu_build``, the patches to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``,
 the multi-tensor scale without extra copies (``foreach_multi_tensor_scale``) in ``backends.mca.multi_tensor``,
 and one about the objective, the router z-loss's scale under TP / CP (``moe_z_loss_scale_per_token``), in
 ``backends.mca.moe_loss_scale``; this module's table and ``apply_patches`` are the one entry point for all but one:
@@ -29,16 +29,17 @@ sequences need TE attention; ``backends.mca.attention.LocalCoreAttention`` cover
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from packaging.version import Version
 
 from backends.mca.checkpoint_reads import patch_distopt_step_on_load, patch_restricted_checkpoint_reads
+from backends.mca.cpu_build import (patch_cuda_streams, patch_current_device, patch_default_causal_mask,
+                                    patch_hardcoded_cuda, patch_moe_split_sizes, patch_rng_tracker)
 from backends.mca.mla_rope_key_grad import patch_mla_rope_key_grad
 from backends.mca.moe_loss_scale import patch_moe_z_loss_scale_per_token
 from backends.mca.multi_tensor import patch_local_multi_tensor_scale, uses_local_multi_tensor_scale
@@ -149,112 +150,8 @@ def _gloo() -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# The patches
+# The patches written here (those of a CPU-only torch build: backends.mca.cpu_build)
 # --------------------------------------------------------------------------------------------------
-
-def _patch_rng_tracker() -> None:
-    """``CudaRNGStatesTracker.add/fork`` call ``torch.cuda.get_rng_state`` and fail on CPU builds
-    ("Torch not compiled with CUDA enabled"); forward needs the tracker even at dropout 0 because
-    attention dropout forks it. Keep the same named states, but of the CPU generator. Activation
-    recompute saves/restores states through ``_get/_set_cuda_rng_state``, redirected the same way.
-    """
-    import megatron.core.tensor_parallel.random as rng
-
-    class CpuRNGStatesTracker(rng.CudaRNGStatesTracker):
-        def add(self, name: str, seed: int) -> None:
-            self._is_initialized = True
-            if seed in self.seeds_:
-                raise RuntimeError(f"RNG seed {seed} already exists")
-            if name in self.states_:
-                raise RuntimeError(f"RNG state {name} already exists")
-            self.seeds_.add(seed)
-            outer = torch.get_rng_state()
-            torch.manual_seed(seed)
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outer)
-
-        @contextlib.contextmanager
-        def fork(self, name: str = rng._MODEL_PARALLEL_RNG_TRACKER_NAME):
-            if name not in self.states_:
-                raise RuntimeError(f"RNG state {name} is not added")
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self.states_[name])
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                torch.set_rng_state(outer)
-
-    rng.CudaRNGStatesTracker = CpuRNGStatesTracker
-    rng._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    rng._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    rng.initialize_rng_tracker(force_reset=True)
-
-
-def _patch_current_device() -> None:
-    """Buffers, grad buffers, RoPE frequencies and p2p shapes are allocated on
-    ``device=torch.cuda.current_device()`` (~175 sites); one redirect beats patching each site.
-    ``torch.cuda.synchronize`` follows p2p ``batch_isend_irecv`` and is meaningless on CPU.
-    """
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-
-
-def _patch_default_causal_mask() -> None:
-    """``transformer.utils.get_default_causal_mask`` builds its mask with ``device="cuda"`` (used
-    whenever a model is called with ``attention_mask=None``); ``fused_softmax`` imported it by name.
-    """
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.transformer.utils as transformer_utils
-
-    cache: dict[int, torch.Tensor] = {}
-
-    def get_default_causal_mask(sq: int) -> torch.Tensor:
-        if sq not in cache:
-            cache[sq] = torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
-        return cache[sq]
-
-    transformer_utils.get_default_causal_mask = get_default_causal_mask
-    fused_softmax.get_default_causal_mask = get_default_causal_mask
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, bool):
-        return False
-    if isinstance(device, int):  # a bare ordinal means cuda:N
-        return True
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, torch.device) and device.type == "cuda"
-
-
-def _patch_hardcoded_cuda() -> None:
-    """The optimizer (``torch.tensor([1.0], device='cuda')``), clip_grads, grad scaler, schedules
-    (``total_num_tokens``) and dist-checkpoint saver hard-code ``'cuda'``, call ``.cuda()``, and
-    check ``param.type() == 'torch.cuda.FloatTensor'``. One process-wide ``TorchFunctionMode``
-    maps them to CPU and makes ``Tensor.type()`` report the CUDA name those checks expect.
-    Cost: ~25% on tiny CPU ops; it runs only without an accelerator.
-    """
-    from torch.overrides import TorchFunctionMode
-
-    class CudaToCpuMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if func is torch.Tensor.cuda:
-                return args[0]
-            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-                name = func(*args)
-                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-            if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-                kwargs["device"] = "cpu"
-            if kwargs.get("pin_memory"):  # rope_utils pins CP position tensors
-                kwargs["pin_memory"] = False
-            if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-                args = (args[0], "cpu", *args[2:])
-            return func(*args, **kwargs)
-
-    CudaToCpuMode().__enter__()  # for the life of the process (the mode stack is per thread: main thread)
-
 
 def _patch_moe_router_without_te() -> None:
     """megatron-core 0.16.x defines ``moe_utils.te_general_gemm`` only when TE imports, then tests
@@ -296,57 +193,6 @@ def _patch_mla_without_te() -> None:
     from megatron.core.transformer import multi_latent_attention as mla
 
     mla.HAVE_TE = False
-
-
-class _NoOpEvent:
-    def wait(self, *args, **kwargs) -> None: ...
-    def synchronize(self) -> None: ...
-    def record(self, *args, **kwargs) -> None: ...
-    def query(self) -> bool:
-        return True
-
-
-class _NoOpStream:
-    def __init__(self, *args, **kwargs) -> None: ...
-    def wait_stream(self, *args, **kwargs) -> None: ...
-    def wait_event(self, *args, **kwargs) -> None: ...
-    def record_event(self, *args, **kwargs) -> _NoOpEvent:
-        return _NoOpEvent()
-    def synchronize(self) -> None: ...
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _NoOpStream)
-    def __hash__(self) -> int:
-        return 0
-
-
-def _patch_cuda_streams() -> None:
-    """The MoE alltoall dispatcher (and shared-expert overlap) create ``torch.cuda.Stream()`` and
-    enter ``torch.cuda.stream(...)``; CPU builds raise. CPU work is synchronous, so no-op streams
-    and events keep the same semantics. (megatron-core 0.19 DDP also needs this.)"""
-    default = _NoOpStream()
-    torch.cuda.Stream = _NoOpStream
-    torch.cuda.Event = lambda *args, **kwargs: _NoOpEvent()
-    torch.cuda.current_stream = lambda *args, **kwargs: default
-    torch.cuda.default_stream = lambda *args, **kwargs: default
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.Tensor.record_stream = lambda self, stream: None
-
-
-def _patch_moe_split_sizes() -> None:
-    """``moe_utils.maybe_move_tensor_to_cpu`` converts alltoall split sizes to numpy only for CUDA
-    tensors; on CPU they stay tensors and ``all_to_all_single`` rejects them (TypeError)."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-
-    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
-        if torch.is_tensor(tensor):
-            tensor = tensor.cpu()
-            if as_numpy:
-                tensor = tensor.numpy()
-        return tensor
-
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _patch_torch_norm_sequence_parallel() -> None:
@@ -407,14 +253,14 @@ def _patch_gloo_uneven_first_dim() -> None:
 _UPSTREAM_CPU = "megatron-core supports CPU-only torch builds (not the case up to 0.19.2)"
 
 _PATCHES: tuple[_Patch, ...] = (
-    _Patch("rng_tracker", _patch_rng_tracker, _UPSTREAM_CPU, _no_accelerator),
-    _Patch("current_device", _patch_current_device, _UPSTREAM_CPU, _no_accelerator),
-    _Patch("default_causal_mask", _patch_default_causal_mask, _UPSTREAM_CPU, _no_accelerator),
-    _Patch("hardcoded_cuda", _patch_hardcoded_cuda, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("rng_tracker", patch_rng_tracker, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("current_device", patch_current_device, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("default_causal_mask", patch_default_causal_mask, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("hardcoded_cuda", patch_hardcoded_cuda, _UPSTREAM_CPU, _no_accelerator),
     _Patch("moe_router_without_te", _patch_moe_router_without_te, "megatron-core >= 0.19 is the minimum",
            _moe_utils_without_te_gemm, fixed_in=Version("0.19")),
-    _Patch("cuda_streams", _patch_cuda_streams, _UPSTREAM_CPU, _no_accelerator),
-    _Patch("moe_split_sizes", _patch_moe_split_sizes, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("cuda_streams", patch_cuda_streams, _UPSTREAM_CPU, _no_accelerator),
+    _Patch("moe_split_sizes", patch_moe_split_sizes, _UPSTREAM_CPU, _no_accelerator),
     _Patch("torch_norm_sequence_parallel", _patch_torch_norm_sequence_parallel,
            "WrappedTorchNorm supports sequence parallelism upstream (not as of 0.19.2)", _torch_norms_possible),
     _Patch("gloo_uneven_first_dim", _patch_gloo_uneven_first_dim,

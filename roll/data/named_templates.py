@@ -28,7 +28,6 @@ that does not fit keeps the start of its prompt and of its reply, in proportions
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from typing import Union
@@ -36,7 +35,6 @@ from typing import Union
 from roll import IGNORE_INDEX
 from roll.data.formats import Skip
 from roll.data.tool_formats import FORMATS as TOOL_FORMATS, calls_text, tools_text
-from roll.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -343,80 +341,3 @@ def check_template_options(name: str | None, train_on_prompt: bool, last_turn_on
                 "carry the previous reply's EOS label and cannot be trained: drop train_on_prompt, as "
                 "LLaMA-Factory requires.")
     return None
-
-
-def _literal(text: str) -> str:
-    return json.dumps(text)  # a Jinja string literal: Jinja reads \n and \uXXXX escapes as Python does
-
-
-def _expression(slots: tuple[Slot, ...], content: str = "content") -> str:
-    parts = []
-    for slot in slots:
-        if isinstance(slot, Special):
-            parts.append(f"({slot.name}_token or '')")
-            continue
-        before, found, after = slot.partition(CONTENT)
-        parts += ([_literal(before)] if before else []) + ([content] if found else []) + (
-            [_literal(after)] if after else [])
-    return " + ".join(parts) or "''"
-
-
-def to_jinja(template: NamedTemplate) -> str:
-    """A chat template (Jinja) that renders what the template trains on, to install in the tokenizer that is
-    saved with the model, so that it is prompted the way it was trained (the reasoning templates' empty
-    thought aside). The user slot ends with the assistant header: no generation prompt is needed."""
-    t = template
-    system = (f"{{% set system_message = {_literal(t.default_system)} %}}" if t.default_system else "")
-    system += ("{% if messages and messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
-               "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
-               "{% endif %}")
-    first = ""
-    if t.system_in_first_user:
-        text = next(s for s in t.system if isinstance(s, str))
-        first = (f"{{% if loop.first and system_message %}}{{% set content = {_expression((text,), 'system_message')}"
-                 " + content %}{% endif %}")
-    else:
-        system += f"{{% if system_message %}}{{{{ {_expression(t.system, 'system_message')} }}}}{{% endif %}}"
-    prefix = f"{{{{ {_expression(t.prefix)} }}}}" if t.prefix else ""
-    return (prefix + system + "{% for message in loop_messages %}{% set content = message['content'] %}" + first
-            + f"{{% if message['role'] == 'user' %}}{{{{ {_expression(t.user)} }}}}"
-            + f"{{% elif message['role'] == 'assistant' %}}{{{{ {_expression(t.assistant)} }}}}"
-            + f"{{% elif message['role'] == 'tool' %}}{{{{ {_expression(t.observation)} }}}}"
-            + "{% endif %}{% endfor %}")
-
-
-def _is_token(tokenizer, text: str) -> bool:
-    found = tokenizer.convert_tokens_to_ids(text)
-    return found is not None and (found != tokenizer.unk_token_id or tokenizer.unk_token == text)
-
-
-def install(tokenizer, template: NamedTemplate) -> None:
-    """Make ``tokenizer`` what training with ``template`` needs, as LLaMA-Factory does: its stop words are
-    special tokens (tokenized whole), the first one the EOS token with replace_eos (stage pt ends documents
-    with it, generation stops at it); and ``to_jinja``'s chat template. A stop word that is no token of the
-    tokenizer, where the template writes it or makes it the EOS, is refused: LLaMA-Factory would add it as a
-    new token, which the model has no embedding row for (the model family's own tokenizer has them)."""
-    t = template
-    written = "".join(s for slots in (t.prefix, t.system, t.user, t.assistant, t.observation) for s in slots
-                      if isinstance(s, str))
-    needed = [w for i, w in enumerate(t.stop_words) if w in written or (i == 0 and t.replace_eos)]
-    missing = [w for w in needed if not _is_token(tokenizer, w)]
-    if missing:
-        raise ConfigError(f"template {t.name} ends turns with {', '.join(map(repr, missing))}, which is no token "
-                          "of this tokenizer (the model would need a new embedding row): choose the template of "
-                          "the model's family, or leave `template:` unset to use the tokenizer's own.")
-    special = set(tokenizer.all_special_tokens)
-    extra = [w for w in t.stop_words if _is_token(tokenizer, w) and w not in special]
-    if extra:
-        tokenizer.add_special_tokens({"additional_special_tokens": extra}, replace_extra_special_tokens=False)
-    if t.replace_eos:
-        tokenizer.eos_token = t.stop_words[0]
-    tokenizer.chat_template = to_jinja(t)
-
-
-def pretrain_eos_id(tokenizer, template: NamedTemplate | None) -> int:
-    """The token stage pt ends each document with: the template's own (llama3's <|end_of_text|>) when the
-    tokenizer has it, else the tokenizer's EOS (after ``install``)."""
-    if template is not None and template.pretrain_eos and _is_token(tokenizer, template.pretrain_eos):
-        return tokenizer.convert_tokens_to_ids(template.pretrain_eos)
-    return tokenizer.eos_token_id

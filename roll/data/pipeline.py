@@ -24,13 +24,14 @@ from roll.data import prepared
 from roll.data.fingerprint import code_digest, settings_digest, tokenizer_digest
 from roll.data.loading import Source, load_sources
 from roll.data.mixing import entry_sizes, mix_datasets
-from roll.data.named_templates import encoder_for, pretrain_eos_id
+from roll.data.named_templates import encoder_for
 from roll.data.packing import PT_LLAMAFACTORY_PACKING, pack_dataset
 from roll.data.policy import PAIR_PREFIXES
 from roll.data.feedback import FeedbackProcessor, check_both_labels
 from roll.data.processors import (META_COLUMNS, PairwiseProcessor, PretrainProcessor, SupervisedProcessor)
 from roll.data.reward import RewardProcessor
 from roll.data.stats import PreprocessStats
+from roll.data.tokenizer import pretrain_eos_id
 from roll.data.vision import VisionSupervisedProcessor
 from roll.data.vision import check_source as vision_check_source
 from roll.data.vision import media_dir as vision_media_dir

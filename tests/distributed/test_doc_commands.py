@@ -12,6 +12,10 @@ is read from the pages themselves, by this convention:
   and the demo cover them);
 - everything else runs (help, print-config, dry-run, plan, building the tiny model, conversion on it,
   roll-parity with ``--steps 2``) and must exit 0, or N where its comment says ``exit N until ...``.
+
+The commands that only read the repository's files (``Command.reads_only_the_repo``: help, print-config, plan,
+listings) run beside the others, one at a time; the others run one after the other in page order, as a reader
+types them (a later one may use what an earlier one built).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -34,6 +39,8 @@ DOCS = ["README.md", *sorted(os.path.join("docs", name) for name in os.listdir(o
 COMMANDS = ("roll-train", "roll-parity", "roll-convert", "roll-bench", "python", "make", "torchrun",
             "deepspeed", "pip", ".venv/bin/python")
 INSPECT = ("--help", "--print-config", "--dry-run", "--plan", "--version")
+READ_ONLY = ("--help", "--print-config", "--plan", "--version", "--list-cases", "--list")
+"""Flags of a command that writes nothing and reads only the repository (not what an earlier command built)."""
 PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9_]*[A-Z0-9](?!\w*=)")
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.S | re.M)
 
@@ -62,6 +69,13 @@ class Command:
     def expected_code(self) -> int:
         found = re.search(r"\bexit (\d+) until\b", self.comment)
         return int(found.group(1)) if found else 0
+
+    @property
+    def reads_only_the_repo(self) -> bool:
+        """A listing or an inspection (no --dry-run: that builds the data) naming nothing a command builds."""
+        words = self.text.split()
+        return (any(flag in words for flag in READ_ONLY) and "--dry-run" not in words
+                and not any(place in self.text for place in (".demo", "outputs/", "recipes/demo/")))
 
     @property
     def shell(self) -> str:
@@ -105,6 +119,9 @@ def test_doc_command_convention_reads_the_pages():
     assert by_text["roll-train recipes/qwen_sft.yaml --use-mca"].skip_reason == "GPU"
     dry_run = by_text["roll-train recipes/qwen_sft.yaml --dry-run"]
     assert (dry_run.skip_reason, dry_run.expected_code) == (None, 2)
+    assert by_text["roll-train --help"].reads_only_the_repo and by_text["roll-parity --list-cases"].reads_only_the_repo
+    assert not dry_run.reads_only_the_repo  # --dry-run builds the data
+    assert not by_text["python scripts/make_tiny_model.py --out .demo/tiny-qwen2"].reads_only_the_repo
     assert "roll-parity recipes/demo/tiny_sft.yaml --steps 2" in by_text[
         "roll-parity recipes/demo/tiny_sft.yaml --steps 10 nproc_per_node=2 tensor_model_parallel_size=2"].shell
 
@@ -128,20 +145,30 @@ def test_every_doc_command_works_in_a_fresh_clone(tmp_path):
     _clone(clone)
     bin_dir = os.path.dirname(sys.executable)
     env = clean_env(PYTHONPATH=clone, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    ran, seen, failures = [], set(), []
+    commands, seen = [], set()
     for doc in DOCS:
         for command in doc_commands(doc):
-            if command.skip_reason or command.shell in seen:
-                continue
-            seen.add(command.shell)
-            proc = subprocess.run(["bash", "-c", command.shell], cwd=clone, env=env, capture_output=True,
-                                  text=True, timeout=400)
-            ran.append(command.shell)
-            # megatron-core's 7 import-time TE/Apex warnings per rank: roll says it once, in its own log line
-            noisy = "UserWarning: Transformer Engine" in proc.stderr or "Apex is not installed" in proc.stderr
-            if proc.returncode != command.expected_code or "Traceback" in proc.stderr or noisy:
-                failures.append(f"{command.where}: `{command.shell}` exited {proc.returncode} (expected "
-                                f"{command.expected_code}):\n{(proc.stdout + proc.stderr)[-2500:]}")
+            if not command.skip_reason and command.shell not in seen:
+                seen.add(command.shell)
+                commands.append(command)
+
+    def failure(command: Command) -> str | None:
+        proc = subprocess.run(["bash", "-c", command.shell], cwd=clone, env=env, capture_output=True, text=True,
+                              timeout=400)
+        # megatron-core's 7 import-time TE/Apex warnings per rank: roll says it once, in its own log line
+        noisy = "UserWarning: Transformer Engine" in proc.stderr or "Apex is not installed" in proc.stderr
+        if proc.returncode != command.expected_code or "Traceback" in proc.stderr or noisy:
+            return (f"{command.where}: `{command.shell}` exited {proc.returncode} (expected "
+                    f"{command.expected_code}):\n{(proc.stdout + proc.stderr)[-2500:]}")
+        return None
+
+    beside = [command for command in commands if command.reads_only_the_repo]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        read_only = pool.map(failure, beside)
+        found = {command.shell: failure(command) for command in commands if command not in beside}
+        found.update(zip((command.shell for command in beside), read_only))
+    failures = [found[command.shell] for command in commands if found[command.shell]]
+    ran = [command.shell for command in commands]
     assert not failures, "\n\n".join(failures)
     kinds = ("roll-train --help", "--print-config", "--dry-run", "--plan", "make_tiny_model.py", "roll-parity",
              "roll-convert hf2mca", "roll-convert mca2hf")

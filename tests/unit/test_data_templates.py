@@ -8,8 +8,8 @@ import pytest
 
 from roll import IGNORE_INDEX
 from roll.data.processors import PairwiseProcessor, SupervisedProcessor
-from roll.data.named_templates import TEMPLATES, to_jinja
-from roll.data.tokenizer import apply_template
+from roll.data.named_templates import TEMPLATES
+from roll.data.tokenizer import apply_template, to_jinja
 from tests.helpers import batch_of
 
 

@@ -7,8 +7,9 @@ import pytest
 from roll.config.data import DataArguments
 from roll.config.model import ModelArguments
 from roll.data import load_tokenizer
-from roll.data.named_templates import TEMPLATES, to_jinja
+from roll.data.named_templates import TEMPLATES
 from roll.data.templates import DEFAULT
+from roll.data.tokenizer import to_jinja
 from roll.errors import ConfigError, ModelError
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from roll import IGNORE_INDEX as X
 from roll.config.data import DataArguments
-from roll.data.named_templates import TEMPLATES, encoder_for, pretrain_eos_id, split_lengths
+from roll.data.named_templates import TEMPLATES, encoder_for, split_lengths
 from roll.data.processors import PairwiseProcessor, SupervisedProcessor
-from roll.data.tokenizer import apply_template
+from roll.data.tokenizer import apply_template, pretrain_eos_id
 from roll.errors import ConfigError
 from tests.helpers import batch_of
 

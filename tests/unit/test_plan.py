@@ -16,7 +16,8 @@ from roll.cli import main as roll_train
 from roll.config.parser import resolve
 from roll.errors import ConfigError, ModelError
 from roll.plan.shape import KNOWN_SHAPES, ModelShape, resolve_shape, shape_from_hf_config
-from roll.plan.planner import GIB, Strategy, activation_bytes, plan_run, stage_params, strategy_for
+from roll.plan.planner import GIB, activation_bytes, plan_run, stage_params
+from roll.plan.strategy import Strategy, strategy_for
 
 N = 197184
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
