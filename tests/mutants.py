@@ -424,6 +424,12 @@ MUTANTS: list[Mutant] = [
     Mutant("resume_skips_batch_mca", "mca: a resumed run skips the batch after the checkpoint",
            "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
            "state = TrainerState(**json.load(fh))\n    state.global_step += 1", (ONE_PROCESS,)),
+    Mutant("resume_through_pytorch_reader_mca", "mca: a resume reads its checkpoint through PyTorch's reader (three "
+           "copies of every tensor, Megatron's gate/up concatenations held until applied) instead of in place",
+           "backends/mca/trainer/checkpointing.py",
+           'loaded, nbytes = load_sharded(sharded, ckpt_dir, "checkpoint" if updated else "checkpoint weights")',
+           'from megatron.core import dist_checkpointing\n    loaded, nbytes = dist_checkpointing.load(sharded, ckpt_dir), 0',
+           (ONE_PROCESS,)),
     Mutant("loss_per_micro_batch_mca", "mca: loss normalised per micro-batch, not per global batch",
            "backends/mca/trainer/step.py", "return loss_sum.float(), count, {REPORT:",
            "return (loss_sum / count.clamp(min=1)).float(), torch.ones_like(count), {REPORT:",

@@ -98,14 +98,22 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 def direct_load_strategy(progress=None):
     """Megatron's ``torch_dist`` load strategy reading tensors through ``DirectReader`` (same planner, same
-    checks, same result)."""
+    checks, same result). ``progress``: a byte counter (``roll.logging.byte_progress``); the strategy's
+    ``bytes_read`` counts this rank's bytes too (a bar is disabled off rank 0)."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
     class DirectLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
+        bytes_read = 0
+
+        def count(self, nbytes: int) -> None:
+            self.bytes_read += nbytes
+            if progress is not None:
+                progress.update(nbytes)
+
         def load(self, sharded_state_dict, checkpoint_dir):
             # Megatron builds its reader inside ``load`` through this module-level name (0.16.1).
             previous = mcore_torch.CachedMetadataFileSystemReader
-            mcore_torch.CachedMetadataFileSystemReader = _direct_reader_class(progress)
+            mcore_torch.CachedMetadataFileSystemReader = _direct_reader_class(progress, self.count)
             try:
                 return super().load(sharded_state_dict, checkpoint_dir)
             finally:
@@ -148,7 +156,7 @@ def _tiles(parts, data: torch.Tensor) -> bool:
     return at == data.data_ptr() + data.nbytes
 
 
-def _direct_reader_class(progress=None):
+def _direct_reader_class(progress, count):
     from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader)
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -174,13 +182,12 @@ def _direct_reader_class(progress=None):
                     for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                         if not _read_in_place(fd, self.storage_data[req.storage_index], req, planner):
                             rest.append(req)
-                        elif progress is not None:
-                            progress.update(self.storage_data[req.storage_index].length)
+                        else:
+                            count(self.storage_data[req.storage_index].length)
                 finally:
                     os.close(fd)
             done = super().read_data(dataclasses.replace(plan, items=rest), planner)
-            if progress is not None:
-                progress.update(sum(self.storage_data[r.storage_index].length for r in rest))
+            count(sum(self.storage_data[r.storage_index].length for r in rest))
             return done
 
     return DirectReader
