@@ -519,6 +519,12 @@ MUTANTS: list[Mutant] = [
            "transpose) is read byte for byte into a contiguous parameter, its elements out of order",
            "backends/mca/checkpoint_io.py", "or (numel > 1 and record.stride != expected_stride)", "or False",
            ("tests/unit/test_convert_streaming.py::test_stored_tensor_finds_whole_contiguous_tensors_only",), fast=True),
+    Mutant("checkpoint_part_read_from_the_start", "mca checkpoint loads at another layout: a TP shard of a stored "
+           "tensor is read from the tensor's first element, so every rank but the first gets the first rank's rows",
+           "backends/mca/checkpoint_io.py",
+           "head = sum(offsets[d] * strides[d] for d in range(split, ndim))", "head = 0",
+           ("tests/unit/test_convert_streaming.py::test_parts_of_stored_tensors_are_read_in_place_at_another_layout",),
+           fast=True),
     Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",
