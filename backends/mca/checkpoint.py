@@ -105,8 +105,8 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
 
 def load_sharded(sharded: dict, ckpt_dir: str, what: str, **kwargs) -> tuple[object, int]:
     """``dist_checkpointing.load(sharded, ckpt_dir, **kwargs)`` through roll's reader, and the bytes this rank
-    read. Every stored tensor that is the whole chunk its destination needs is read with one positioned read
-    straight into it (``checkpoint_io.direct_load_strategy``; anything else through PyTorch's reader), the
+    read. Every stored tensor (at another layout, the part of it this rank needs) is read with positioned reads
+    straight into its destination (``checkpoint_io.direct_load_strategy``; anything else through PyTorch's reader), the
     halves of a fused gate/up tensor merge into that tensor itself (``checkpoint_io.merge_in_place``), a byte
     bar ``read <what>`` counts it, and a refusal of roll's inside PyTorch's reader comes out alone
     (``user_errors_of``). Model weights (``load_checkpoint``), a run's resume (weights or LoRA adapters, and
