@@ -4,17 +4,17 @@ interleaved, so that both see the same load (the ledger's rule for speed compari
     python scripts/bench_resume_ab.py --before /path/to/old/checkout --after . --model outputs/bench/model \
         --rounds 2 --work-dir /tmp/resume-ab
 
-Once, from ``after``: a 1-process ``--use-mca`` run (fp32, the bench model, roll-bench's recipe) trains one step and
-saves ``checkpoint-1`` (weights and Adam's state). Then each round resumes it with ``before`` then ``after``: a
-whole ``roll.router.run`` in a fresh process (the production path; nothing left to train), with
+Once, from ``after``: a 1-process ``--use-mca`` run (fp32, the bench model, the demo's arithmetic sft data) trains
+one step and saves ``checkpoint-1`` (weights and Adam's state). Then each round resumes it with ``before`` then
+``after``: a whole ``roll.router.run`` in a fresh process (the production path; nothing left to train), with
 ``backends.mca.trainer.checkpointing.load`` timed inside the process: CPU seconds (user + system of every thread)
-and wall seconds of the load, and its peak memory: the kernel's high-water mark (``VmHWM``, reset through
-``/proc/self/clear_refs`` as the load starts) minus the resident size before it. The optimizer's Adam state is
-created inside the load (both checkouts: Megatron's ``init_state_fn``), so that peak holds it (2x the weights) plus
-the load's transient. It also prints the arithmetic of that transient for a 7B shape (``--shape``). The same
-process measures the online HF -> Megatron load at the run's start (``load_hf_weights``, the reader of
-``roll-convert hf2mca``): its peak holds the model's fresh pages plus the loader's transient, given as a multiple
-of the largest safetensors shard.
+and wall seconds of the load; its peak memory, the kernel's high-water mark (``VmHWM``, reset through
+``/proc/self/clear_refs`` as the load starts) minus the resident size before it; and its transient, that mark
+minus the resident size after it. The optimizer's Adam state is created inside the load (both checkouts:
+Megatron's ``init_state_fn``), so the peak holds it (2x the weights) plus the transient. The same process measures
+the online HF -> Megatron load at the run's start (``load_hf_weights``, the reader of ``roll-convert hf2mca``) the
+same way, its transient as a multiple of the largest safetensors shard. Last, the arithmetic of the resume's
+transient for a 7B shape (``--shape``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def timed(name, function):
         before, cpu, wall = status("VmRSS"), time.process_time(), time.perf_counter()
         done = function(*args, **kwargs)
         measured[name] = dict(cpu_s=time.process_time() - cpu, wall_s=time.perf_counter() - wall,
-                              rss_before=before, peak_extra=status("VmHWM") - before)
+                              rss_before=before, peak_extra=status("VmHWM") - before,
+                              transient=status("VmHWM") - status("VmRSS"))
         return done
     return wrapper
 
@@ -133,10 +134,11 @@ def main() -> None:
             results.setdefault(name, []).append({**got, "load": load})
             resume, hf = got["resume"], got["hf_load"]
             print(f"round {round_} {name:>6}: resume CPU {resume['cpu_s']:.2f} s, wall {resume['wall_s']:.2f} s, peak "
-                  f"+{resume['peak_extra'] / 1e9:.2f} GB over {resume['rss_before'] / 1e9:.2f} GB before it; online HF "
-                  f"load CPU {hf['cpu_s']:.2f} s, peak +{hf['peak_extra'] / 1e9:.3f} GB = the model "
-                  f"{model_bytes / 1e9:.3f} GB + {(hf['peak_extra'] - model_bytes) / largest_shard:.3f}x the largest "
-                  f"shard (load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end)", flush=True)
+                  f"+{resume['peak_extra'] / 1e9:.2f} GB over the {resume['rss_before'] / 1e9:.2f} GB before it, "
+                  f"{resume['transient'] / 1e9:.3f} GB above the resident size after it; online HF load CPU "
+                  f"{hf['cpu_s']:.2f} s, peak +{hf['peak_extra'] / 1e9:.3f} GB (the model: {model_bytes / 1e9:.3f} GB), "
+                  f"{hf['transient'] / largest_shard:.3f}x the largest shard above the resident size after it "
+                  f"(load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end)", flush=True)
     print(resume_transient(args.shape))
     with open(os.path.join(work, "ab.json"), "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=1)
