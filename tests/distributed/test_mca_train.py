@@ -255,16 +255,16 @@ def resume_comparisons(result: dict, shrunk: dict | None = None) -> list[Compari
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """A run resumed from its step-3 checkpoint repeats steps 4-6 exactly at the same layout, and within the
     measured layout gap (tests/bounds.py) at another TP / PP / DP layout; the distributed optimizer too
-    (resumed from step 4, with save_total_limit keeping the newest two checkpoints). At the saved layout every
-    rank reads weights and optimizer state in place (``read_in_place``)."""
+    (resumed from step 4, with save_total_limit keeping the newest two checkpoints). Every resume, at the saved
+    layout and at another one, reads the weights and optimizer state in place on every rank (``read_in_place``)."""
     full, dist_opt = tmp_path / "full", tmp_path / "dist_opt"
     result = resume_runs(tiny_model_dir, tmp_path)
     uninterrupted = result["full"]["losses"]
     assert result["same_layout"]["losses"] == uninterrupted[3:]
-    assert read_in_place(result["same_layout"]) and read_in_place(result["dist_opt_resumed"]), \
-        (result["same_layout"]["checkpoint_reads"], result["dist_opt_resumed"]["checkpoint_reads"])
     shrunk = shrunk_runs(tiny_model_dir, tmp_path)
     assert_within(resume_comparisons(result, shrunk))
+    resumed = {**{name: result[name] for name in ("same_layout", "pp2", "dp2", "dist_opt_resumed")}, **shrunk}
+    assert all(read_in_place(run) for run in resumed.values()), {n: r["checkpoint_reads"] for n, r in resumed.items()}
     assert result["dist_opt_resumed"]["losses"] == result["dist_opt"]["losses"][4:]
     assert sorted(os.listdir(full)) == [".roll_run.json", "checkpoint-3", "checkpoint-6", "loss.png",
                                         "train_log.jsonl"]
