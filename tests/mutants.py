@@ -428,6 +428,12 @@ MUTANTS: list[Mutant] = [
     Mutant("resume_skips_batch_mca", "mca: a resumed run skips the batch after the checkpoint",
            "backends/mca/trainer/checkpointing.py", "state = TrainerState(**json.load(fh))",
            "state = TrainerState(**json.load(fh))\n    state.global_step += 1", (ONE_PROCESS,)),
+    Mutant("resume_through_pytorch_reader_mca", "mca: a resume reads its checkpoint through PyTorch's reader (three "
+           "copies of every tensor, Megatron's gate/up concatenations held until applied) instead of in place",
+           "backends/mca/trainer/checkpointing.py",
+           'loaded, nbytes = load_sharded(sharded, ckpt_dir, "checkpoint" if updated else "checkpoint weights")',
+           'from megatron.core import dist_checkpointing\n    loaded, nbytes = dist_checkpointing.load(sharded, ckpt_dir), 0',
+           (ONE_PROCESS,)),
     Mutant("loss_per_micro_batch_mca", "mca: loss normalised per micro-batch, not per global batch",
            "backends/mca/trainer/step.py", "return loss_sum.float(), count, {REPORT:",
            "return (loss_sum / count.clamp(min=1)).float(), torch.ones_like(count), {REPORT:",
@@ -517,6 +523,12 @@ MUTANTS: list[Mutant] = [
            "transpose) is read byte for byte into a contiguous parameter, its elements out of order",
            "backends/mca/checkpoint_io.py", "or (numel > 1 and record.stride != expected_stride)", "or False",
            ("tests/unit/test_convert_streaming.py::test_stored_tensor_finds_whole_contiguous_tensors_only",), fast=True),
+    Mutant("checkpoint_part_read_from_the_start", "mca checkpoint loads at another layout: a TP shard of a stored "
+           "tensor is read from the tensor's first element, so every rank but the first gets the first rank's rows",
+           "backends/mca/checkpoint_io.py",
+           "head = sum(offsets[d] * strides[d] for d in range(split, ndim))", "head = 0",
+           ("tests/unit/test_convert_streaming.py::test_parts_of_stored_tensors_are_read_in_place_at_another_layout",),
+           fast=True),
     Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",

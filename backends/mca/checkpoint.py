@@ -78,10 +78,7 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     Raises ``ModelError`` when ``ckpt_dir`` is not a distributed checkpoint or lacks tensors the
     model needs (another architecture, or a model built with different options).
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    from backends.mca.checkpoint_io import direct_load_strategy, merge_in_place
 
     _require_model_chunks(model_chunks)
     if not is_dist_checkpoint(ckpt_dir):
@@ -89,10 +86,8 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
                          "dist_checkpointing); point to the directory save_checkpoint wrote.")
     start = time.perf_counter()
     sharded = sharded_model_state_dict(model_chunks)
-    merge_in_place(sharded)
-    with user_errors_of(ckpt_dir), byte_progress(0, "read Megatron weights") as bar:
-        state, _, not_in_checkpoint = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=direct_load_strategy(bar),
-                                                              strict=StrictHandling.RETURN_ALL)
+    (state, _, not_in_checkpoint), nbytes = load_sharded(sharded, ckpt_dir, "Megatron weights",
+                                                         strict=StrictHandling.RETURN_ALL)
     if not_in_checkpoint:
         raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
                          f"{sorted(not_in_checkpoint)[:5]}. Was it saved from another architecture or config?")
@@ -104,8 +99,27 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
             raise ModelError(f"checkpoint {ckpt_dir} does not fit model chunk {name}: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}.")
     elapsed = time.perf_counter() - start
-    log_rank0(logger, "loaded model checkpoint %s (%.2f GB on this rank) in %.1fs (%.2f GB/s)", ckpt_dir, bar.n / 1e9,
-              elapsed, bar.n / 1e9 / max(elapsed, 1e-9))
+    log_rank0(logger, "loaded model checkpoint %s (%.2f GB on this rank) in %.1fs (%.2f GB/s)", ckpt_dir, nbytes / 1e9,
+              elapsed, nbytes / 1e9 / max(elapsed, 1e-9))
+
+
+def load_sharded(sharded: dict, ckpt_dir: str, what: str, **kwargs) -> tuple[object, int]:
+    """``dist_checkpointing.load(sharded, ckpt_dir, **kwargs)`` through roll's reader, and the bytes this rank
+    read. Every stored tensor (at another layout, the part of it this rank needs) is read with positioned reads
+    straight into its destination (``checkpoint_io.direct_load_strategy``; anything else through PyTorch's reader), the
+    halves of a fused gate/up tensor merge into that tensor itself (``checkpoint_io.merge_in_place``), a byte
+    bar ``read <what>`` counts it, and a refusal of roll's inside PyTorch's reader comes out alone
+    (``user_errors_of``). Model weights (``load_checkpoint``), a run's resume (weights or LoRA adapters, and
+    the optimizer state: ``trainer.checkpointing.load``) and adapter checkpoints all load through here."""
+    from megatron.core import dist_checkpointing
+
+    from backends.mca.checkpoint_io import direct_load_strategy, merge_in_place
+
+    merge_in_place(sharded)
+    with user_errors_of(ckpt_dir), byte_progress(0, f"read {what}") as bar:
+        strategy = direct_load_strategy(bar)
+        loaded = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=strategy, **kwargs)
+    return loaded, strategy.bytes_read
 
 
 @contextlib.contextmanager

@@ -10,15 +10,18 @@ model's. Each stored tensor is a ``torch.save`` archive (an uncompressed zip: ``
 tensor, ``data/<key>`` its storage bytes) at an offset of a ``.distcp`` file; ``DirectReader`` reads the
 archive's small ``data.pkl`` (through an unpickler that accepts only a tensor record, never runs code),
 finds the storage bytes and reads them with ``os.preadv`` into the destination tensor, when the stored
-tensor is the whole chunk asked for, contiguous, of the destination's dtype, and the destination is a
-contiguous CPU tensor. Anything else (a part of a stored chunk, a transform, a non-contiguous target,
-another device, bytes entries) goes through PyTorch's own per-item path, unchanged.
+tensor is contiguous and of the destination's dtype, and the destination a CPU tensor into which the part asked
+for lands in contiguous runs (``box_runs``: the whole tensor into a contiguous parameter is one read; at another
+layout, a TP shard along the first dimension one read, along another dimension one per row). Anything else (a
+transform, a target no run fits, another device, bytes entries) goes through PyTorch's own per-item path,
+unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import math
 import os
 import pickle
@@ -28,7 +31,6 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-_IOV_MAX = 1024
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then name and extra-field lengths at offset 26
 
 
@@ -98,14 +100,22 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 def direct_load_strategy(progress=None):
     """Megatron's ``torch_dist`` load strategy reading tensors through ``DirectReader`` (same planner, same
-    checks, same result)."""
+    checks, same result). ``progress``: a byte counter (``roll.logging.byte_progress``); the strategy's
+    ``bytes_read`` counts this rank's bytes too (a bar is disabled off rank 0)."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
     class DirectLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
+        bytes_read = 0
+
+        def count(self, nbytes: int) -> None:
+            self.bytes_read += nbytes
+            if progress is not None:
+                progress.update(nbytes)
+
         def load(self, sharded_state_dict, checkpoint_dir):
             # Megatron builds its reader inside ``load`` through this module-level name (0.16.1).
             previous = mcore_torch.CachedMetadataFileSystemReader
-            mcore_torch.CachedMetadataFileSystemReader = _direct_reader_class(progress)
+            mcore_torch.CachedMetadataFileSystemReader = _direct_reader_class(progress, self.count)
             try:
                 return super().load(sharded_state_dict, checkpoint_dir)
             finally:
@@ -148,7 +158,7 @@ def _tiles(parts, data: torch.Tensor) -> bool:
     return at == data.data_ptr() + data.nbytes
 
 
-def _direct_reader_class(progress=None):
+def _direct_reader_class(progress, count):
     from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader)
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -174,39 +184,69 @@ def _direct_reader_class(progress=None):
                     for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                         if not _read_in_place(fd, self.storage_data[req.storage_index], req, planner):
                             rest.append(req)
-                        elif progress is not None:
-                            progress.update(self.storage_data[req.storage_index].length)
+                        else:
+                            count(self.storage_data[req.storage_index].length)
                 finally:
                     os.close(fd)
             done = super().read_data(dataclasses.replace(plan, items=rest), planner)
-            if progress is not None:
-                progress.update(sum(self.storage_data[r.storage_index].length for r in rest))
+            count(sum(self.storage_data[r.storage_index].length for r in rest))
             return done
 
     return DirectReader
 
 
 def _read_in_place(fd: int, info, req, planner) -> bool:
-    """Read ``req``'s tensor from its archive at ``info.offset`` into the planner's destination; False (nothing
+    """Read ``req``'s part of the tensor archived at ``info.offset`` into the planner's destination; False (nothing
     read) when the fast path does not apply."""
     found = stored_tensor(fd, info.offset, info.length)
     if found is None:
         return False
     data_offset, dtype, size = found
-    if any(req.storage_offsets) or list(req.lengths) != size:
-        return False  # a part of the stored chunk (resharding): PyTorch's path narrows it
+    if len(req.storage_offsets) != len(size) or len(req.lengths) != len(size):
+        return False
     target = planner.resolve_tensor(req)
     if getattr(planner, "_intermediate_read_item_and_target", None) is not None:  # an FP8 copy (Megatron + TE)
         planner._intermediate_read_item_and_target = None
         return False
     target = target.detach()
-    if (type(target) is not torch.Tensor or target.device.type != "cpu" or target.dtype != dtype or list(target.shape) != size
-            or not target.is_contiguous()):
+    if (type(target) is not torch.Tensor or target.device.type != "cpu" or target.dtype != dtype
+            or list(target.shape) != list(req.lengths)):
         return False
-    if target.numel():
-        _preadv_exact(fd, memoryview(target.reshape(-1).view(torch.uint8).numpy()), info.offset + data_offset)
+    runs = box_runs(size, list(req.storage_offsets), target)
+    if runs is None:
+        return False
+    for at, dest in runs:
+        if dest.numel():
+            _preadv_exact(fd, memoryview(dest.reshape(-1).view(torch.uint8).numpy()),
+                          info.offset + data_offset + at * dtype.itemsize)
     planner.commit_tensor(req, target)
     return True
+
+
+def box_runs(size: list[int], offsets: list[int], target: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
+    """How the box ``[offsets, offsets + target.shape)`` of a C-contiguous tensor of shape ``size`` lands in
+    ``target``: (element offset in the stored tensor, the contiguous part of ``target`` it fills) per run of
+    consecutive stored elements, in order; None when the runs would not be contiguous in ``target``. The whole
+    stored tensor into a contiguous target is one run; a TP shard of it along the first dimension (resuming a TP1
+    checkpoint at TP2) one run; along another dimension, or into a shard of a larger target (a TP2 checkpoint read
+    into a whole TP1 parameter), one run per row."""
+    lengths, ndim = list(target.shape), len(size)
+    if len(offsets) != ndim or any(o < 0 or o + n > s for o, n, s in zip(offsets, lengths, size)):
+        return None
+    if not target.numel():
+        return []
+
+    def spans(split: int) -> bool:  # a run spans dims split.. : those after it whole, contiguous in target
+        return (all(offsets[d] == 0 and lengths[d] == size[d] for d in range(split + 1, ndim))
+                and target[(0,) * split].is_contiguous())
+
+    split = next((split for split in range(ndim) if spans(split)), None) if ndim else 0
+    if split is None:
+        return None
+    strides = [math.prod(size[d + 1:]) for d in range(ndim)]
+    head = sum(offsets[d] * strides[d] for d in range(split, ndim))  # offsets past split are 0 by construction
+    return [(head + sum((offsets[d] + i) * strides[d] for d, i in enumerate(index)), target[index])
+            for index in itertools.product(*(range(n) for n in lengths[:split]))]
 
 
 def stored_tensor(fd: int, offset: int, length: int) -> tuple[int, torch.dtype, list[int]] | None:

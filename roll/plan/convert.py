@@ -9,10 +9,11 @@ One process converting at TP1/PP1 holds the whole model once, in the Megatron dt
   the fused parameter), at another dtype through one input tensor at a time (the embedding is the
   largest); under TP a fused q/k/v or gate/up needs its inputs plus the fused result, the bound below. The Megatron checkpoint is written from the
   parameters themselves (PyTorch's FileSystemWriter threads: no staging copy).
-- Megatron -> HF (``roll-convert mca2hf``): at the saved layout every tensor is read straight into the model
-  and the gate/up halves merge into the parameter itself (``backends/mca/checkpoint_io.py``); at another
-  layout PyTorch's reader stages one tensor at a time before copying it in (the embedding is the largest,
-  the bound below). The HF file being assembled (at most ``--max-shard-gb``) holds copies of the split q/k/v
+- Megatron -> HF (``roll-convert mca2hf``): every tensor is read straight into the model (at another layout
+  too, where its part lands in contiguous runs: TP shards of every dimension) and the gate/up halves merge
+  into the parameter itself (``backends/mca/checkpoint_io.py``); a tensor that does not fit that (a padded
+  vocabulary resized between layouts) is staged by PyTorch's reader before it is copied in (the embedding is
+  the largest, the bound below). The HF file being assembled (at most ``--max-shard-gb``) holds copies of the split q/k/v
   tensors and references to the rest.
 
 Ranks of a parallel layout hold their share of the weights instead of all of them; the extra terms stay.

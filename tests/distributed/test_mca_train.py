@@ -99,6 +99,13 @@ def standard_losses(tmp_path, base: dict, name: str, **overrides) -> list[float]
 LAYOUTS = ("gas4_mbs1", "distributed_optimizer", "tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2")
 
 
+def read_in_place(run: dict) -> bool:
+    """Whether every rank's checkpoint loads in ``run`` read each stored tensor with one positioned read into its
+    destination (parameter, adapter or optimizer state: ``backends.mca.checkpoint_io``), and read some; PyTorch's
+    own reader (``dist_checkpointing.load`` without roll's strategy: three copies a tensor) reads none that way."""
+    return all(done > 0 and left == 0 for done, left in run["checkpoint_reads"])
+
+
 def layout_runs(make_model, root) -> dict:
     """TP1 x DP2 and every other 2-process layout, 10 steps each, in one torchrun job (``make_model`` is
     the ``tiny_model_factory`` fixture or scripts/measure_bounds.py's equivalent)."""
@@ -287,13 +294,16 @@ def resume_comparisons(result: dict, shrunk: dict | None = None) -> list[Compari
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """A run resumed from its step-3 checkpoint repeats steps 4-6 exactly at the same layout, and within the
     measured layout gap (tests/bounds.py) at another TP / PP / DP layout; the distributed optimizer too
-    (resumed from step 4, with save_total_limit keeping the newest two checkpoints)."""
+    (resumed from step 4, with save_total_limit keeping the newest two checkpoints). Every resume, at the saved
+    layout and at another one, reads the weights and optimizer state in place on every rank (``read_in_place``)."""
     full, dist_opt = tmp_path / "full", tmp_path / "dist_opt"
     result = resume_runs(tiny_model_dir, tmp_path)
     uninterrupted = result["full"]["losses"]
     assert result["same_layout"]["losses"] == uninterrupted[3:]
     shrunk = shrunk_runs(tiny_model_dir, tmp_path)
     assert_within(resume_comparisons(result, shrunk))
+    resumed = {**{name: result[name] for name in ("same_layout", "pp2", "dp2", "dist_opt_resumed")}, **shrunk}
+    assert all(read_in_place(run) for run in resumed.values()), {n: r["checkpoint_reads"] for n, r in resumed.items()}
     assert result["dist_opt_resumed"]["losses"] == result["dist_opt"]["losses"][4:]
     assert sorted(os.listdir(full)) == [".roll_run.json", "checkpoint-3", "checkpoint-6", "loss.png",
                                         "train_log.jsonl"]
@@ -361,13 +371,14 @@ def lora_comparisons(standard: list[float], result: dict) -> list[Comparison]:
 def test_lora_trajectories_across_layouts_and_backends(tiny_model_factory, tmp_path):
     """LoRA through the whole loop, 10 steps each within its measured bound (tests/bounds.py): TP2, TP2+SP,
     PP2 against TP1 x DP2, MoE EP2 against EP1, and the standard backend's PEFT LoRA (the same initial
-    adapter); an adapter-only checkpoint resumes exactly; dpo with LoRA uses the policy without adapters as
-    reference (step 1 is ln 2)."""
+    adapter); an adapter-only checkpoint resumes exactly, its adapters and their optimizer state read in place;
+    dpo with LoRA uses the policy without adapters as reference (step 1 is ln 2)."""
     standard, result = lora_runs(tiny_model_factory, tmp_path)
     reference = result["tp1_dp2"]["losses"]
     assert reference[-1] < reference[0] - 0.3, reference
     assert_within(lora_comparisons(standard, result))
     assert result["resumed"]["losses"] == reference[5:]
+    assert read_in_place(result["resumed"]), result["resumed"]["checkpoint_reads"]
     ckpt = tmp_path / "ckpt"
     assert os.path.isfile(ckpt / "checkpoint-5" / "adapter_config.json")
     written = os.listdir(tmp_path / "resumed")  # the final export is a PEFT adapter, not a model
@@ -384,7 +395,8 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
       The losses of such a run are all right (each is computed before its update), so no loss check sees it;
     - GAS=2 x MBS=2 logs the standard backend's losses at every step within tests.bounds.BACKEND (measured
       here: 5.3e-8): the loss is normalised per token of the global batch, not per micro-batch;
-    - a run resumed from checkpoint-2 logs step 3's loss exactly: no batch skipped or repeated;
+    - a run resumed from checkpoint-2 logs step 3's loss exactly: no batch skipped or repeated; it reads the
+      weights and Adam's two moments of each in place, one positioned read a tensor (``read_in_place``);
     - only a step that logs reads the device, once (every step's loss reports, grad norm and skip flag since
       the previous log together): on a GPU every other read (``.item()``, ``float()``, ``if tensor``) would
       make the host wait for the device. A run logging every 3rd step reads at step 3 only, and logs the mean
@@ -413,6 +425,7 @@ def test_export_accumulation_and_resume_on_one_process(tiny_model_dir, tmp_path)
     assert moved > 1e-3 and worst <= 5e-5, (moved, worst)
     assert_within([Comparison("gas2 vs standard", result["gas2"]["losses"], standard, BACKEND)])
     assert result["resumed"]["losses"] == result["mca"]["losses"][2:], (result["resumed"], result["mca"])
+    assert read_in_place(result["resumed"]), result["resumed"]["checkpoint_reads"]
     assert result["mca"]["host_reads"] == [1, 1, 1], result["mca"]["host_reads"]
     assert result["log3"]["host_reads"] == [0, 0, 1], result["log3"]["host_reads"]
     assert result["log3"]["losses"] == [sum(result["mca"]["losses"]) / 3], result["log3"]  # the same updates

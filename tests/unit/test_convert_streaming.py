@@ -198,6 +198,48 @@ def test_stored_tensor_finds_whole_contiguous_tensors_only(tmp_path):
         os.close(fd)
 
 
+def test_parts_of_stored_tensors_are_read_in_place_at_another_layout(tmp_path):
+    """A load at another layout asks for a box of a stored tensor (a TP shard of a TP1 checkpoint) or puts a stored
+    shard into a part of a larger parameter (a TP2 checkpoint into a TP1 model): ``_read_in_place`` reads each run
+    of consecutive stored elements straight into its place, checked against ``torch.load`` of the whole tensor and
+    indexing; a target whose runs would not be contiguous is declined (PyTorch's reader takes it)."""
+    from types import SimpleNamespace
+
+    from backends.mca import checkpoint_io
+
+    def read(stored: torch.Tensor, offsets: list[int], target: torch.Tensor, name: str) -> bool:
+        path, offset, length = _archive(tmp_path, stored, name)
+        fd, committed = os.open(path, os.O_RDONLY), []
+        planner = SimpleNamespace(resolve_tensor=lambda req: target, commit_tensor=lambda req, t: committed.append(t))
+        try:
+            done = checkpoint_io._read_in_place(fd, SimpleNamespace(offset=offset, length=length),
+                                                SimpleNamespace(storage_offsets=offsets, lengths=list(target.shape)),
+                                                planner)
+        finally:
+            os.close(fd)
+        assert len(committed) == done and (not done or committed[0].data_ptr() == target.data_ptr()), name
+        return done
+
+    stored = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
+    big = torch.full((8, 12, 5), -1.0)
+    cases = {  # name: (offsets into the stored tensor, the target, what it must hold then)
+        "whole": ([0, 0, 0], torch.empty(4, 6, 5), stored),
+        "first_dim_shard": ([2, 0, 0], torch.empty(2, 6, 5), stored[2:]),
+        "second_dim_shard": ([0, 3, 0], torch.empty(4, 3, 5), stored[:, 3:]),
+        "box": ([1, 2, 1], torch.empty(2, 3, 3), stored[1:3, 2:5, 1:4]),
+        "into_a_larger_target": ([0, 0, 0], big[4:, 6:], stored),
+    }
+    for name, (offsets, target, expected) in cases.items():
+        assert read(stored, offsets, target, name) and torch.equal(target, expected), name
+    assert (big[:4] == -1).all() and (big[4:, :6] == -1).all()  # nothing written outside the target
+    scalar = torch.empty(())
+    assert read(torch.tensor(2.5), [], scalar, "scalar") and scalar.item() == 2.5
+    crossed = torch.empty(5, 6, 4).transpose(0, 2)  # [4, 6, 5]: no run of stored elements lands contiguously
+    assert not read(stored, [0, 0, 0], crossed, "crossed")
+    assert len(checkpoint_io.box_runs([4, 6, 5], [0, 3, 0], torch.empty(4, 3, 5))) == 4  # a run per row
+    assert len(checkpoint_io.box_runs([4, 6, 5], [2, 0, 0], torch.empty(2, 6, 5))) == 1
+
+
 def test_conversion_memory_of_a_7b_shape_by_hand():
     """Qwen2.5-7B (hidden 3584, 28 heads / 4 KV of 128, FFN 18944, vocab 152064, untied), bf16 safetensors."""
     from roll.plan.convert import conversion_memory, conversion_memory_line

@@ -42,13 +42,10 @@ def save_adapter_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) ->
 
 def load_adapter_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
     """Load adapters saved by ``save_adapter_checkpoint`` (any layout) into LoRA chunks (collective)."""
-    from megatron.core import dist_checkpointing
-
-    from backends.mca.checkpoint import user_errors_of
+    from backends.mca.checkpoint import load_sharded
 
     sharded = adapter_sharded_state_dict(model_chunks)
-    with user_errors_of(ckpt_dir):
-        state = dist_checkpointing.load(sharded, ckpt_dir)
+    state, _ = load_sharded(sharded, ckpt_dir, "LoRA adapters")
     for key, chunk in zip(sharded, model_chunks):
         result = unwrap_model(chunk).load_state_dict(state[key], strict=False)
         if result.unexpected_keys or any(is_lora_param("." + k) for k in result.missing_keys):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from backends.mca.checkpoint import sharded_model_state_dict, user_errors_of
+from backends.mca.checkpoint import load_sharded, sharded_model_state_dict
 from backends.mca.models.config import MCA_CONFIG_NAME
 from backends.mca.models.unwrap import unwrap_model
 from backends.mca.trainer.optim import use_fast_adam
@@ -188,8 +188,6 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
 
     ``expected`` is this run's fresh state: its batch size and optimizer kind must match the checkpoint's.
     """
-    from megatron.core import dist_checkpointing
-
     state_file = os.path.join(ckpt_dir, STATE_FILE)
     if not (os.path.isfile(state_file) and os.path.isfile(os.path.join(ckpt_dir, MCA_CONFIG_NAME))):
         raise ConfigError(f"{ckpt_dir} is not a checkpoint of a Megatron (--use-mca) run (it lacks {STATE_FILE} or "
@@ -213,8 +211,9 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
     # state, and the uninterrupted run's optimizer would be as fresh as this one's.
     updated = state.global_step > state.skipped_steps
     sharded = _sharded_state(chunks, optimizer if updated else None, state.lora, is_loading=True)
-    with user_errors_of(ckpt_dir):
-        loaded = dist_checkpointing.load(sharded, ckpt_dir)
+    # Straight into the model's parameters (or adapters) and the optimizer's state tensors, one positioned read
+    # each at the saved layout (``load_sharded``), not PyTorch's three copies and Megatron's gate/up concatenations.
+    loaded, nbytes = load_sharded(sharded, ckpt_dir, "checkpoint" if updated else "checkpoint weights")
     for key, chunk in zip([key for key in sharded if key != "optimizer"], chunks):
         # unwrapped: Megatron's DDP / Float16Module do not return the load result. LoRA loads only the
         # adapters; the base stays as loaded from model_name_or_path.
@@ -231,8 +230,9 @@ def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: Trai
     else:
         log_rank0(logger, "resuming at another layout (%s, saved at %s): RNG states start fresh", expected.layout,
                   state.layout)
-    log_rank0(logger, "resumed from %s (step %d, %d samples consumed) in %.1fs", ckpt_dir, state.global_step,
-              state.consumed_samples, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    log_rank0(logger, "resumed from %s (step %d, %d samples consumed) in %.1fs (%.2f GB on this rank, %.2f GB/s)",
+              ckpt_dir, state.global_step, state.consumed_samples, elapsed, nbytes / 1e9, nbytes / 1e9 / max(elapsed, 1e-9))
     return state
 
 

@@ -8,7 +8,8 @@ launch), or, when it gives ``"args"``, from a roll-train command line (e.g. a re
 ``--use-mca``; ``nproc_per_node`` is appended), and trains in this process; Megatron is torn down and brought up again between runs, the
 process group is kept (it is this worker's). Rank 0 writes {name: {"losses": [...], "grad_norms":
 [...], "log": [...], "stream_rows_read": [rows each rank read from a streamed training set itself, or
-null]}} to RESULT.json; a run with ``"count_host_reads": true`` also gets "host_reads": the
+null], "checkpoint_reads": [[tensors read in place, tensors left to PyTorch's reader] of each rank's
+Megatron checkpoint loads (``backends.mca.checkpoint_io``: a resume, a converted model)]}} to RESULT.json; a run with ``"count_host_reads": true`` also gets "host_reads": the
 tensor-to-host reads (``item``, ``tolist``, ``float()``, ``bool()``, ...) of each training step, its update
 and the reading of its numbers (``_settle``, at a log, save or stop after it) counted together. Starting the interpreter and importing Megatron once for all
 runs keeps a layout matrix affordable on 2 cores.
@@ -104,6 +105,26 @@ def streamed_datasets():
         streaming.share_stream = original
 
 
+@contextlib.contextmanager
+def counting_checkpoint_reads():
+    """[in place, left to PyTorch's reader]: how the run's Megatron checkpoint loads read each stored tensor
+    (``checkpoint_io._read_in_place``, which the direct reader asks first for every tensor item)."""
+    from backends.mca import checkpoint_io
+
+    counts, original = [0, 0], checkpoint_io._read_in_place
+
+    def counted(*args):
+        done = original(*args)
+        counts[0 if done else 1] += 1
+        return done
+
+    checkpoint_io._read_in_place = counted
+    try:
+        yield counts
+    finally:
+        checkpoint_io._read_in_place = original
+
+
 def run_one(spec: dict, item: dict) -> dict:
     import torch.distributed as dist
 
@@ -116,13 +137,17 @@ def run_one(spec: dict, item: dict) -> dict:
         config = parse_args(item["args"] + [f"nproc_per_node={dist.get_world_size()}"])[1]
     else:
         config = recipe_config(spec, item)
-    with counting_host_reads(item.get("count_host_reads", False)) as host_reads, streamed_datasets() as seen:
+    with (counting_host_reads(item.get("count_host_reads", False)) as host_reads, streamed_datasets() as seen,
+          counting_checkpoint_reads() as checkpoint_reads):
         result = run(config)
     log = [entry for entry in result.log_history if "loss" in entry]
     stream_rows = [None] * dist.get_world_size()  # rows each rank read from a stream itself
     dist.all_gather_object(stream_rows, sum(getattr(d, "rows_read", 0) for d in seen) if seen else None)
+    reads = [None] * dist.get_world_size()
+    dist.all_gather_object(reads, checkpoint_reads)
     return {"losses": [entry["loss"] for entry in log], "grad_norms": [entry.get("grad_norm") for entry in log],
-            "log": log, "metrics": result.metrics, "host_reads": host_reads, "stream_rows_read": stream_rows}
+            "log": log, "metrics": result.metrics, "host_reads": host_reads, "stream_rows_read": stream_rows,
+            "checkpoint_reads": reads}
 
 
 if __name__ == "__main__":
