@@ -357,6 +357,15 @@ MUTANTS: list[Mutant] = [
            "reference point then equals the row's own reward: TRL#1911)", "roll/data/feedback.py",
            "prompt, completion = spans[i][0], spans[real[k - 1]][1]", "prompt, completion = spans[i]",
            (f"{KTO_UNIT}::test_feedback_collator_docstring_example",), fast=True),
+    Mutant("kto_llamafactory_pairs_a_row_with_itself", "kto_mismatched_rows: llamafactory: a row's mismatched row "
+           "takes its own reply (the reference point then equals the row's own reward)", "roll/data/feedback.py",
+           "other = replies[rank[k] - 1]", "other = tokens[k][1]",
+           (f"{NAMED_UNIT}::test_kto_rows_paired_in_the_tokenization_batch_as_llamafactory",), fast=True),
+    Mutant("kto_llamafactory_pairs_ignored_by_the_collator", "kto_mismatched_rows: llamafactory: the collator "
+           "rotates the micro-batch anyway (one row a micro-batch: its own reply)", "roll/data/feedback.py",
+           "mismatched = (paired_rows(features) if features and KL[0] in features[0] else",
+           "mismatched = (mismatched_rows(features, self.cutoff_len) if features and KL[0] in features[0] else",
+           (f"{NAMED_UNIT}::test_kto_rows_paired_in_the_tokenization_batch_as_llamafactory",), fast=True),
     Mutant("kto_reference_point_not_clamped", "kto: a negative KL estimate used as the reference point",
            "roll/kto.py", "return (stats[0] / stats[1].clamp(min=1)).clamp(min=0)",
            "return stats[0] / stats[1].clamp(min=1)",

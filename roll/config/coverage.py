@@ -199,6 +199,11 @@ ROWS: tuple[Row, ...] = (
         "tests/unit/test_kto.py::test_standard_kto_equals_trls_own_kto_loss_on_one_batch",
         "stage kto; kto_chosen/rejected_weight: LLaMA-Factory's spelling of the same keys",
         parity="kto_weights_lora_eval")),
+    _row("kto_mismatched_rows", both=Honoured(
+        "tests/unit/test_named_templates.py::test_kto_rows_paired_in_the_tokenization_batch_as_llamafactory",
+        "stage kto; the shared pipeline pairs the rows (llamafactory) or the shared collator (micro_batch), both "
+        "backends train them; LLaMA-Factory's kto example (1 row a micro-batch) on both: docs/llamafactory-parity.md",
+        parity="kto_tokenization_pairs")),
     _row("pref_ftx", both=Honoured(
         "tests/unit/test_loss.py::test_pref_ftx_adds_each_chosen_responses_mean_token_nll",
         "orpo and simpo: tests/unit/test_preference.py::test_pref_ftx_adds_each_chosen_responses_mean_nll",

@@ -10,6 +10,7 @@ from roll.data.named_templates import check_template_options
 from roll.errors import ConfigError
 
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
+KTO_MISMATCHED_ROWS = ("auto", "micro_batch", "llamafactory")
 
 
 @dataclass
@@ -55,6 +56,9 @@ class DataArguments:
 
     packing_algorithm: Literal["best_fit", "llamafactory"] = "best_fit"
     """With packing (sft): best_fit packs all rows best-fit decreasing (fuller rows); llamafactory packs as LLaMA-Factory 0.9.5 does, for the same rows in the same order: greedily per tokenization batch (preprocessing_batch_size rows, per preprocessing_num_workers shard), samples cut to cutoff_len - 1 and rows of cutoff_len - 1 tokens."""
+
+    kto_mismatched_rows: Literal["auto", "micro_batch", "llamafactory"] = "auto"
+    """stage kto: where each row's mismatched row (the KL reference point's prompt with another reply) takes its reply. micro_batch: the previous row of its micro-batch (TRL's rotation; 2 or more rows a micro-batch); llamafactory: the previous row of its tokenization batch (preprocessing_batch_size rows, per preprocessing_num_workers shard; the first row takes the batch's last), paired when tokenized, as LLaMA-Factory 0.9.5 does, so a micro-batch may hold one row; auto: micro_batch, or llamafactory when a kto micro-batch holds one row (per_device_train/eval_batch_size 1)."""
 
     max_samples: int | None = None
     """Use the first this many rows of each dataset entry (before mixing), as LLaMA-Factory does."""
@@ -106,6 +110,9 @@ class DataArguments:
             raise ConfigError("packing_algorithm: llamafactory is not supported with streaming: roll's stream packs "
                               "blocks of its shuffle buffer best-fit (docs/data.md, 'Streaming'); use "
                               "packing_algorithm: best_fit, or streaming: false for LLaMA-Factory's rows.")
+        if self.kto_mismatched_rows not in KTO_MISMATCHED_ROWS:
+            raise ConfigError(f"kto_mismatched_rows must be one of {', '.join(KTO_MISMATCHED_ROWS)}, got "
+                              f"{self.kto_mismatched_rows!r}.")
         if self.buffer_size < 1:
             raise ConfigError(f"buffer_size must be positive, got {self.buffer_size}.")
         problem = check_template_options(self.template, self.train_on_prompt, self.train_on_last_turn_only,

@@ -18,7 +18,7 @@ from roll.config.training import TrainingArguments
 from roll.data.dataset_info import check_sources
 from roll.errors import ConfigError
 from roll.hf_config import EXPERT_COUNT_KEYS, has_hf_config, hf_config_path, read_hf_config, text_config
-from roll.logging import warn_once
+from roll.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,10 @@ class RunConfig:
             raise ConfigError(PT_LLAMAFACTORY_PACKING)
         if self.finetuning.stage == "kto":
             self._check_kto()
-        elif self.finetuning.stage != "dpo" and ({"ref_model", "ref_free"} & self.explicit_keys):
+        elif "kto_mismatched_rows" in self.explicit_keys and self.data.kto_mismatched_rows != "auto":
+            raise ConfigError(f"kto_mismatched_rows={self.data.kto_mismatched_rows} only applies to stage: kto; "
+                              f"drop it for stage {self.finetuning.stage}.")
+        if self.finetuning.stage not in ("dpo", "kto") and ({"ref_model", "ref_free"} & self.explicit_keys):
             warn_once(logger, f"ref_model/ref_free are only used by stage dpo; ignored for stage {self.finetuning.stage}.")
         if self.finetuning.stage == "rm":
             from roll import reward
@@ -90,7 +93,9 @@ class RunConfig:
         self._clamp_workers()
 
     def _check_kto(self) -> None:
-        """KTO's reference point is taken over each micro-batch's other rows: a micro-batch needs two."""
+        """KTO's reference point pairs each row's prompt with another row's reply: from its micro-batch (2 rows
+        or more) or, kto_mismatched_rows: llamafactory (auto with a one-row micro-batch), from its
+        tokenization batch."""
         if self.data.packing:
             raise ConfigError("packing is not supported for stage kto (each micro-batch is collated with its "
                               "mismatched rows); set packing: false.")
@@ -98,28 +103,35 @@ class RunConfig:
         sizes = [("per_device_train_batch_size", t.per_device_train_batch_size)]
         if self.data.val_size or self.data.eval_dataset:
             sizes.append(("per_device_eval_batch_size", t.per_device_eval_batch_size))
-        for key, size in sizes:
-            if size < 2:
-                raise ConfigError(
-                    f"stage kto needs {key} >= 2, got {size}: KTO's KL reference point is estimated on each "
-                    "micro-batch from its prompts paired with the other rows' replies, and a micro-batch of one "
-                    "row pairs its prompt with its own reply (TRL refuses it too). Set it to 2 or more and lower "
-                    "gradient_accumulation_steps to keep the global batch. (LLaMA-Factory's bs=1 recipes pair "
-                    "rows at tokenization time instead.)")
+        small = [(key, size) for key, size in sizes if size < 2]
+        if self.data.kto_mismatched_rows == "auto":
+            self.data.kto_mismatched_rows = "llamafactory" if small else "micro_batch"
+            if small:
+                log_rank0(logger, "stage kto with %s=%d: each row's mismatched row (the KL reference point) takes "
+                          "the reply of the previous row of its tokenization batch, as LLaMA-Factory pairs them "
+                          "(kto_mismatched_rows: llamafactory).", *small[0])
+        for key, size in small if self.data.kto_mismatched_rows == "micro_batch" else ():
+            raise ConfigError(
+                f"stage kto with kto_mismatched_rows: micro_batch needs {key} >= 2, got {size}: each row's "
+                "mismatched row takes the reply of another row of its micro-batch, and a micro-batch of one row "
+                "pairs its prompt with its own reply (TRL refuses it too). Set it to 2 or more (lowering "
+                "gradient_accumulation_steps keeps the global batch), or kto_mismatched_rows: llamafactory (or "
+                "auto) to pair rows at tokenization time, as LLaMA-Factory does.")
 
     def _clamp_workers(self) -> None:
         """Worker counts above this machine's CPU cores start hundreds of processes for nothing: clamp them
         (one warning each). Each process of the node starts its own dataloader workers."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         per_process = max(1, cores // self.training.nproc_per_node)
-        lf_packing = self.data.packing and self.data.packing_algorithm == "llamafactory"
+        lf_packing = (self.data.packing and self.data.packing_algorithm == "llamafactory") or (
+            self.finetuning.stage == "kto" and self.data.kto_mismatched_rows == "llamafactory")
         for section, key, limit in ((self.data, "preprocessing_num_workers", cores),
                                     (self.training, "dataloader_num_workers", per_process)):
             value = getattr(section, key)
             if value is not None and value > limit and key == "preprocessing_num_workers" and lf_packing:
                 warn_once(logger, f"{key}={value} is more than this machine's {cores} CPU core(s), kept: with "
-                                  "packing_algorithm: llamafactory it sets the packed rows (LLaMA-Factory packs per "
-                                  "worker's shard).")
+                                  "packing_algorithm: llamafactory (kto_mismatched_rows: llamafactory) it sets the "
+                                  "packed rows (the mismatched rows): LLaMA-Factory works per worker's shard.")
             elif value is not None and value > limit:
                 warn_once(logger, f"{key}={value} is more than this machine's {cores} CPU core(s) allow"
                                   f"{' per process' if limit != cores else ''}; using {limit}.")

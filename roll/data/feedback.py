@@ -17,7 +17,9 @@
   same set of rows, in the same order, on both backends (roll.data's one sample order). A mismatched row is
   cut to ``cutoff_len`` by the rows' rule (``split_lengths`` with a named template, as LLaMA-Factory cuts
   its KL rows; else ``split_budget``); a filler row (no trained token: the end of an epoch on the
-  mca backend) takes no part in the rotation.
+  mca backend) takes no part in the rotation. With ``kto_mismatched_rows: llamafactory`` the processor
+  forms each row's mismatched row instead (its prompt with the previous row of its tokenization batch, as
+  LLaMA-Factory 0.9.5 does), and the collator takes those (``paired_rows``): a micro-batch may hold one row.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from roll.errors import DataError
 
 TAG = "kto_tag"
 """The label column of a kto row (and of the tokenized rows)."""
+KL = ("kl_input_ids", "kl_labels")
+"""A row's own mismatched row, with ``kto_mismatched_rows: llamafactory`` (``FeedbackProcessor.pair_in_batch``)."""
 
 
 def kto_tag(row: dict) -> bool:
@@ -60,9 +64,13 @@ class FeedbackProcessor(_Processor):
 
     encoder: TemplateEncoder | None = None
     """A named template (``template:``, roll.data.named_templates); None: the tokenizer's chat template."""
+    pair_in_batch: bool = False
+    """``kto_mismatched_rows: llamafactory``: each row's mismatched row (``kl_input_ids``, ``kl_labels``) is
+    formed here, its prompt with the reply of the batch's previous row (the first row: the batch's last), cut
+    from their full lengths, as LLaMA-Factory 0.9.5's FeedbackDatasetProcessor forms its KL rows."""
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {k: [] for k in SEQ + (TAG,) + META_COLUMNS}
+        out: dict[str, list] = {k: [] for k in SEQ + (TAG,) + META_COLUMNS + (KL if self.pair_in_batch else ())}
         limit = char_bound(self.tokenizer, self.cutoff_len)
         if self.encoder is not None:
             parsed = self.parse(batch, indices, lambda row: self._slots(row, limit))
@@ -74,19 +82,28 @@ class FeedbackProcessor(_Processor):
             token_iter = iter(_tokenize(self.tokenizer, [text for item in parsed if not isinstance(item, Skip)
                                                          for text in item[:2]]))
         named = self.encoder is not None
-        for item in parsed:
+        split = split_lengths if named else split_budget
+        eos = [self.tokenizer.eos_token_id] if named and self.encoder.template.efficient_eos else []
+        tokens = [None if isinstance(item, Skip) else (next(token_iter), next(token_iter) + eos) for item in parsed]
+        replies = [t[1] for t in tokens if t is not None]
+        rank = {k: j for j, k in enumerate(k for k, t in enumerate(tokens) if t is not None)}
+        for k, item in enumerate(parsed):
+            columns = SEQ + (KL if self.pair_in_batch else ())
             if isinstance(item, Skip):
-                self.empty(out, item.reason, SEQ)
+                self.empty(out, item.reason, columns)
                 out[TAG].append(False)
                 continue
-            prompt, answer = next(token_iter), next(token_iter)
-            if named and self.encoder.template.efficient_eos:
-                answer = answer + [self.tokenizer.eos_token_id]
-            p_keep, a_keep = (split_lengths if named else split_budget)(len(prompt), len(answer), self.cutoff_len)
+            prompt, answer = tokens[k]
+            p_keep, a_keep = split(len(prompt), len(answer), self.cutoff_len)
             if a_keep <= 0:  # an empty reply slot (template empty): nothing to train
-                self.empty(out, "no_trainable_tokens", SEQ)
+                self.empty(out, "no_trainable_tokens", columns)
                 out[TAG].append(False)
                 continue
+            if self.pair_in_batch:  # the previous row's reply (a skipped row lends none: the one before it)
+                other = replies[rank[k] - 1]
+                kl_ids, kl_labels = _join(prompt, other, *split(len(prompt), len(other), self.cutoff_len), named)
+                out["kl_input_ids"].append(kl_ids)
+                out["kl_labels"].append(kl_labels)
             ids, labels = _join(prompt, answer, p_keep, a_keep, keep_prompt_start=named)
             out["input_ids"].append(ids)
             out["attention_mask"].append([1] * len(ids))
@@ -157,6 +174,28 @@ def mismatched_rows(features: list[dict[str, Any]], cutoff_len: int,
     return out
 
 
+def paired_rows(features: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
+    """The mismatched rows formed at tokenization (``kto_mismatched_rows: llamafactory``): each row's own
+    ``kl_input_ids`` / ``kl_labels``; a filler row (no trained token) stays a filler.
+
+    Example::
+
+        paired_rows([{"input_ids": [5, 6], "labels": [-100, 6], "kl_input_ids": [5, 9], "kl_labels": [-100, 9]},
+                     {"input_ids": [0, 0], "labels": [-100, -100], "kl_input_ids": [5, 9], "kl_labels": [-100, 9]}])
+        -> [{"input_ids": [5, 9], "attention_mask": [1, 1], "labels": [-100, 9]},
+            {"input_ids": [0, 0], "attention_mask": [0, 0], "labels": [-100, -100]}]
+    """
+    out = []
+    for f in features:
+        if _prompt_and_completion(f) is None:
+            out.append({"input_ids": list(f["input_ids"]), "attention_mask": [0] * len(f["input_ids"]),
+                        "labels": list(f["labels"])})
+        else:
+            out.append({"input_ids": list(f[KL[0]]), "attention_mask": [1] * len(f[KL[0]]),
+                        "labels": list(f[KL[1]])})
+    return out
+
+
 @dataclass
 class FeedbackCollator:
     """KTO micro-batches: the ``B`` rows, then their ``B`` mismatched rows, padded as one ``[2B, L]`` batch
@@ -186,7 +225,8 @@ class FeedbackCollator:
         from roll.data.collators import SequenceCollator  # roll.data.collators lists this class
 
         rows = [{key: f[key] for key in ("input_ids", "attention_mask", "labels")} for f in features]
-        mismatched = mismatched_rows(features, self.cutoff_len, self.named_template)
+        mismatched = (paired_rows(features) if features and KL[0] in features[0] else
+                      mismatched_rows(features, self.cutoff_len, self.named_template))
         batch = SequenceCollator(self.pad_token_id, self.policy)(rows + mismatched)
         batch["kto_tags"] = torch.tensor([bool(f[TAG]) for f in features])
         return batch

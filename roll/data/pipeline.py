@@ -248,7 +248,7 @@ def make_processor(source: Source, *, data_args, tokenizer, stage: str, processo
     options = {"supervised": {"train_turns": "last" if data_args.train_on_last_turn_only else "all",
                               "train_on_prompt": data_args.train_on_prompt, **chat},
                "pairwise": chat, "reward": chat,
-               "feedback": {"encoder": encoder},
+               "feedback": {"encoder": encoder, "pair_in_batch": data_args.kto_mismatched_rows == "llamafactory"},
                "pretrain": {"packing": data_args.packing,
                             "eos_id": pretrain_eos_id(tokenizer, encoder.template) if encoder else None}}
     if vision is not None:  # roll.data.vision: images laid out (stage sft only, roll.data.vision.check_config)

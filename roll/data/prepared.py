@@ -47,7 +47,8 @@ def data_settings(data_args, tokenizer, *, stage: str, seed: int) -> dict:
 
     settings = {f.name: getattr(data_args, f.name) for f in dataclasses.fields(data_args)
                 if f.init and f.name not in NOT_DATA_SETTINGS}
-    if data_args.packing and data_args.packing_algorithm == "llamafactory":  # packed per tokenization batch
+    if (data_args.packing and data_args.packing_algorithm == "llamafactory") or (
+            stage == "kto" and data_args.kto_mismatched_rows == "llamafactory"):  # packed (paired) per tokenization batch
         settings.update(preprocessing_batch_size=data_args.preprocessing_batch_size,
                         preprocessing_num_workers=data_args.preprocessing_num_workers)
     code = (formats, processors, templates, named_templates, tool_formats, dataset_info, packing) + (

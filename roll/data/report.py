@@ -55,18 +55,22 @@ def _example(job) -> list[str]:
 
 def _kto_example(job) -> list[str]:
     """stage kto: the first row with its label, and its mismatched row (its prompt with the completion of the
-    micro-batch's previous row; here the second row's, in a micro-batch of the first two)."""
-    from roll.data.feedback import mismatched_rows
+    micro-batch's previous row, here the second row's in a micro-batch of the first two; with
+    kto_mismatched_rows: llamafactory the one formed at tokenization, from its batch's previous row)."""
+    from roll.data.feedback import KL, mismatched_rows, paired_rows
 
     rows = [job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))]
     first = rows[0]
     label = "desirable" if first["kto_tag"] else "undesirable"
     out = [f"--- first training row (kto_tag: {str(first['kto_tag']).lower()}, {label}) ---\n"
            + marked_text(job.tokenizer, first["input_ids"], first["labels"])]
-    kl = mismatched_rows(rows, getattr(job.collator, "cutoff_len", len(first["input_ids"])),
-                         getattr(job.collator, "named_template", False))[0]
-    out.append("--- its mismatched row for the KL reference point (its prompt, the completion of the "
-               f"{'second' if len(rows) > 1 else 'same'} row) ---\n"
+    if KL[0] in first:
+        kl, whose = paired_rows([first])[0], "the previous row of its tokenization batch (the first: the last)"
+    else:
+        kl = mismatched_rows(rows, getattr(job.collator, "cutoff_len", len(first["input_ids"])),
+                             getattr(job.collator, "named_template", False))[0]
+        whose = f"the {'second' if len(rows) > 1 else 'same'} row"
+    out.append(f"--- its mismatched row for the KL reference point (its prompt, the completion of {whose}) ---\n"
                + marked_text(job.tokenizer, kl["input_ids"], kl["labels"]))
     return out
 

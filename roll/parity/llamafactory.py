@@ -42,6 +42,8 @@ TOLERANCE = 1e-4
 """Every step (issue 30's bar for roll's standard backend against LLaMA-Factory 0.9.5, full-parameter sft)."""
 FIRST_STEP_TOLERANCE = 1e-5
 """Step 1: the same weights on the same batch (issue 30's bar)."""
+BACKENDS_TOLERANCE = 1e-3
+"""roll standard against roll mca on the same recipe, every step (issue 30's bar for LLaMA-Factory's examples)."""
 BACKENDS = ("standard", "mca")
 NAMES = {"llamafactory": "LLaMA-Factory", "standard": "roll standard", "mca": "roll mca"}
 RESERVED = ("max_steps", "logging_steps", "save_strategy", "save_hf_model", "report_to", "output_dir", "use_mca",
@@ -78,10 +80,14 @@ def compare_sides(reference: dict[int, float], sides: dict[str, dict[int, float]
                           names=(NAMES["llamafactory"], NAMES[name])) for name, losses in sides.items()}
 
 
-def format_report(comparisons: dict[str, Comparison]) -> str:
-    """Per roll side: roll-parity's table and verdict; then one overall PASS or FAIL line."""
+def format_report(comparisons: dict[str, Comparison], between: Comparison | None = None) -> str:
+    """Per roll side: roll-parity's table and verdict; ``between``: roll's two backends' (mca against standard);
+    then one overall PASS or FAIL line (against LLaMA-Factory)."""
     blocks = [f"-- {NAMES['llamafactory']} vs {NAMES[name]} --\n{format_table(c)}\n{format_verdict(c)}"
               for name, c in comparisons.items()]
+    if between is not None:
+        blocks.append(f"-- {NAMES['standard']} vs {NAMES['mca']} --\n{format_table(between)}\n"
+                      f"{format_verdict(between)}")
     failed = [NAMES[name] for name, c in comparisons.items() if not c.passed]
     blocks.append("FAIL: " + ", ".join(failed) + " beyond tolerance" if failed else
                   "PASS: " + " and ".join(NAMES[name] for name in comparisons) + " train as LLaMA-Factory does")
@@ -107,6 +113,11 @@ class Options:
     """``--lf key=value``: on LLaMA-Factory's side only (e.g. a key roll does not read yet)."""
     roll_keys: dict[str, str] = field(default_factory=dict)
     """``--roll key=value``: on roll's sides only."""
+    case: str = ""
+    """``--case NAME``: one of LLaMA-Factory's examples (roll.parity.llamafactory_cases), run from
+    ``llamafactory_dir``."""
+    llamafactory_dir: str = ""
+    list_cases: bool = False
 
 
 def _positive(kind):
@@ -122,17 +133,24 @@ def parse_command_line(argv: list[str]) -> Options:
     parser = argparse.ArgumentParser(prog="llamafactory_parity.py", description=__doc__.split("\n\n")[0],
                                      epilog="exit status: 0 within tolerance, 1 beyond it or when a run fails, "
                                             "2 for a mistake on the command line or without LLaMA-Factory.")
-    parser.add_argument("recipe", help="an LLaMA-Factory style recipe both read")
+    parser.add_argument("recipe", nargs="?", default="", help="an LLaMA-Factory style recipe both read")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="a recipe key on every side")
-    parser.add_argument("--steps", type=_positive(int), default=DEFAULT_STEPS)
-    parser.add_argument("--tolerance", type=_positive(float), default=TOLERANCE,
-                        help=f"largest relative loss difference at any step (default {TOLERANCE:g})")
-    parser.add_argument("--first-step-tolerance", type=_positive(float), default=FIRST_STEP_TOLERANCE,
-                        help=f"at step 1 (default {FIRST_STEP_TOLERANCE:g})")
+    parser.add_argument("--case", default="", help="one of LLaMA-Factory's examples by name (--list-cases), "
+                                                   "instead of a recipe")
+    parser.add_argument("--list-cases", action="store_true", help="the cases, one a line")
+    parser.add_argument("--llamafactory-dir", default="",
+                        help="with --case: an LLaMA-Factory checkout (its examples/ and data/; default "
+                             "$LLAMAFACTORY_DIR); the runs start there, as LLaMA-Factory's do")
+    parser.add_argument("--steps", type=_positive(int), default=None, help=f"default {DEFAULT_STEPS} (a case: 3)")
+    parser.add_argument("--tolerance", type=_positive(float), default=None,
+                        help=f"largest relative loss difference at any step (default {TOLERANCE:g}; a case: its own)")
+    parser.add_argument("--first-step-tolerance", type=_positive(float), default=None,
+                        help=f"at step 1 (default {FIRST_STEP_TOLERANCE:g}; a case: its own)")
     parser.add_argument("--output-dir", default=Options.output_dir, help="each side's run in DIR/SIDE")
     parser.add_argument("--llamafactory-cli", default="",
                         help="default: $LLAMAFACTORY_CLI, llamafactory-cli on PATH, else lf/bin/llamafactory-cli")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="roll's sides: standard, mca or both")
+    parser.add_argument("--backends", default="", help="roll's sides: standard, mca or both (default both; a "
+                                                      "case: its own)")
     parser.add_argument("--lf", action="append", default=[], metavar="key=value",
                         help="a key on LLaMA-Factory's side only (repeatable)")
     parser.add_argument("--roll", action="append", default=[], metavar="key=value",
@@ -140,14 +158,54 @@ def parse_command_line(argv: list[str]) -> Options:
     parser.add_argument("--sequential", action="store_true",
                         help="the file's order on every side (disable_shuffling / shuffle: false)")
     args = parser.parse_args(argv)
-    backends = tuple(b for b in args.backends.split(",") if b)
-    if not backends or set(backends) - set(BACKENDS):
-        raise ConfigError(f"--backends takes standard and/or mca, got {args.backends!r}.")
+    if args.list_cases:
+        return Options("", list_cases=True)
+    if args.case:
+        return _case_options(args)
+    if not args.recipe:
+        raise ConfigError("give a recipe, or --case NAME (--list-cases lists them).")
     if not os.path.isfile(args.recipe):
         raise ConfigError(f"no recipe at {args.recipe!r}.")
-    return Options(args.recipe, args.steps, args.tolerance, args.first_step_tolerance, args.output_dir,
-                   args.llamafactory_cli, backends, args.sequential, _key_values(args.overrides),
+    return Options(args.recipe, args.steps or DEFAULT_STEPS, args.tolerance or TOLERANCE,
+                   args.first_step_tolerance or FIRST_STEP_TOLERANCE, args.output_dir, args.llamafactory_cli,
+                   _backends(args.backends or ",".join(BACKENDS)), args.sequential, _key_values(args.overrides),
                    _key_values(args.lf), _key_values(args.roll))
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    backends = tuple(b for b in text.split(",") if b)
+    if not backends or set(backends) - set(BACKENDS):
+        raise ConfigError(f"--backends takes standard and/or mca, got {text!r}.")
+    return backends
+
+
+def _case_options(args) -> Options:
+    """A case's recipe (in the LLaMA-Factory checkout), its overrides and bars; the command line's win."""
+    from roll.parity.llamafactory_cases import CASES, MODELS
+
+    case = CASES.get(args.case)
+    if case is None:
+        raise ConfigError(f"no case {args.case!r}; the cases: {', '.join(CASES)}.")
+    if args.recipe:  # argparse reads the first key=value as the recipe
+        args.overrides.insert(0, args.recipe)
+    checkout = os.path.abspath(args.llamafactory_dir or os.environ.get("LLAMAFACTORY_DIR", ""))
+    recipe = os.path.join(checkout, case.recipe)
+    if not (args.llamafactory_dir or os.environ.get("LLAMAFACTORY_DIR")) or not os.path.isfile(recipe):
+        raise ConfigError(f"case {case.name} runs {case.recipe} of an LLaMA-Factory checkout, with its data/: give "
+                          "--llamafactory-dir (or $LLAMAFACTORY_DIR), e.g. a clone of "
+                          "https://github.com/hiyouga/LLaMA-Factory (measured at commit ff6d4d12e); "
+                          f"not found: {recipe}.")
+    overrides = _key_values(case.arguments(case.model))
+    model = os.path.abspath(overrides["model_name_or_path"])
+    if not os.path.isdir(model):
+        raise ConfigError(f"case {case.name} trains the tiny model {case.model}, not built yet: "
+                          f"{MODELS[case.model]} (from roll's checkout).")
+    overrides["model_name_or_path"] = model
+    return Options(recipe, args.steps or case.steps, args.tolerance or case.tolerance,
+                   args.first_step_tolerance or case.first_step_tolerance, os.path.abspath(args.output_dir),
+                   args.llamafactory_cli, _backends(args.backends or ",".join(case.backends)), args.sequential,
+                   {**overrides, **_key_values(args.overrides)}, _key_values(args.lf),
+                   {**_key_values(case.roll), **_key_values(args.roll)}, case=case.name, llamafactory_dir=checkout)
 
 
 def _key_values(tokens: list[str]) -> dict[str, str]:
@@ -249,6 +307,16 @@ def run_llamafactory(cli: str, config_path: str, log_path: str, cache_dir: str) 
     return code
 
 
+def _roll_only(options: Options, out: Callable[[str], object], err: Callable[[str], object]) -> int:
+    """A case LLaMA-Factory runs through mcore_adapter only: roll's two backends compared by roll-parity."""
+    from roll.parity.cli import main as roll_parity
+
+    argv = [options.recipe, "--steps", str(options.steps), "--tolerance", str(options.tolerance),
+            "--first-step-tolerance", str(options.first_step_tolerance), "--output-dir", options.output_dir,
+            *(f"{k}={v}" for k, v in {**options.overrides, **options.roll_keys}.items())]
+    return roll_parity(argv, out, err)
+
+
 def main(argv: list[str] | None = None, out: Callable[[str], object] | None = None,
          err: Callable[[str], object] | None = None) -> int:
     from roll.parity.cli import Run, RunFailed, execute, log_tail
@@ -256,6 +324,17 @@ def main(argv: list[str] | None = None, out: Callable[[str], object] | None = No
     out, err = out or sys.stdout.write, err or sys.stderr.write
     try:
         options = parse_command_line(list(sys.argv[1:] if argv is None else argv))
+        if options.list_cases:
+            from roll.parity.llamafactory_cases import format_cases
+
+            out(format_cases() + "\n")
+            return 0
+        if options.case:
+            from roll.parity.llamafactory_cases import CASES
+
+            os.chdir(options.llamafactory_dir)  # dataset_dir: data, as LLaMA-Factory runs its examples
+            if not CASES[options.case].llamafactory:
+                return _roll_only(options, out, err)
         cli = find_cli(options.llamafactory_cli)
         if cli is None:
             err("llamafactory_parity: LLaMA-Factory is not installed (no llamafactory-cli that runs `version`: "
@@ -294,8 +373,14 @@ def main(argv: list[str] | None = None, out: Callable[[str], object] | None = No
         comparisons = compare_sides(read_llamafactory_log(lf_dir),
                                     {run.backend: read_log(run.output_dir) for run in runs}, options.steps,
                                     options.tolerance, options.first_step_tolerance)
-        out(format_report(comparisons) + "\n")
-        return 0 if all(c.passed for c in comparisons.values()) else 1
+        between = None
+        if len(runs) == 2:  # issue 30: an example trains alike on roll's two backends (1e-3)
+            between = compare(read_log(runs[0].output_dir), read_log(runs[1].output_dir), steps=options.steps,
+                              tolerance=BACKENDS_TOLERANCE, first_step_tolerance=BACKENDS_TOLERANCE,
+                              names=(NAMES["standard"], NAMES["mca"]))
+        out(format_report(comparisons, between) + "\n")
+        passed = all(c.passed for c in comparisons.values()) and (between is None or between.passed)
+        return 0 if passed else 1
     except RollError as exc:
         err(f"llamafactory_parity: error: {exc}\n")
         return 2

@@ -228,8 +228,13 @@ def test_mismatched_rows_rotate_by_one_over_real_rows_and_keep_cutoff_len():
 # ---- recipe keys -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("keys, message", [
-    ({"per_device_train_batch_size": 1}, "stage kto needs per_device_train_batch_size >= 2, got 1"),
-    ({"val_size": 0.1, "per_device_eval_batch_size": 1}, "stage kto needs per_device_eval_batch_size >= 2"),
+    ({"per_device_train_batch_size": 1, "kto_mismatched_rows": "micro_batch"},
+     "kto_mismatched_rows: micro_batch needs per_device_train_batch_size >= 2, got 1"),
+    ({"val_size": 0.1, "per_device_eval_batch_size": 1, "kto_mismatched_rows": "micro_batch"},
+     "kto_mismatched_rows: micro_batch needs per_device_eval_batch_size >= 2"),
+    ({"stage": "dpo", "kto_mismatched_rows": "llamafactory"}, "kto_mismatched_rows=llamafactory only applies to "
+                                                              "stage: kto"),
+    ({"kto_mismatched_rows": "tokenization"}, "'tokenization' is not one of auto, micro_batch, llamafactory"),
     ({"kto_chosen_weight": 2.0, "kto_desirable_weight": 3.0}, "are the same key"),
     ({"kto_undesirable_weight": 0}, "kto_undesirable_weight must be a finite number > 0"),
     ({"pref_loss": "ipo"}, "pref_loss=ipo does not apply to stage kto"),
@@ -245,6 +250,18 @@ def test_kto_keys_are_checked_at_config_time(tmp_path, keys, message):
               "per_device_train_batch_size": 2, **keys}
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(recipe, {}, None)
+
+
+@pytest.mark.parametrize("sizes, rows", [({"per_device_train_batch_size": 1}, "llamafactory"),
+                                         ({"val_size": 0.1, "per_device_eval_batch_size": 1}, "llamafactory"),
+                                         ({}, "micro_batch")])
+def test_kto_mismatched_rows_auto_pairs_at_tokenization_for_one_row_micro_batches(tmp_path, sizes, rows):
+    """LLaMA-Factory's kto example trains 1 row a micro-batch: auto pairs its rows when tokenized, as there."""
+    from roll.config.parser import resolve
+
+    config = resolve({"model_name_or_path": str(tmp_path), "stage": "kto", "dataset": "x.json",
+                      "per_device_train_batch_size": 2, **sizes}, {}, None)
+    assert config.data.kto_mismatched_rows == rows
 
 
 def test_llamafactory_weight_spellings_are_the_same_keys(tmp_path):

@@ -125,7 +125,7 @@ def test_fusion_flags_reach_megatron_only_with_transformer_engine(roll_warnings,
 
 
 RECIPES = {"qwen3_full_sft": ("sft", 14), "qwen3_lora_sft": ("sft", 14), "qwen3_lora_pretrain": ("pt", 29),
-           "qwen3_lora_dpo": ("dpo", 6), "qwen3_lora_kto": ("kto", 6)}
+           "qwen3_lora_dpo": ("dpo", 6), "qwen3_lora_kto": ("kto", 6), "qwen3_lora_reward": ("rm", 6)}
 
 
 @pytest.fixture

@@ -115,3 +115,50 @@ def test_without_llamafactory_it_says_how_to_get_it_and_exits_2(tmp_path):
                     err=errors.append)
     assert code == 2
     assert "bash scripts/llamafactory_venv.sh lf" in "".join(errors)
+
+
+def test_a_case_by_name_runs_its_example_from_the_checkout_with_this_machines_values(tmp_path, monkeypatch):
+    """--case NAME: the example's path in the LLaMA-Factory checkout, the machine overrides (the tiny model as
+    an absolute path), the case's bars and sides; the command line's keys win; a missing checkout, model or
+    case is named."""
+    from roll.parity.llamafactory_cases import CASES
+
+    checkout = tmp_path / "LLaMA-Factory"
+    (checkout / "examples" / "train_lora").mkdir(parents=True)
+    (checkout / "examples" / "train_lora" / "qwen3_lora_kto.yaml").write_text("stage: kto\n")
+    model = tmp_path / "roll" / ".demo" / "tiny-qwen2"
+    model.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "roll")
+    monkeypatch.delenv("LLAMAFACTORY_DIR", raising=False)
+    options = lfp.parse_command_line(["--case", "lora_kto", "--llamafactory-dir", str(checkout), "cutoff_len=512",
+                                      "--roll", "seed=3"])
+    assert options.recipe == str(checkout / "examples" / "train_lora" / "qwen3_lora_kto.yaml")
+    assert options.overrides == {"model_name_or_path": str(model), "bf16": "false", "preprocessing_num_workers": "1",
+                                 "dataloader_num_workers": "0", "cutoff_len": "512"}
+    assert (options.steps, options.tolerance, options.first_step_tolerance, options.backends) == (
+        3, 1e-3, 1e-3, ("standard", "mca"))
+    assert options.roll_keys == {"seed": "3"} and options.llamafactory_dir == str(checkout)
+    assert CASES["packed_sft"].roll == ("packing_algorithm=llamafactory",)
+    with pytest.raises(ConfigError, match="give --llamafactory-dir"):
+        lfp.parse_command_line(["--case", "lora_kto"])
+    with pytest.raises(ConfigError, match="no case 'kto'; the cases: full_sft, lora_sft"):
+        lfp.parse_command_line(["--case", "kto", "--llamafactory-dir", str(checkout)])
+    (checkout / "examples" / "megatron").mkdir()
+    (checkout / "examples" / "megatron" / "qwen3_moe_full.yaml").write_text("stage: sft\n")
+    with pytest.raises(ConfigError, match="--kind qwen3_moe --num-layers 4"):
+        lfp.parse_command_line(["--case", "megatron_qwen3_moe", "--llamafactory-dir", str(checkout)])
+    text: list[str] = []
+    assert lfp.main(["--list-cases"], out=text.append) == 0
+    assert [line.split()[0] for line in "".join(text).splitlines()] == list(CASES)
+
+
+def test_the_report_holds_roll_standard_against_roll_mca_at_the_examples_bar():
+    reference = lfp.parse_llamafactory_log(LF_LINES)
+    mca = {s: v * (1 + 2e-3) for s, v in reference.items()}  # 2e-3: over the backends' 1e-3
+    comparisons = lfp.compare_sides(reference, {"standard": reference, "mca": mca}, steps=3, tolerance=1e-2,
+                                    first_step_tolerance=1e-2)
+    between = lfp.compare(reference, mca, steps=3, tolerance=lfp.BACKENDS_TOLERANCE,
+                          first_step_tolerance=lfp.BACKENDS_TOLERANCE, names=("roll standard", "roll mca"))
+    text = lfp.format_report(comparisons, between)
+    assert "-- roll standard vs roll mca --\nstep | roll standard loss |      roll mca loss | rel diff" in text
+    assert "   1 |        12.44967461 |        12.47457396 | 2.00e-03  (over 0.001)" in text

@@ -324,6 +324,40 @@ def test_kto_named_template_truncation_is_llamafactorys_for_rows_and_kl_rows():
     assert kl["input_ids"][3, :len(prompt1) + 6].tolist() == prompt1 + enc[1][:6]
 
 
+def test_kto_rows_paired_in_the_tokenization_batch_as_llamafactory():
+    """kto_mismatched_rows: llamafactory: each row's mismatched row is formed when tokenized, as LLaMA-Factory
+    0.9.5's FeedbackDatasetProcessor forms its KL rows: the row's prompt with the reply of the batch's previous
+    row (the first row: the batch's last), cut by infer_seqlen from their full lengths (the collator's rotation
+    cuts the kept reply instead); the collator takes them, so a micro-batch of one row works, and a filler row
+    stays a filler."""
+    from roll.data.feedback import FeedbackCollator, FeedbackProcessor
+
+    tokenizer = _tokenizer("qwen3_nothink")
+    long = [{"conversations": [{"from": "human", "value": "one two three four five six seven eight nine ten"},
+                               {"from": "gpt", "value": "alpha beta gamma delta epsilon zeta eta theta"}],
+             "kto_tag": True},
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "kto_tag": False}]
+    enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (
+        "<|im_start|>user\none two three four five six seven eight nine ten<|im_end|>\n<|im_start|>assistant\n",
+        "alpha beta gamma delta epsilon zeta eta theta<|im_end|>\n", "Hello.<|im_end|>\n",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")]
+    assert [len(e) for e in enc] == [18, 11, 4, 9]
+    processor = FeedbackProcessor(tokenizer, 16, "sharegpt", "mem.json", pair_in_batch=True,
+                                  encoder=encoder_for(DataArguments(template="qwen3_nothink")))
+    out = processor(batch_of(long), [0, 1])
+    assert out["input_ids"] == [enc[0][:10] + enc[1][:6], enc[3] + enc[2]]  # the rows as without pairing
+    # row 0: its prompt (18) with row 1's reply (4 < 16 / 2: whole), the prompt's start kept
+    assert (out["kl_input_ids"][0], out["kl_labels"][0]) == (enc[0][:12] + enc[2], [X] * 12 + enc[2])
+    # row 1: its prompt (9) with row 0's whole reply (11): int(16 * 11 / 20) = 8 of it, 8 of the prompt
+    assert (out["kl_input_ids"][1], out["kl_labels"][1]) == (enc[3][:8] + enc[1][:8], [X] * 8 + enc[1][:8])
+    rows = [{k: out[k][i] for k in out if not k.startswith("_")} for i in range(2)]
+    filler = {**rows[0], "input_ids": [0, 0], "attention_mask": [0, 0], "labels": [X, X]}  # mca's filler_row
+    batch = FeedbackCollator(tokenizer.pad_token_id, cutoff_len=16, named_template=True)([rows[1], filler])
+    assert batch["input_ids"][2, :16].tolist() == enc[3][:8] + enc[1][:8]
+    assert batch["attention_mask"][2].sum() == 16 and batch["attention_mask"][3].sum() == 0
+    assert batch["labels"][3].tolist() == [X] * batch["labels"].shape[1]
+
+
 @pytest.mark.parametrize("name, enable", [("glm4", True), ("qwen3", True), ("qwen3", False)])
 def test_kto_efficient_eos_and_thinking(name, enable):
     """glm4: the reply slot then EOS (LLaMA-Factory appends it to a kto response); qwen3: the empty thought
