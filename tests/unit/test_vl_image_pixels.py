@@ -65,13 +65,9 @@ def test_the_resize_runs_in_the_files_mode_with_pils_default_filter_then_rgb(tmp
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory) -> str:
     """The tiny Qwen2.5-VL with Qwen2.5-VL's own image processor bounds."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     from roll.demo.tiny_vl import make_tiny_vl_model
 
-    out = make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl_qwen25_pixels")))
-    Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2, **QWEN25_PIXELS).save_pretrained(out)
-    return out
+    return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl_qwen25_pixels")), image_pixels=QWEN25_PIXELS)
 
 
 @pytest.fixture(scope="module")
