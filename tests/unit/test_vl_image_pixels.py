@@ -95,12 +95,12 @@ def build(vl_model, data, *args):
     return router.build_job(config, PaddingPolicy())
 
 
-@pytest.mark.parametrize("args, big_grid, big_tokens", [
-    ((), (1, 72, 142), 2556),  # no named template, no key: the processor alone, as before the keys
-    (("template=qwen2_vl",), (1, 38, 78), 741),  # LLaMA-Factory's template: its defaults, 768*768 and 32*32
-    (("image_max_pixels=262144",), (1, 26, 52), 338),  # the key alone: it, and LLaMA-Factory's 32*32
+@pytest.mark.parametrize("args, max_pixels, big_grid, big_tokens", [
+    ((), None, (1, 72, 142), 2556),  # no named template, no key: the processor alone, as before the keys
+    (("template=qwen2_vl",), 589824, (1, 38, 78), 741),  # LLaMA-Factory's template: its 768*768 and 32*32
+    (("image_max_pixels=262144",), 262144, (1, 26, 52), 338),  # the key alone: it, and LLaMA-Factory's 32*32
 ])
-def test_images_are_resized_first_as_llamafactory_does(vl_model, data, args, big_grid, big_tokens):
+def test_images_are_resized_first_as_llamafactory_does(vl_model, data, args, max_pixels, big_grid, big_tokens):
     """Tokens at tokenization and pixel patches at collation follow the same resize (the model needs both to
     agree); the tiny image comes to 6 tokens either way."""
     from roll.data.report import dry_run_report
@@ -111,7 +111,8 @@ def test_images_are_resized_first_as_llamafactory_does(vl_model, data, args, big
     batch = job.collator([job.train_dataset[i] for i in range(2)])
     assert batch["image_grid_thw"].tolist() == [list(big_grid), [1, 4, 6]]
     assert batch["pixel_values"].shape[0] == 4 * (big_tokens + 6)
-    _, text = dry_run_report(job, stats)
+    summary, text = dry_run_report(job, stats)
+    assert (summary["image_resize"] or {}).get("max_pixels") == max_pixels
     if args:
         origin = "LLaMA-Factory's defaults, with template qwen2_vl" if "template" in args[0] else \
             "image_min_pixels: LLaMA-Factory's default"
