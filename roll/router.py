@@ -50,7 +50,7 @@ def build_job(config: RunConfig, padding_policy) -> tuple[TrainJob, object]:
 
     spec = STAGES[config.finetuning.stage]
     tokenizer = data.load_tokenizer(config.model, config.data)
-    vision = load_vision(config.model, tokenizer)
+    vision = load_vision(config.model, tokenizer, config.data)
     bundle = data.build_datasets(config.data, tokenizer, stage=config.finetuning.stage,
                                  processor=spec.processor, formats=spec.formats, seed=config.training.seed,
                                  vision=vision)

@@ -68,6 +68,7 @@ MCA_RM = "tests/distributed/test_mca_rm.py::test_rm_layouts_backend_parity_and_e
 RM_ZERO3 = "tests/distributed/test_standard_deepspeed.py::test_rm_zero3_two_processes_matches_one"
 
 VL_DATA = "tests/unit/test_vl_data.py"
+VL_PIXELS = "tests/unit/test_vl_image_pixels.py"
 VL_STD = "tests/unit/test_vl_standard.py"
 
 ELASTIC = "backends/standard/elastic.py"
@@ -554,6 +555,24 @@ MUTANTS: list[Mutant] = [
            "the image tokens 1-D positions instead of M-RoPE (silently)", "roll/data/vision.py",
            'batch["mm_token_type_ids"] = (batch["input_ids"] == self.vision.token_ids[0]).long()', "pass",
            (f"{VL_DATA}::test_the_batch_gives_the_model_its_3d_positions",)),
+    Mutant("vl_resize_after_rgb", "image_max_pixels: the image converted to RGB before LLaMA-Factory's resize (a "
+           "palette image resized bicubically: other pixels than LLaMA-Factory's)", "roll/data/vision.py",
+           'return (resize.apply(image) if resize else image).convert("RGB")',
+           'return resize.apply(image.convert("RGB")) if resize else image.convert("RGB")',
+           (f"{VL_PIXELS}::test_the_resize_runs_in_the_files_mode_with_pils_default_filter_then_rgb",), fast=True),
+    Mutant("vl_collator_skips_resize", "image_max_pixels: the tokens follow the resized image but the collator "
+           "gives the model the image as it is (more patches than image tokens)", "roll/data/vision.py",
+           "images = [open_image(p, self.vision.resize) for p in paths]", "images = [open_image(p) for p in paths]",
+           (f"{VL_PIXELS}::test_images_are_resized_first_as_llamafactory_does",), fast=True),
+    Mutant("vl_qwen2_vl_template_keeps_processor_sizes", "template: qwen2_vl without image_max_pixels: images not "
+           "resized to LLaMA-Factory's 768*768 default (other token counts than under LLaMA-Factory)",
+           "roll/data/vision_resize.py", "named = data_args.template in TEMPLATES", "named = False",
+           (f"{VL_PIXELS}::test_images_are_resized_first_as_llamafactory_does",), fast=True),
+    Mutant("vl_resize_rounds", "image_max_pixels: the scaled sides rounded instead of truncated as LLaMA-Factory "
+           "does (a pixel more on some images)", "roll/data/vision_resize.py",
+           "width, height = int(width * factor), int(height * factor)",
+           "width, height = round(width * factor), round(height * factor)",
+           (f"{VL_PIXELS}::test_the_resize_steps_are_llamafactorys_arithmetic",), fast=True),
     Mutant("vl_lora_on_frozen_tower", "VL LoRA: adapters on the frozen vision tower too (short module names such "
            "as gate_proj match its blocks)", "backends/standard/vision.py",
            "in short_names and part_of(name) not in frozen]", "in short_names]",

@@ -132,6 +132,11 @@ ROWS: tuple[Row, ...] = (
     _row("template default_system", both=Honoured(
         "tests/unit/test_named_templates.py::test_each_name_lays_out_llamafactorys_text_and_labels",
         "the named templates are LLaMA-Factory's layouts; unset: the tokenizer's own chat template")),
+    _row("image_max_pixels image_min_pixels", both=Honoured(
+        "tests/unit/test_vl_image_pixels.py::test_images_are_resized_first_as_llamafactory_does",
+        "vision-language models: each image resized first as LLaMA-Factory 0.9.5 does, in the shared data pipeline; "
+        "unset: LLaMA-Factory's 768*768 / 32*32 with template qwen2_vl (or the other key set), else no resize "
+        "first (docs/vl.md)")),
     _row("tool_format", both=Honoured(
         "tests/unit/test_named_template_tools.py::test_tool_format_replaces_the_templates_own",
         "LLaMA-Factory's tool formats; unset: the template's own")),

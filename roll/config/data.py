@@ -7,6 +7,7 @@ from typing import Literal
 
 from roll.config.coerce import closest
 from roll.data.named_templates import check_template_options
+from roll.data.vision_resize import image_resize
 from roll.errors import ConfigError
 
 MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
@@ -41,6 +42,12 @@ class DataArguments:
 
     preserve_thinking: bool = False
     """Reasoning templates: keep the thoughts of earlier replies (by default they are removed from the history)."""
+
+    image_max_pixels: int | None = None
+    """Vision-language models: an image of more pixels is scaled down to about this many first, as LLaMA-Factory 0.9.5 does before the model's image processor (its arithmetic, PIL's default filter); unset: LLaMA-Factory's 768*768 with template: qwen2_vl or with image_min_pixels set, else no scaling first (the model's processor alone, with its own min_pixels / max_pixels). docs/vl.md, 'Image sizes'."""
+
+    image_min_pixels: int | None = None
+    """Vision-language models: an image of fewer pixels is scaled up to about this many first, as LLaMA-Factory 0.9.5 does; unset: LLaMA-Factory's 32*32 with template: qwen2_vl or with image_max_pixels set, else no scaling first."""
 
     train_on_prompt: bool = False
     """Train on the prompt tokens too (system, user turns, role headers), not only on the replies."""
@@ -115,6 +122,7 @@ class DataArguments:
                               f"{self.kto_mismatched_rows!r}.")
         if self.buffer_size < 1:
             raise ConfigError(f"buffer_size must be positive, got {self.buffer_size}.")
+        image_resize(self)  # the bounds checked now (roll.data.vision_resize), before any model loads
         problem = check_template_options(self.template, self.train_on_prompt, self.train_on_last_turn_only,
                                          self.tool_format)
         if problem:

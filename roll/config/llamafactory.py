@@ -190,8 +190,8 @@ KEYS: dict[str, Renamed | Inert] = {
     "quantization_type": _with("quantization_bit"),
     "double_quantization": _with("quantization_bit"),
     "quantization_device_map": _with("quantization_bit"),
-    "image_*": Inert("the default", only=(None,), use="the model's image processor resizes images with its own "
-                                                    "min_pixels / max_pixels (preprocessor_config.json; docs/vl.md)"),
+    "image_do_pan_and_scan": _off("Gemma 3's pan and scan: roll trains Qwen-VL models, whose images are resized "
+                                  "(image_max_pixels / image_min_pixels; docs/vl.md)"),
     "video_*": MULTIMODAL,
     "audio_sampling_rate": MULTIMODAL,
     "use_audio_in_video": MULTIMODAL,

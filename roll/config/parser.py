@@ -159,6 +159,14 @@ def _parse_cli_value(text: str, tp: Any) -> Any:
     return value
 
 
+def _parse_llamafactory_value(text: str) -> Any:
+    """A command-line value of a key that is not roll's (a LLaMA-Factory key's, or an unknown one): read as YAML,
+    true / false as booleans (``use_dora=false`` is LLaMA-Factory's default, accepted), other words as text."""
+    if isinstance(text, str) and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return _parse_cli_value(text, Any)
+
+
 def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str | None) -> RunConfig:
     """Apply defaults < launch environment variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT; under a
     requeued SLURM job, SLURM_RESTART_COUNT >= 1, ``resume_from_checkpoint: auto``) < recipe < command line,
@@ -167,7 +175,7 @@ def resolve(recipe: dict[str, Any], overrides: dict[str, str], recipe_path: str 
     values: dict[str, Any] = {}
     recipe_source = f"recipe {recipe_path}" if recipe_path else "recipe"
     recipe = llamafactory.translate(recipe, recipe_source, set(FIELDS))
-    overrides = llamafactory.translate({k: v if k in FIELDS else _parse_cli_value(v, Any)
+    overrides = llamafactory.translate({k: v if k in FIELDS else _parse_llamafactory_value(v)
                                         for k, v in overrides.items()}, "the command line", set(FIELDS))
     unknown = [k for k in recipe if k not in FIELDS]
     if unknown:

@@ -283,12 +283,13 @@ def fingerprint(ds, fn) -> str:
     """
     import sys
 
-    from roll.data import dataset_info, formats, named_templates, processors, templates, tool_formats, vision
+    from roll.data import (dataset_info, formats, named_templates, processors, templates, tool_formats, vision,
+                           vision_resize)
 
     settings = {k: v for k, v in vars(fn).items() if k != "tokenizer"}
     # the processor's own module too (feedback for kto, reward for rm)
     modules = dict.fromkeys([formats, processors, templates, named_templates, tool_formats, dataset_info, vision,
-                             sys.modules[type(fn).__module__]])
+                             vision_resize, sys.modules[type(fn).__module__]])
     return settings_digest(ds._fingerprint, type(fn).__name__, settings, tokenizer_digest(fn.tokenizer),
                            code_digest(*modules))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from roll import IGNORE_INDEX
 
 OPEN, CLOSE = "[TRAIN>", "<TRAIN]"
@@ -86,6 +88,9 @@ def dry_run_report(job, stats) -> tuple[dict, str]:
     summary = {key: getattr(stats, key) for key in SUMMARY_KEYS}
     summary.update(stage=job.stage, num_samples_in=stats.num_samples_in, num_rows=stats.num_rows,
                    dropped=dict(stats.dropped), num_eval_samples=stats.num_eval_samples)
+    vision = getattr(job.collator, "vision", None)
+    if vision is not None:  # LLaMA-Factory's resize before the processor, or none (roll.data.vision_resize)
+        summary["image_resize"] = dataclasses.asdict(vision.resize) if vision.resize else None
     first = [job.train_dataset[i] for i in range(min(2, len(job.train_dataset)))]
     summary["batch_shapes"] = {key: list(value.shape) for key, value in job.collator(first).items()}
     unit = "pairs" if "chosen_input_ids" in first[0] else "rows"

@@ -3,7 +3,8 @@
 LLaMA-Factory's multimodal rows: an ``images`` column (file paths, relative to the dataset file's folder, or to
 ``dataset_dir`` for a registry entry) and ``<image>`` placeholders in the turns, one per image, in order. At
 tokenization each placeholder becomes ``<|vision_start|>`` + n ``<|image_pad|>`` + ``<|vision_end|>`` with n the
-image's patch count over ``merge_size**2`` (the model's own PIL image processor decides the resize); the row
+image's patch count over ``merge_size**2`` (the model's own PIL image processor decides the resize, after
+LLaMA-Factory's resize of ``image_max_pixels`` / ``image_min_pixels`` when asked: roll.data.vision_resize); the row
 keeps its images' absolute paths in ``images``. The collator (``VisionCollator``) loads them and adds the
 micro-batch's ``pixel_values`` and ``image_grid_thw`` (the batch contract of docs/vl.md).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +21,10 @@ from typing import Any
 from roll import IGNORE_INDEX
 from roll.data.formats import RowError
 from roll.data.processors import SEQ, SupervisedProcessor
+from roll.data.vision_resize import NO_RESIZE, ImageResize, image_resize
 from roll.errors import ConfigError, DataError, ModelError
+
+logger = logging.getLogger(__name__)
 
 PLACEHOLDER = "<image>"
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -40,6 +45,8 @@ class Vision:
     end_token: str = "<|vision_end|>"
     token_ids: tuple[int, int, int] = (0, 0, 0)
     """(image, start, end) token ids."""
+    resize: ImageResize | None = None
+    """LLaMA-Factory's resize before the processor (image_max_pixels / image_min_pixels); None: none."""
 
     @property
     def image_processor(self):
@@ -50,8 +57,9 @@ class Vision:
         return int(self.image_processor.merge_size)
 
     def num_tokens(self, image) -> int:
-        """``<|image_pad|>`` tokens of a PIL image: its patch grid (after the processor's resize) over merge^2."""
-        width, height = image.size
+        """``<|image_pad|>`` tokens of a PIL image as it is in its file: its patch grid (after LLaMA-Factory's resize,
+        if asked, and the processor's) over merge^2."""
+        width, height = self.resize.size(*image.size) if self.resize else image.size
         patches = self.image_processor.get_number_of_image_patches(height, width, {})
         return patches // self.merge_size ** 2
 
@@ -83,9 +91,11 @@ def is_vl_model(path: str | None) -> bool:
         return False
 
 
-def load_vision(model_args, tokenizer) -> Vision | None:
-    """The model's Vision (None for a text model): its preprocessor_config.json and vision token ids."""
+def load_vision(model_args, tokenizer, data_args=None) -> Vision | None:
+    """The model's Vision (None for a text model): its preprocessor_config.json, vision token ids and
+    ``data_args``' image_max_pixels / image_min_pixels (roll.data.vision_resize)."""
     from roll.hf_config import read_hf_config
+    from roll.logging import log_rank0
 
     path = model_args.model_name_or_path
     if not is_vl_model(path):
@@ -103,8 +113,10 @@ def load_vision(model_args, tokenizer) -> Vision | None:
     if None in tokens:
         raise ModelError(f"model_name_or_path={path!r}: config.json's image_token_id / vision_start_token_id / "
                          f"vision_end_token_id ({ids}) are not tokens of the tokenizer.")
+    resize = image_resize(data_args) if data_args is not None else None
+    log_rank0(logger, "data: images: %s", resize.describe() if resize else NO_RESIZE)
     return Vision(processor_config=json.dumps(settings, sort_keys=True), image_token=tokens[0],
-                  start_token=tokens[1], end_token=tokens[2], token_ids=tuple(ids))
+                  start_token=tokens[1], end_token=tokens[2], token_ids=tuple(ids), resize=resize)
 
 
 def check_config(config) -> None:
@@ -128,8 +140,9 @@ def check_config(config) -> None:
                           "or lora.")
 
 
-def open_image(path: str):
-    """The image at ``path`` decoded, in RGB; RowError naming it when it is missing or unreadable."""
+def open_image(path: str, resize: ImageResize | None = None):
+    """The image at ``path`` decoded, resized by ``resize`` in its file's mode, then in RGB (LLaMA-Factory's order);
+    RowError naming it when it is missing or unreadable."""
     from PIL import Image, UnidentifiedImageError
 
     if not os.path.isfile(path):
@@ -137,7 +150,7 @@ def open_image(path: str):
     try:
         with Image.open(path) as image:
             image.load()
-            return image.convert("RGB")
+            return (resize.apply(image) if resize else image).convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise RowError(f"image file {path!r} cannot be read as an image: {exc}") from None
 
@@ -216,9 +229,10 @@ class VisionSupervisedProcessor(SupervisedProcessor):
         image = open_image(path)
         try:
             return self.vision.num_tokens(image)
-        except ValueError as exc:  # e.g. an aspect ratio over 200 (LLaMA-Factory squeezes such images first)
-            raise RowError(f"image file {path!r} ({image.size[0]}x{image.size[1]} pixels): the model's image "
-                           f"processor refuses it: {exc}") from None
+        except ValueError as exc:  # e.g. an aspect ratio over 200 without image_max_pixels (LLaMA-Factory's resize
+            # squeezes it), or a resize that leaves no pixel
+            raise RowError(f"image file {path!r} ({image.size[0]}x{image.size[1]} pixels) cannot be laid out: "
+                           f"{exc}") from None
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out = super().__call__(batch, indices)
@@ -283,7 +297,7 @@ class VisionCollator:
         paths = [p for f in features for p in (f.get("images") or [])]
         if paths:
             try:
-                images = [open_image(p) for p in paths]
+                images = [open_image(p, self.vision.resize) for p in paths]
             except RowError as exc:
                 raise DataError(f"while collating a batch: {exc} (it was readable when the data was tokenized)") \
                     from None
@@ -304,12 +318,15 @@ def image_example(job, marked_text) -> list[str]:
     token = re.escape(vision.image_token)
     text = re.sub(f"(?:{token})+", lambda m: f"{vision.image_token}*{len(m.group(0)) // len(vision.image_token)}",
                   text)
-    lines = [f"--- training row {index} (0-based, in training order) ---", text]
+    lines = [f"images: {vision.resize.describe() if vision.resize else NO_RESIZE}",
+             f"--- training row {index} (0-based, in training order) ---", text]
     for i, path in enumerate(row["images"]):
         image = open_image(path)
-        grid = vision.process([image])["image_grid_thw"][0].tolist()
+        grid = vision.process([open_image(path, vision.resize)])["image_grid_thw"][0].tolist()
         patch = int(vision.image_processor.patch_size)
-        lines.append(f"image {i}: {path}: {image.size[0]}x{image.size[1]} pixels, resized to "
+        first = vision.resize.size(*image.size) if vision.resize else image.size
+        scaled = f"scaled first to {first[0]}x{first[1]}, " if first != image.size else ""
+        lines.append(f"image {i}: {path}: {image.size[0]}x{image.size[1]} pixels, {scaled}resized to "
                      f"{grid[2] * patch}x{grid[1] * patch}, grid (t, h, w) {tuple(grid)}, "
                      f"{vision.num_tokens(image)} {vision.image_token} tokens")
     return lines

@@ -15,6 +15,8 @@ pattern), 14-pixel patches merged 2x2 into tokens of the language model's width 
 
 TINY_IMAGE_PIXELS = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 """Images resized to between 4 and 16 language-model tokens (each token 28x28 pixels after the 2x2 merge)."""
+QWEN25_IMAGE_PIXELS = dict(min_pixels=3136, max_pixels=12845056)
+"""Qwen2.5-VL's own bounds (its preprocessor_config.json): image_max_pixels decides the token count."""
 
 
 def build_vl_tokenizer():
@@ -45,25 +47,32 @@ def tiny_vl_config(tok, *, num_layers: int = 2, tie_word_embeddings: bool = True
     return config
 
 
-def tiny_image_processor():
+def tiny_image_processor(pixels: dict | None = None):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(patch_size=TINY_VISION["patch_size"],
                                     merge_size=TINY_VISION["spatial_merge_size"],
-                                    temporal_patch_size=TINY_VISION["temporal_patch_size"], **TINY_IMAGE_PIXELS)
+                                    temporal_patch_size=TINY_VISION["temporal_patch_size"],
+                                    **(pixels or TINY_IMAGE_PIXELS))
 
 
-def make_tiny_vl_model(out_dir: str, seed: int = 0, **config_overrides) -> str:
-    """Build a tiny random Qwen2.5-VL, its tokenizer and image processor, saved to ``out_dir``. Returns out_dir."""
+def make_tiny_vl_model(out_dir: str, seed: int = 0, tokenizer: str = "bpe", image_pixels: dict | None = None,
+                       **config_overrides) -> str:
+    """Build a tiny random Qwen2.5-VL, its tokenizer and image processor, saved to ``out_dir``. Returns out_dir.
+    ``tokenizer`` "qwen": the real Qwen2.5 tokenizer (it has the vision tokens; LLaMA-Factory's transformers reads it
+    as roll's does, unlike the tiny BPE one: docs/llamafactory-parity.md); ``image_pixels``: the processor's
+    min_pixels / max_pixels (default TINY_IMAGE_PIXELS)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    tok = build_vl_tokenizer()
+    from roll.demo.tiny_model import load_qwen_tokenizer
+
+    tok = build_vl_tokenizer() if tokenizer == "bpe" else load_qwen_tokenizer()
     config = tiny_vl_config(tok, **config_overrides)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    tiny_image_processor().save_pretrained(out_dir)
+    tiny_image_processor(image_pixels).save_pretrained(out_dir)
     return out_dir
