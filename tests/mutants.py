@@ -209,6 +209,17 @@ MUTANTS: list[Mutant] = [
            "if image_grid_thw is None or len(image_grid_thw) == 0:", "if True:",
            ("tests/unit/test_mca_qwen2_5_vl.py::test_mrope_positions_are_the_image_grid_offset_by_the_text_before_it",),
            fast=True),
+    Mutant("vl_packed_positions_not_restarted", "VL packing: a packed row's M-RoPE positions run on over its "
+           "samples (one get_rope_index over the whole row) instead of restarting per sample as for the sample "
+           "alone", "roll/mrope.py", "starts = (position_ids == 0).clone()",
+           "starts = torch.zeros_like(position_ids, dtype=torch.bool)",
+           (f"{VL_DATA}::test_packed_rows_keep_their_images_each_samples_positions_and_the_per_token_loss",),
+           fast=True),
+    Mutant("vl_language_model_kv_cache_on", "standard backend, VL: the language model keeps its KV cache on in "
+           "training (text_config.use_cache), so its mask builder skips the packed-sequence rule and packed samples "
+           "attend to each other", "backends/standard/models.py",
+           "    model.config.get_text_config().use_cache = False", "    pass",
+           (f"{VL_DATA}::test_packed_rows_keep_their_images_each_samples_positions_and_the_per_token_loss",)),
     Mutant("vl_images_scattered_sequence_major", "qwen2_5_vl on mca: the images' features fill the placeholders in "
            "[seq, batch] order (Megatron's layout) instead of HF's row by row", "backends/mca/models/qwen2_5_vl.py",
            "rows, tokens = placeholders.nonzero(as_tuple=True)",
