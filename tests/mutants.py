@@ -226,6 +226,12 @@ MUTANTS: list[Mutant] = [
            "tokens, rows = placeholders.t().nonzero(as_tuple=True)",
            ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
             "test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips",)),
+    Mutant("vl_cp_features_in_batch_order", "VL with context parallelism: each CP rank fills its placeholders with "
+           "the batch's first image features instead of those of the placeholders it holds", "backends/mca/vision.py",
+           'out["image_feature_rows"] = ordinal[:, cp_index][mine].to(device)',
+           'out["image_feature_rows"] = ordinal[placeholders][:int(mine.sum())].to(device)',
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
     Mutant("vl_frozen_tower_trains", "qwen2_5_vl on mca: freeze_vision_tower / freeze_multi_modal_projector "
            "ignored (the tower and projector train)", "backends/mca/vision.py",
            "                param.requires_grad_(False)", "                pass",
