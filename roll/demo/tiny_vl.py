@@ -55,13 +55,19 @@ def tiny_image_processor():
 
 def make_tiny_vl_model(out_dir: str, seed: int = 0, **config_overrides) -> str:
     """Build a tiny random Qwen2.5-VL, its tokenizer and image processor, saved to ``out_dir``. Returns out_dir."""
-    import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     tok = build_vl_tokenizer()
-    config = tiny_vl_config(tok, **config_overrides)
+    return save_tiny_vl(Qwen2_5_VLForConditionalGeneration, tiny_vl_config(tok, **config_overrides), tok, out_dir,
+                        seed)
+
+
+def save_tiny_vl(model_class, config, tok, out_dir: str, seed: int) -> str:
+    """``model_class(config)`` drawn with ``seed``, saved to ``out_dir`` with ``tok`` and the tiny image processor."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    model = model_class(config)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
@@ -79,7 +85,6 @@ def make_tiny_qwen2_vl_model(out_dir: str, seed: int = 0) -> str:
     """A tiny random Qwen2-VL at odd shapes (the second VL family of the mca tests): the language model of
     ``tiny_vl_config`` at hidden 48, 6 heads of 8 over 2 KV groups, M-RoPE sections 1/1/2, a 517-row vocabulary
     (TP2 pads it to 518), untied; ``TINY_QWEN2_VL_VISION``; the same tokenizer and image processor. Returns out_dir."""
-    import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tok = build_vl_tokenizer()
@@ -91,10 +96,4 @@ def make_tiny_qwen2_vl_model(out_dir: str, seed: int = 0) -> str:
                                                                              "vision_end")}
     config = Qwen2VLConfig(text_config=text, vision_config=dict(TINY_QWEN2_VL_VISION), tie_word_embeddings=False,
                            **ids)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    tiny_image_processor().save_pretrained(out_dir)
-    return out_dir
+    return save_tiny_vl(Qwen2VLForConditionalGeneration, config, tok, out_dir, seed)
