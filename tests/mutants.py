@@ -232,6 +232,12 @@ MUTANTS: list[Mutant] = [
            'out["image_feature_rows"] = ordinal[placeholders][:int(mine.sum())].to(device)',
            ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
             "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
+    Mutant("vl_packed_cp_rope_cut_over_the_stream", "VL packed rows with context parallelism: the M-RoPE angles "
+           "cut into 2 * CP chunks of the whole packed stream (Megatron's multimodal rotary embedding) instead of "
+           "per packed sample", "backends/mca/models/qwen2_5_vl.py",
+           "if packed_seq_params is None or rope.cp_group is None or rope.cp_group.size() == 1:", "if True:",
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
     Mutant("vl_frozen_tower_trains", "qwen2_5_vl on mca: freeze_vision_tower / freeze_multi_modal_projector "
            "ignored (the tower and projector train)", "backends/mca/vision.py",
            "                param.requires_grad_(False)", "                pass",

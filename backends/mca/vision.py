@@ -12,11 +12,9 @@ what a run may ask for, which parts train, and the model inputs of a micro-batch
 - **Inputs**: the micro-batch's ``pixel_values`` / ``image_grid_thw`` (docs/vl.md's batch contract) go to every
   pipeline stage's forward with the 3-D M-RoPE positions (``roll.mrope``); only the first stage encodes images.
   Packed rows: each packed sample's positions as for the sample alone (``roll.mrope.packed_mrope_position_ids``),
-  over the THD stream. Context parallelism: the positions of the whole sequence (Megatron's multimodal rotary
-  embedding cuts them into the rank's 2 chunks of the 2 * CP, as the tokens are cut), and the rows of the image
+  over the THD stream. Context parallelism: the positions of the whole sequence (Megatron's RoPE keeps the rank's
+  2 chunks of the 2 * CP of each row, or of each packed sample, as the tokens are cut), and the rows of the image
   features whose placeholders this rank holds (``image_feature_rows``).
-- Refused: context parallelism with packing (Megatron's multimodal rotary embedding cuts the whole packed stream
-  into 2 * CP chunks, where the tokens are cut per packed sample).
 """
 
 from __future__ import annotations
@@ -57,11 +55,6 @@ def frozen_parts(finetuning) -> set[str]:
 
 def check_config(config) -> None:
     """What a vision-language model cannot do on the mca backend yet, before any model loads (exit 2)."""
-    if config.megatron.context_parallel_size > 1 and config.data.packing:
-        raise ConfigError(f"context_parallel_size={config.megatron.context_parallel_size} with packing: true: a "
-                          "vision-language model on the mca backend trains packed rows without context parallelism "
-                          "(Megatron's multimodal rotary embedding cuts the whole packed stream into 2 * CP chunks, "
-                          "the tokens are cut per packed sample). Set packing: false or context_parallel_size: 1.")
     if frozen_parts(config.finetuning) == {part for part, _ in FREEZE_KEYS}:
         raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
                           "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
@@ -96,14 +89,16 @@ def vision_inputs(batch: dict[str, torch.Tensor], hf_config: dict, device: torch
     the real tokens get the positions HF's model gives them with its attention mask (HF puts padding at 0; a
     causal model never lets a real token see it either way), and a filler row of padding only needs no special
     case. Plain rows: ``[3, b, s]``; packed rows (``cu_seqlens``): each sample's own, over the stream ``[3, 1, t]``.
-    ``cp_index`` (context parallelism, plain rows: the sequence positions this rank holds, ``cp_token_index``): the
-    positions stay whole (Megatron's multimodal rotary embedding keeps the rank's chunks of them) and
-    ``image_feature_rows`` names the image features of the placeholders this rank holds, in their order."""
+    ``cp_index`` (context parallelism: the positions of the row or stream this rank holds, ``cp_token_index``): the
+    positions stay whole (Megatron's RoPE keeps the rank's chunks of them: of each row, or of each packed sample,
+    ``Qwen2_5_VLModel._preprocess``) and ``image_feature_rows`` names the image features of the placeholders this
+    rank holds, in their order."""
     from roll.mrope import mrope_position_ids, packed_mrope_position_ids
 
     input_ids, grid = batch["input_ids"], batch.get("image_grid_thw")
     if "cu_seqlens" in batch:
         positions = packed_mrope_position_ids(input_ids, batch["position_ids"], grid, hf_config).reshape(3, 1, -1)
+        input_ids = input_ids.reshape(1, -1)  # the THD stream the model gets (cp_index indexes it)
     else:
         positions = mrope_position_ids(input_ids, grid, hf_config)
     out: dict[str, Any] = {"position_ids": positions.to(device)}

@@ -151,7 +151,8 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
     """The batch keys through Megatron's schedule (a micro-batch without images, one with three), the first stage's
     vision forward, and freezing: step 1's loss is HF's on the same rows at TP1 x DP2, TP2 with sequence parallelism
     (the images go in before the sequence is split), PP2, CP2 (each rank 2 of every row's 4 chunks: the 3-D
-    positions are cut as the tokens are) and packed in pairs (each sample its own M-RoPE positions; at DP2 and PP2);
+    positions are cut as the tokens are) and packed in pairs (each sample its own M-RoPE positions; at DP2, PP2 and
+    CP2: each packed sample cut into 4 chunks);
     step 2 agrees across layouts; the packed step 1 is also the standard backend's packed loss; Qwen2-VL (its own
     tower) trains at TP1 x DP2 with step 1 at HF's loss; a trained tower and projector change, frozen ones (LLaMA-Factory's defaults) do not; resuming
     PP2's step-1 checkpoint (the HF tower inside Megatron's checkpoint) repeats its step 2 exactly."""
@@ -174,7 +175,7 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
     comparisons = [Comparison(f"{name}_step1_vs_hf", run["losses"][:1], [reference], BACKEND_VL)
                    for name, run in res.items() if name not in ("pp2_resume", "qwen2_vl")]
     comparisons += [Comparison(f"{name}_vs_tp1", res[name]["losses"], res["tp1"]["losses"], VL_LAYOUT)
-                    for name in ("tp2_sp", "pp2", "cp2", "packed", "packed_pp2")]
+                    for name in ("tp2_sp", "pp2", "cp2", "packed", "packed_pp2", "packed_cp2")]
     comparisons += [Comparison("packed_step1_vs_standard_packed", res["packed"]["losses"][:1],
                                [standard_packed_loss(model, rows)], BACKEND_VL),
                     Comparison("qwen2_vl_step1_vs_hf", res["qwen2_vl"]["losses"][:1], [hf_loss(qwen2_vl, rows)],

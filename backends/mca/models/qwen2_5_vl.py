@@ -87,6 +87,24 @@ class Qwen2_5_VLModel(GPTModel):
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
                                 **kwargs)
 
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, **kwargs):
+        """GPTModel's, but for packed rows under context parallelism: Megatron's multimodal rotary embedding cuts
+        the whole THD stream into 2 * CP chunks (right for one sequence a row), while THD RoPE wants every token's
+        angles and cuts them per packed sample itself (``_apply_rotary_pos_emb_thd``, which maps them by offset
+        when they cover the stream): the embedding is taken again uncut."""
+        out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context, packed_seq_params,
+                                  **kwargs)
+        rope = self.rotary_pos_emb
+        if packed_seq_params is None or rope.cp_group is None or rope.cp_group.size() == 1:
+            return out
+        cp_group, rope.cp_group = rope.cp_group, None  # None: the embedding's forward cuts nothing
+        try:
+            whole = rope(position_ids, self.mrope_section)
+        finally:
+            rope.cp_group = cp_group
+        return (out[0], whole, *out[2:])
+
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
               image_feature_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings ``[s(/tp), b, h]`` with the images' features at their placeholder tokens.

@@ -159,7 +159,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
       uneven end), where Megatron's loss would divide by 0, nor to a dense model (nothing reads it; finding
       a filler batch is a host read);
     - ``vision`` (a vision-language model's HF config): its 3-D M-RoPE positions and the micro-batch's
-      ``pixel_values`` / ``image_grid_thw`` (``backends.mca.vision.vision_inputs``; packing or CP, not both).
+      ``pixel_values`` / ``image_grid_thw`` (``backends.mca.vision.vision_inputs``).
     """
     from backends.mca.attention import cp_token_index
 
@@ -196,6 +196,5 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
     if vision is not None:
         from backends.mca.vision import vision_inputs
 
-        assert params is None or cp_size == 1, "backends.mca.vision.check_config refuses packing with CP for VL"
         out.update(vision_inputs(batch, vision, device, cp_index=index))
     return out

@@ -12,7 +12,8 @@ parallelism and full recompute), ``pp2`` (saving a checkpoint after each step) w
 with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning), ``cp2`` (context parallelism:
 each rank holds 2 of the 4 chunks of every row, the placeholders' image features among them), ``packed`` (DP2) and
 ``packed_pp2``: rows 2i and 2i+1 packed into one (``packing: true``, packed_runs.pack_pairs, one packed row a
-micro-batch, so a step trains the same 4 samples as the others), ``qwen2_vl``: QWEN2_VL_DIR at TP1 x DP2. Rank 0
+micro-batch, so a step trains the same 4 samples as the others), ``packed_cp2`` (both: each packed sample cut into
+4 chunks), ``qwen2_vl``: QWEN2_VL_DIR at TP1 x DP2. Rank 0
 writes {run: {"losses": [...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool,
 "merger_changed": bool}} (rank 0 holds the first stage, the tower, in every run).
 """
@@ -40,6 +41,7 @@ RUNS = {"tp1": (DP2, True),
         "packed": ({"packing": "true", "per_device_train_batch_size": "1", "gradient_accumulation_steps": "1"}, True),
         "packed_pp2": ({"packing": "true", "pipeline_model_parallel_size": "2", "per_device_train_batch_size": "1"},
                        True),
+        "packed_cp2": ({"packing": "true", "context_parallel_size": "2", "per_device_train_batch_size": "1"}, True),
         "qwen2_vl": (DP2, True)}
 """name -> (recipe overrides, vision tower and projector trained); ``qwen2_vl`` trains QWEN2_VL_DIR."""
 
