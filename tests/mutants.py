@@ -215,6 +215,11 @@ MUTANTS: list[Mutant] = [
            "starts = torch.zeros_like(position_ids, dtype=torch.bool)",
            (f"{VL_DATA}::test_packed_rows_keep_their_images_each_samples_positions_and_the_per_token_loss",),
            fast=True),
+    Mutant("vl_packed_batch_not_converted", "standard backend, VL packing: the packed batch goes to HF as the text "
+           "collator leaves it (2-D position_ids, cu_seqlens kept: the vision tower takes it for its own)",
+           "backends/standard/backend.py",
+           "if self.config.data.packing and is_vl_model(self.config.model.model_name_or_path):", "if False:",
+           (f"{VL_DATA}::test_the_standard_backend_trains_packed_vl_rows_as_the_unpacked_ones",)),
     Mutant("vl_language_model_kv_cache_on", "standard backend, VL: the language model keeps its KV cache on in "
            "training (text_config.use_cache), so its mask builder skips the packed-sequence rule and packed samples "
            "attend to each other", "backends/standard/models.py",

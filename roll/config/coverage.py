@@ -146,7 +146,7 @@ ROWS: tuple[Row, ...] = (
     _row("packing", standard=Honoured(
         "tests/unit/test_standard_train.py::test_packed_rows_give_the_same_loss_as_padded_ones",
         "vision-language models: each packed sample its own M-RoPE positions (tests/unit/test_vl_data.py::"
-        "test_packed_rows_keep_their_images_each_samples_positions_and_the_per_token_loss)"),
+        "test_the_standard_backend_trains_packed_vl_rows_as_the_unpacked_ones)"),
          mca=Honoured(
              "tests/distributed/test_mca_train.py::test_packed_equals_unpacked_on_the_same_samples",
              "vision-language models: tests/distributed/test_mca_qwen2_5_vl_dist.py::"
