@@ -1,13 +1,15 @@
-"""Qwen2.5-VL on Megatron, under one 2-process torchrun (gloo, fp32, CPU): the family's conversion guarantees.
+"""Qwen2.5-VL and Qwen2-VL on Megatron, under one 2-process torchrun per test (gloo, fp32, CPU): the families'
+conversion guarantees and training.
 
-Two tiny models with random values in every tensor (vision tower included): roll.demo.tiny_vl's (hidden 64, 4 heads
-over 2 KV groups, M-RoPE sections 2/3/3, tied) and an odd-shaped one (hidden 48, 6 heads of 8 over 2 KV groups,
-sections 1/1/2, a 517-row vocabulary that TP2 pads to 518, untied, merger out width 48):
+Tiny models with random values in every tensor (vision tower included): roll.demo.tiny_vl's (hidden 64, 4 heads
+over 2 KV groups, M-RoPE sections 2/3/3, tied), an odd-shaped one (hidden 48, 6 heads of 8 over 2 KV groups,
+sections 1/1/2, a 517-row vocabulary that TP2 pads to 518, untied, merger out width 48) and a Qwen2-VL of that odd
+language model with Qwen2-VL's own tower (``make_tiny_qwen2_vl_model``: LayerNorms with biases, fc1/fc2 MLP):
 
 - ``roll-convert check``'s logits parity (``convert.check_parity``) on a batch with two images of different sizes
-  (grids 4x6 and 6x2 patches) and a text-only row, HF's ``Qwen2_5_VLForConditionalGeneration`` against the
-  Megatron model (the vision tower on the first stage), at TP1, TP2, PP2 and PP2 x VPP2 (a 4-layer variant), within
-  the bounds of tests/bounds.py;
+  (grids 4x6 and 6x2 patches) and a text-only row, HF's ``...ForConditionalGeneration`` against the
+  Megatron model (the vision tower on the first stage), at TP1, TP2, PP2 and PP2 x VPP2 (a 4-layer variant; Qwen2-VL
+  at TP1, TP2, PP2), within the bounds of tests/bounds.py;
 - HF -> Megatron -> HF bit-exact across TP1, TP2 and PP2 (written at one layout, exported at another), the vision
   tower's tensors included; the export loads with transformers and keeps the image processor.
 """
@@ -50,7 +52,7 @@ def assert_vl_exported_like(original: str, exported: str) -> None:
     transformers loads it as the vision-language model it was."""
     import json
 
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     a, b = _read_weights(original), _read_weights(exported)
     assert sorted(a) == sorted(b) and any(name.startswith("visual.") for name in a)
@@ -59,36 +61,42 @@ def assert_vl_exported_like(original: str, exported: str) -> None:
             open(os.path.join(exported, "config.json"), encoding="utf-8") as fb:
         assert json.load(fa) == json.load(fb)
     assert os.path.isfile(os.path.join(exported, "preprocessor_config.json"))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(exported, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32)
     assert torch.equal(model.model.visual.patch_embed.proj.weight, a["visual.patch_embed.proj.weight"])
     assert torch.equal(model.model.language_model.embed_tokens.weight, a["model.embed_tokens.weight"])
 
 
-ROUND_TRIPS = (("tp1", {}, "tp2", {"tp": 2}), ("tp2", {"tp": 2}, "pp2", {"pp": 2}), ("pp2", {"pp": 2}, "tp1", {}))
-"""(written at, its layout, exported at, its layout): every layout on both sides once."""
+ROUND_TRIPS = (("tp1", {}, "tp2", {"tp": 2}), ("tp2", {"tp": 2}, "pp2", {"pp": 2}), ("pp2", {"pp": 2}, "tp1", {}),
+               ("q2_tp2", {"tp": 2}, "pp2", {"pp": 2}))
+"""(written at, its layout, exported at, its layout): every layout on both sides once; Qwen2-VL from TP2 to PP2."""
 
 
 def test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips(tmp_path):
-    from roll.demo.tiny_vl import make_tiny_vl_model
+    from roll.demo.tiny_vl import make_tiny_qwen2_vl_model, make_tiny_vl_model
 
     tiny = randomized(make_tiny_vl_model(str(tmp_path / "tiny_src")), str(tmp_path / "tiny"))
     odd = randomized(odd_vl_model(str(tmp_path / "odd_src")), str(tmp_path / "odd"))
     deep = randomized(make_tiny_vl_model(str(tmp_path / "deep_src"), num_layers=4), str(tmp_path / "deep"))
+    qwen2_vl = randomized(make_tiny_qwen2_vl_model(str(tmp_path / "q2_src")), str(tmp_path / "q2"))
     cases = [dict(name="vl_tp1", kind="check", dir=tiny),
              dict(name="vl_tp2", kind="check", dir=tiny, tp=2),
              dict(name="vl_pp2", kind="check", dir=tiny, pp=2),
              dict(name="vl_pp2_vpp2", kind="check", dir=deep, pp=2, vpp=2),  # the tower on virtual stage 0 only
              dict(name="vl_odd_tp1", kind="check", dir=odd),
-             dict(name="vl_odd_tp2_padded_vocab", kind="check", dir=odd, tp=2)]
-    for (written, write_layout, exported, export_layout), hf in zip(ROUND_TRIPS, (tiny, odd, tiny)):
+             dict(name="vl_odd_tp2_padded_vocab", kind="check", dir=odd, tp=2),
+             dict(name="qwen2_vl_tp1", kind="check", dir=qwen2_vl),
+             dict(name="qwen2_vl_tp2_padded_vocab", kind="check", dir=qwen2_vl, tp=2),
+             dict(name="qwen2_vl_pp2", kind="check", dir=qwen2_vl, pp=2)]
+    sources = (tiny, odd, tiny, qwen2_vl)
+    for (written, write_layout, exported, export_layout), hf in zip(ROUND_TRIPS, sources):
         mca, out = str(tmp_path / f"mca_{written}"), str(tmp_path / f"hf_{written}_{exported}")
         cases += [dict(name=f"to_mca_{written}", kind="hf2mca", dir=hf, out=mca, **write_layout),
                   dict(name=f"to_hf_{written}_{exported}", kind="mca2hf", dir=mca, out=out, max_shard_bytes=60_000,
                        **export_layout)]
-    res = run_cases(cases, tmp_path, timeout=420)
+    res = run_cases(cases, tmp_path, timeout=540)
     assert all(rows[0]["diff"] == rows[1]["diff"] for rows in res.values() if "diff" in rows[0])
     assert_within(logit_comparisons(res))
-    for (written, _, exported, _), hf in zip(ROUND_TRIPS, (tiny, odd, tiny)):
+    for (written, _, exported, _), hf in zip(ROUND_TRIPS, sources):
         assert_vl_exported_like(hf, str(tmp_path / f"hf_{written}_{exported}"))
 
 
@@ -119,12 +127,12 @@ def vl_rows(hf_config: dict, seed: int = 0) -> list[dict]:
 def hf_loss(model_dir: str, rows: list[dict]) -> float:
     """transformers' loss of ``rows`` as one batch (right-padded), with the modality of each token so that HF uses
     its M-RoPE positions: the mean over the labelled tokens, what the mca backend's step logs."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from roll.mrope import mm_token_type_ids
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
-                                                                attn_implementation="sdpa").eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                        attn_implementation="sdpa").eval()
     length = max(len(r["input_ids"]) for r in rows)
 
     def padded(key: str, value: int) -> torch.Tensor:
@@ -142,32 +150,67 @@ def hf_loss(model_dir: str, rows: list[dict]) -> float:
 def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen(tmp_path):
     """The batch keys through Megatron's schedule (a micro-batch without images, one with three), the first stage's
     vision forward, and freezing: step 1's loss is HF's on the same rows at TP1 x DP2, TP2 with sequence parallelism
-    (the images go in before the sequence is split) and PP2; step 2 agrees
-    across layouts; a trained tower and projector change, frozen ones (LLaMA-Factory's defaults) do not; resuming
+    (the images go in before the sequence is split), PP2, CP2 (each rank 2 of every row's 4 chunks: the 3-D
+    positions are cut as the tokens are) and packed in pairs (each sample its own M-RoPE positions; at DP2, PP2 and
+    CP2: each packed sample cut into 4 chunks);
+    step 2 agrees across layouts; the packed step 1 is also the standard backend's packed loss; Qwen2-VL (its own
+    tower) trains at TP1 x DP2 with step 1 at HF's loss; a trained tower and projector change, frozen ones (LLaMA-Factory's defaults) do not; resuming
     PP2's step-1 checkpoint (the HF tower inside Megatron's checkpoint) repeats its step 2 exactly."""
     import json
 
-    from roll.demo.tiny_vl import make_tiny_vl_model
+    from roll.demo.tiny_vl import make_tiny_qwen2_vl_model, make_tiny_vl_model
     from tests.bounds import BACKEND_VL, VL_LAYOUT, Comparison
     from tests.helpers import REPO, output_of, torchrun
 
     model = randomized(make_tiny_vl_model(str(tmp_path / "src")), str(tmp_path / "tiny"))
+    qwen2_vl = randomized(make_tiny_qwen2_vl_model(str(tmp_path / "q2_src")), str(tmp_path / "q2"))
     with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
-        rows = vl_rows(json.load(fh))
+        rows = vl_rows(json.load(fh))  # the same token ids in both models
     torch.save(rows, tmp_path / "rows.pt")
     worker = os.path.join(REPO, "tests", "distributed", "_mca_workers", "vl_train_runs.py")
-    proc = torchrun(worker, model, str(tmp_path / "rows.pt"), str(tmp_path / "result.json"), timeout=420)
+    proc = torchrun(worker, model, qwen2_vl, str(tmp_path / "rows.pt"), str(tmp_path / "result.json"), timeout=600)
     assert proc.returncode == 0, output_of(proc)
     res = json.loads((tmp_path / "result.json").read_text())
     reference = hf_loss(model, rows)
     comparisons = [Comparison(f"{name}_step1_vs_hf", run["losses"][:1], [reference], BACKEND_VL)
-                   for name, run in res.items() if name != "pp2_resume"]
+                   for name, run in res.items() if name not in ("pp2_resume", "qwen2_vl")]
     comparisons += [Comparison(f"{name}_vs_tp1", res[name]["losses"], res["tp1"]["losses"], VL_LAYOUT)
-                    for name in ("tp2_sp", "pp2")]
+                    for name in ("tp2_sp", "pp2", "cp2", "packed", "packed_pp2", "packed_cp2")]
+    comparisons += [Comparison("packed_step1_vs_standard_packed", res["packed"]["losses"][:1],
+                               [standard_packed_loss(model, rows)], BACKEND_VL),
+                    Comparison("qwen2_vl_step1_vs_hf", res["qwen2_vl"]["losses"][:1], [hf_loss(qwen2_vl, rows)],
+                               BACKEND_VL)]
     assert_within(comparisons)
+    assert res["qwen2_vl"]["tower_changed"] and res["qwen2_vl"]["losses"] != res["tp1"]["losses"]
     assert all(res[n]["tower_changed"] and res[n]["merger_changed"] for n in ("tp1", "tp2_sp", "pp2")), res
     assert res["pp2_resume"]["losses"][-1] == res["pp2"]["losses"][-1]  # the tower came back from the checkpoint
     assert res["tp2_sp"]["sequence_parallel"] and not res["tp1"]["sequence_parallel"]
     assert res["tp2_sp"]["tower_recomputes"] and not res["tp1"]["tower_recomputes"]  # recompute: the same losses
     assert not res["pp2_frozen"]["tower_changed"] and not res["pp2_frozen"]["merger_changed"], res
     assert res["pp2_frozen"]["losses"][1] != res["pp2"]["losses"][1]  # the tower's update changed step 2
+
+
+def standard_packed_loss(model_dir: str, rows: list[dict]) -> float:
+    """The standard backend's loss of ``rows`` packed in pairs (rows 2i and 2i+1 in one row, as the worker packs
+    them): roll's packing collator, the images concatenated in the packed order, ``PackedVisionBatch`` (HF's packed
+    position_ids [4, b, s]) and the model as the backend loads it."""
+    from backends.standard.vision import PackedVisionBatch, load_vl_model
+    from roll.data.collators import SequenceCollator
+    from roll.data.policy import PaddingPolicy
+    from roll.hf_config import read_hf_config
+
+    pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows) - 1, 2)]
+    packed = [{"input_ids": a["input_ids"] + b["input_ids"], "labels": a["labels"] + b["labels"],
+               "position_ids": list(range(len(a["input_ids"]))) + list(range(len(b["input_ids"]))),
+               "images": a["images"] + b["images"]} for a, b in pairs]
+
+    def collate(features: list[dict]) -> dict:
+        batch = SequenceCollator(0, PaddingPolicy(packing=True))([{k: v for k, v in f.items() if k != "images"}
+                                                                  for f in features])
+        images = [image for f in features for image in f["images"]]
+        return {**batch, "pixel_values": torch.cat([p for p, _ in images]),
+                "image_grid_thw": torch.tensor([g for _, g in images])}
+
+    model = load_vl_model(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        return float(model(**PackedVisionBatch(collate, read_hf_config(model_dir))(packed)).loss)

@@ -1,6 +1,6 @@
-"""Worker: Qwen2.5-VL training steps through McaBackend + MegatronTrainer on hand-made multimodal rows.
+"""Worker: Qwen2.5-VL and Qwen2-VL training steps through McaBackend + MegatronTrainer on hand-made multimodal rows.
 
-usage: torchrun --nproc_per_node=2 vl_train_runs.py MODEL_DIR ROWS.pt RESULT.json
+usage: torchrun --nproc_per_node=2 vl_train_runs.py MODEL_DIR QWEN2_VL_DIR ROWS.pt RESULT.json
 
 ROWS.pt holds tokenized rows (``input_ids``, ``attention_mask``, ``labels``) with ``images``: a list of
 (pixel_values [patches, C*T*P*P], grid (t, h, w)) per row, served as a ``datasets.Dataset`` (what a checkpoint
@@ -9,14 +9,17 @@ records the sample order of). The collator is roll's Megatron SequenceCollator p
 builds it from image files. Runs (2 steps of 4 rows each, lr 1e-3): ``tp1`` (DP2), ``tp2_sp`` (with sequence
 parallelism and full recompute), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
 ``pp2_resume`` resuming ``pp2``'s checkpoint-1 (the tower comes back from the Megatron checkpoint), ``pp2_frozen``
-with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning). Rank 0 writes {run: {"losses":
-[...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool, "merger_changed": bool}} (rank 0 holds the first stage,
-the tower, in every run).
+with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning), ``cp2`` (context parallelism:
+each rank holds 2 of the 4 chunks of every row, the placeholders' image features among them), ``packed`` (DP2) and
+``packed_pp2``: rows 2i and 2i+1 packed into one (``packing: true``, packed_runs.pack_pairs, one packed row a
+micro-batch, so a step trains the same 4 samples as the others), ``packed_cp2`` (both: each packed sample cut into
+4 chunks), ``qwen2_vl``: QWEN2_VL_DIR at TP1 x DP2. Rank 0
+writes {run: {"losses": [...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool,
+"merger_changed": bool}} (rank 0 holds the first stage, the tower, in every run).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from types import SimpleNamespace
@@ -25,14 +28,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
+from packed_runs import pack_pairs, write_results  # noqa: E402 (this folder: the script's own)
 
-RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}, True),
+DP2 = {"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}
+RUNS = {"tp1": (DP2, True),
         "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true", "recompute_granularity": "full",
                     "recompute_method": "uniform", "recompute_num_layers": "1"}, True),
         "pp2": ({"pipeline_model_parallel_size": "2", "save_strategy": "steps", "save_steps": "1"}, True),
         "pp2_resume": ({"pipeline_model_parallel_size": "2", "resume_from_checkpoint": "pp2/checkpoint-1"}, True),
-        "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False)}
-"""name -> (recipe overrides, vision tower and projector trained)."""
+        "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False),
+        "cp2": ({"context_parallel_size": "2"}, True),
+        "packed": ({"packing": "true", "per_device_train_batch_size": "1", "gradient_accumulation_steps": "1"}, True),
+        "packed_pp2": ({"packing": "true", "pipeline_model_parallel_size": "2", "per_device_train_batch_size": "1"},
+                       True),
+        "packed_cp2": ({"packing": "true", "context_parallel_size": "2", "per_device_train_batch_size": "1"}, True),
+        "qwen2_vl": (DP2, True)}
+"""name -> (recipe overrides, vision tower and projector trained); ``qwen2_vl`` trains QWEN2_VL_DIR."""
 
 
 class ImageCollator:
@@ -83,10 +94,10 @@ def main() -> None:
     from roll.contract import ModelBundle
     from roll.data.collators import SequenceCollator
 
-    model_dir, rows_file, result_file = sys.argv[1:]
+    model_dir, qwen2_vl_dir, rows_file, result_file = sys.argv[1:]
     rows = as_dataset(torch.load(rows_file, weights_only=True))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    recipe = {"model_name_or_path": model_dir, "stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the two models': the same tokenizer
+    recipe = {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
               "cutoff_len": 64, "use_mca": True, "nproc_per_node": int(os.environ.get("WORLD_SIZE", "1")),
               "learning_rate": 1e-3, "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
               "seed": 0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
@@ -97,7 +108,9 @@ def main() -> None:
         runs = os.path.dirname(result_file)
         if "resume_from_checkpoint" in overrides:
             overrides = {**overrides, "resume_from_checkpoint": os.path.join(runs, overrides["resume_from_checkpoint"])}
-        config = resolve(recipe, {**overrides, "output_dir": os.path.join(runs, name)}, None)
+        model = qwen2_vl_dir if name == "qwen2_vl" else model_dir
+        config = resolve({**recipe, "model_name_or_path": model}, {**overrides, "output_dir": os.path.join(runs, name)},
+                         None)
         backend = McaBackend(config)
         backend.setup_distributed()
         models = backend.load_models("sft", tokenizer)
@@ -110,7 +123,7 @@ def main() -> None:
         collator = ImageCollator(SequenceCollator(tokenizer.pad_token_id, backend.padding_policy("sft")))
         trainer = MegatronTrainer(models.policy, config.training, config.megatron, config.layout,
                                   pad_token_id=tokenizer.pad_token_id)
-        history = trainer.train(rows, collator).log_history
+        history = trainer.train(pack_pairs(rows, IMAGE_KEYS) if config.data.packing else rows, collator).log_history
         after = tower_weights(models.policy)
         results[name] = {"losses": [entry["loss"] for entry in history if "loss" in entry],
                          "sequence_parallel": bool(models.policy[0].config.sequence_parallel),
@@ -118,10 +131,7 @@ def main() -> None:
                                                   unwrap_model(models.policy[0]).visual.is_gradient_checkpointing),
                          **{f"{part}_changed": not torch.equal(before[part], after[part]) for part in before}}
         backend.teardown()
-    if dist.get_rank() == 0:
-        with open(result_file, "w", encoding="utf-8") as fh:
-            json.dump(results, fh)
-    dist.destroy_process_group()
+    write_results(results, result_file)
 
 
 if __name__ == "__main__":

@@ -35,18 +35,20 @@ def vision_rows() -> list[Mapping]:
 
 
 def _config_hook(hf: dict, out: dict) -> None:
+    """The language model's M-RoPE (Qwen2-VL's and Qwen2.5-VL's alike)."""
+    family = hf.get("model_type", "qwen2_5_vl")
     text = {**hf, **(hf.get("text_config") or {})}
     rope, kind = c.rope_config(text)
     if kind not in ("default", "mrope"):  # hub configs say {"type": "mrope"}, transformers 5 "default"
-        raise ModelError(f"qwen2_5_vl: rope_type {kind!r} is not supported by the Megatron conversion; only "
+        raise ModelError(f"{family}: rope_type {kind!r} is not supported by the Megatron conversion; only "
                          "multimodal RoPE with default frequencies is.")
     if text.get("use_sliding_window"):
-        raise ModelError("qwen2_5_vl: use_sliding_window=true is not supported by the Megatron conversion (full "
+        raise ModelError(f"{family}: use_sliding_window=true is not supported by the Megatron conversion (full "
                          "causal attention only). Set it to false in config.json.")
     c.fill_head_dim(text, out)
     section = list(rope.get("mrope_section") or DEFAULT_MROPE_SECTION)
     if 2 * sum(section) != out["kv_channels"]:
-        raise ModelError(f"qwen2_5_vl: mrope_section {section} covers {2 * sum(section)} of the head's "
+        raise ModelError(f"{family}: mrope_section {section} covers {2 * sum(section)} of the head's "
                          f"{out['kv_channels']} dimensions; its entries must add up to head_dim / 2.")
     out.update(position_embedding_type="mrope", mrope_section=section)
 
