@@ -1,4 +1,5 @@
-"""Training a vision-language model (Qwen2.5-VL, ``backends.mca.models.qwen2_5_vl``) on the mca backend: what a
+"""Training a vision-language model (Qwen2.5-VL, ``backends.mca.models.qwen2_5_vl``; Qwen3-VL,
+``backends.mca.models.qwen3_vl``) on the mca backend: what a
 run may ask for, which parts train, and the model inputs of a micro-batch.
 
 - **Parts** (LLaMA-Factory's names, the standard backend's meanings, docs/vl.md): the vision tower is ``visual.*``
@@ -12,7 +13,8 @@ run may ask for, which parts train, and the model inputs of a micro-batch.
 - **Inputs**: the micro-batch's ``pixel_values`` / ``image_grid_thw`` (docs/vl.md's batch contract) go to every
   pipeline stage's forward with the 3-D M-RoPE positions (``roll.mrope``); only the first stage encodes images.
 - Refused: context parallelism (the positions are not split with the tokens yet); packing is refused for VL
-  models on both backends by the data pipeline.
+  models on both backends by the data pipeline; a Qwen3-VL pipeline split whose first chunk does not hold every
+  layer that receives deepstack features.
 """
 
 from __future__ import annotations
@@ -46,13 +48,38 @@ def part_of(name: str) -> str:
     return next((part for part, prefix in PARTS if name.startswith(prefix)), "language")
 
 
+DEEPSTACK_DEFAULT = (8, 16, 24)
+"""transformers' ``Qwen3VLVisionConfig.deepstack_visual_indexes`` default (a config.json may leave it out)."""
+
+
+def deepstack_layers(hf_config: dict) -> int:
+    """How many decoder layers (the first ones) of a Qwen3-VL model receive deepstack features: one per deepstack
+    vision block (``backends.mca.models.qwen3_vl``); 0 for other families."""
+    if hf_config.get("model_type") != "qwen3_vl":
+        return 0
+    return len(hf_config.get("vision_config", {}).get("deepstack_visual_indexes", DEEPSTACK_DEFAULT) or ())
+
+
+def deepstack_layout_error(layers: int, num_layers: int, pp: int, vpp: int | None) -> str | None:
+    """Why a pipeline split cannot hold the ``layers`` deepstack layers in its first chunk, with the vision tower
+    (None: it can)."""
+    per_chunk = num_layers // (pp * (vpp or 1))
+    if layers <= per_chunk:
+        return None
+    split = f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}" if vpp else "")
+    return (f"Qwen3-VL adds its deepstack features to the first {layers} decoder layers, which must sit in the first "
+            f"pipeline stage's first chunk with the vision tower; {split} puts {per_chunk} of the {num_layers} "
+            f"layers there. Use a split with at least {layers} layers per chunk (fewer stages).")
+
+
 def frozen_parts(finetuning) -> set[str]:
     """The parts the recipe freezes (roll.config.finetuning's keys, LLaMA-Factory's names and defaults: docs/vl.md)."""
     return {part for part, key in FREEZE_KEYS if getattr(finetuning, key)}
 
 
-def check_config(config) -> None:
-    """What a vision-language model cannot do on the mca backend yet, before any model loads (exit 2)."""
+def check_config(config, hf_config: dict) -> None:
+    """What a vision-language model (``hf_config``: its config.json) cannot do on the mca backend yet, before any
+    model loads (exit 2)."""
     if config.megatron.context_parallel_size > 1:
         raise ConfigError(f"context_parallel_size={config.megatron.context_parallel_size}: a vision-language model "
                           "trains without context parallelism on the mca backend (its 3-D positions are not split "
@@ -65,6 +92,13 @@ def check_config(config) -> None:
                           "mca backend adapts the language model only (the vision tower is HF's module, without "
                           "adapters). Keep both true (the defaults), use finetuning_type full to train the tower, or "
                           "use_mca: false (LoRA on the tower's layers).")
+    if deepstack_layers(hf_config):
+        text = {**hf_config, **(hf_config.get("text_config") or {})}
+        m = config.megatron
+        error = deepstack_layout_error(deepstack_layers(hf_config), text["num_hidden_layers"],
+                                       m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
+        if error:
+            raise ConfigError(error)
 
 
 def freeze_parts(chunks: list[torch.nn.Module], finetuning) -> None:

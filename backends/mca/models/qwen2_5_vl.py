@@ -27,18 +27,33 @@ from megatron.core.models.gpt import GPTModel
 from roll.mrope import mrope_position_ids
 
 
-def build_vision_tower(config) -> torch.nn.Module:
-    """HF's Qwen2.5-VL vision tower + merger for ``config.hf_config`` (SDPA attention, as the HF reference model
-    loads), in the Megatron model's dtype; randomly initialised only when Megatron initialises weights; its blocks
-    recompute their activations when the language model's layers do (``recompute_granularity``)."""
-    from transformers import Qwen2_5_VLConfig
-    from transformers.initialization import no_init_weights
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+TOWERS = {"qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
+          "qwen3_vl": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel"}
+"""HF's vision tower class of each family (``model_type``), by dotted path."""
 
-    vision_config = Qwen2_5_VLConfig.from_dict(config.hf_config).vision_config
+
+def hf_vl_config(hf_config: dict):
+    """transformers' config object of a VL model's config.json (a dict): the values HF's model is built with, its
+    class defaults included (a saved config.json leaves out some of them)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[hf_config["model_type"]].from_dict(hf_config)
+
+
+def build_vision_tower(config) -> torch.nn.Module:
+    """HF's vision tower + merger for ``config.hf_config`` (SDPA attention, as the HF reference model loads), in the
+    Megatron model's dtype; randomly initialised only when Megatron initialises weights; its blocks recompute their
+    activations when the language model's layers do (``recompute_granularity``)."""
+    import importlib
+
+    from transformers.initialization import no_init_weights
+
+    module, _, name = TOWERS[config.hf_model_type].rpartition(".")
+    tower_class = getattr(importlib.import_module(module), name)
+    vision_config = hf_vl_config(config.hf_config).vision_config
     skip_init = no_init_weights() if not config.perform_initialization else contextlib.nullcontext()
     with skip_init:
-        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, attn_implementation="sdpa")
+        tower = tower_class._from_config(vision_config, attn_implementation="sdpa")
     for param in tower.parameters():
         param.average_gradients_across_tp_domain = True
     if config.recompute_granularity is not None:
@@ -64,23 +79,28 @@ class Qwen2_5_VLModel(GPTModel):
         if position_ids is None:
             position_ids = mrope_position_ids(input_ids, image_grid_thw, self.config.hf_config)
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
-            raise ValueError(f"Qwen2.5-VL needs 3-D (M-RoPE) position ids [3, batch, seq]; got shape "
-                             f"{tuple(position_ids.shape)} (roll.mrope.mrope_position_ids computes them).")
+            raise ValueError(f"{self.config.hf_model_type} needs 3-D (M-RoPE) position ids [3, batch, seq]; got "
+                             f"shape {tuple(position_ids.shape)} (roll.mrope.mrope_position_ids computes them).")
         if self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input, block_inputs = self.embed(input_ids, pixel_values, image_grid_thw)
+            if block_inputs:
+                kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), **block_inputs}
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
-                                **kwargs)
+                               **kwargs)
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings ``[s(/tp), b, h]`` with the images' features at their placeholder tokens."""
+              image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Token embeddings ``[s(/tp), b, h]`` with the images' features at their placeholder tokens, and what the
+        decoder block gets besides (``block_inputs``: nothing here; Qwen3-VL's deepstack features)."""
         from megatron.core import tensor_parallel
 
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], the whole sequence
         placeholders = input_ids == self.image_token_id
         count = int(placeholders.sum())
+        block_inputs: dict[str, torch.Tensor] = {}
         if pixel_values is not None and len(pixel_values):
-            features = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw).pooler_output
+            vision = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
+            features = vision.pooler_output
         elif count:
             raise ValueError(f"the batch has {count} image placeholder tokens but no pixel_values.")
         else:
@@ -97,9 +117,16 @@ class Qwen2_5_VLModel(GPTModel):
                                  "must keep every image's <|image_pad|> run whole.")
             rows, tokens = placeholders.nonzero(as_tuple=True)  # row-major: the order the images are in
             embeddings = embeddings.index_put((tokens, rows), features.to(embeddings.dtype))
+            block_inputs = self.vision_block_inputs(vision, (tokens, rows), embeddings)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
-        return embeddings
+        return embeddings, block_inputs
+
+    def vision_block_inputs(self, vision, positions: tuple[torch.Tensor, torch.Tensor],
+                            embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the decoder block gets from the tower's output ``vision`` besides the token embeddings: nothing for
+        Qwen2.5-VL (``positions``: the image tokens' (token, row) indices; ``embeddings``: ``[s, b, h]``)."""
+        return {}
 
 
 SAMPLE_GRIDS = ((1, 4, 6), (1, 6, 2))
@@ -111,9 +138,7 @@ def sample_batch(hf_config: dict, seq_len: int = 16, seed: int = 1234) -> dict[s
     """A fixed multimodal batch for ``roll-convert check``: three rows of ``seq_len`` tokens (at least 16), the
     first with the 6-token image, the second with the 3-token one, the third text only; random text tokens and
     random pixel values (``pixel_values`` [36, C * T * P * P]). Keys: input_ids, pixel_values, image_grid_thw."""
-    from transformers import Qwen2_5_VLConfig
-
-    vision = Qwen2_5_VLConfig.from_dict(hf_config).vision_config
+    vision = hf_vl_config(hf_config).vision_config
     merge = vision.spatial_merge_size ** 2
     gen = torch.Generator().manual_seed(seed)
     seq_len = max(seq_len, 16)
