@@ -63,6 +63,16 @@ def test_round_trip_is_bit_exact_with_the_tower_and_deepstack_mergers_carried_wh
         template.hf_to_mca({**hf_sd, "visual.blocks.0.attn.qkv.weight": torch.zeros(1)}, config)
 
 
+def test_a_lora_adapter_is_named_as_peft_names_it_on_transformers_model(tiny_qwen3_vl):
+    """The template's names are already transformers' in-memory ones (``model.language_model.layers``)."""
+    from backends.mca.lora.export import hf_adapter_name, hf_layers_prefix
+
+    config = McaModelConfig.from_hf(tiny_qwen3_vl[0])
+    key = hf_adapter_name("decoder.layers.3.self_attention.linear_qkv.lora_A.k_proj", config,
+                          hf_layers_prefix(tiny_qwen3_vl[0]))
+    assert key == "base_model.model.model.language_model.layers.3.self_attn.k_proj.lora_A.weight"
+
+
 def test_interleaved_mrope_is_transformers_rotary_embedding():
     """cos/sin of the Megatron module against ``Qwen3VLTextRotaryEmbedding`` on positions whose three axes differ
     (head_dim 16: frequencies 1, 4, 7 rotate by height, 2 and 5 by width, 0, 3 and 6 by time, for sections
