@@ -84,11 +84,11 @@ def tiny_qwen3_vl_config(tok, *, num_layers: int = 4, tie_word_embeddings: bool 
     override their keys."""
     import transformers as T
 
-    text_config = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                       rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                       rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                        "rope_theta": 5e5}, **(text or {}))
+    text_config = {**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                          rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                           "mrope_interleaved": True, "rope_theta": 5e5}), **(text or {})}
     ids = {f"{name}_token_id": tok.convert_tokens_to_ids(token) for name, token in
            (("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"), ("image", "<|image_pad|>"),
             ("video", "<|video_pad|>"))}

@@ -190,7 +190,7 @@ def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool)
     losses = []
     for _ in range(steps):
         loss = model(**batch).loss
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
