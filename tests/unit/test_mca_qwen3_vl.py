@@ -137,3 +137,23 @@ def test_a_split_that_takes_deepstack_layers_off_the_first_chunk_and_qwen3_vl_mo
             resolve({**recipe, **split}, {}, None)
     with pytest.raises(ModelError, match="'qwen3_vl_moe' has no Megatron conversion template"):
         get_template("qwen3_vl_moe")
+
+
+def test_the_adapter_config_names_its_modules_as_peft_does(tiny_qwen3_vl_dir):
+    """From 20 adapted modules on PEFT shortens ``target_modules`` to the suffixes that match exactly them (the tower
+    has no ``q_proj``...): the mca export writes what PEFT writes on the standard backend (found by
+    ``scripts/heldout_vl.py --family qwen3_vl``'s LoRA check: 28 full names against 7 short ones)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from backends.mca.lora.export import peft_target_modules
+
+    with open(os.path.join(tiny_qwen3_vl_dir, "config.json"), encoding="utf-8") as fh:
+        hf_config = json.load(fh)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_dir)
+    short = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    names = [name for name, _ in model.named_modules()
+             if name.startswith("model.language_model.layers.") and name.rsplit(".", 1)[-1] in short]
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=names)).peft_config["default"].target_modules
+    assert len(names) == 28 and peft_target_modules(names, hf_config) == sorted(peft) == sorted(short)
+    assert peft_target_modules(names[:7], hf_config) == names[:7]  # under PEFT's 20: the full names stay
