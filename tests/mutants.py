@@ -209,6 +209,22 @@ MUTANTS: list[Mutant] = [
            "if image_grid_thw is None or len(image_grid_thw) == 0:", "if True:",
            ("tests/unit/test_mca_qwen2_5_vl.py::test_mrope_positions_are_the_image_grid_offset_by_the_text_before_it",),
            fast=True),
+    Mutant("vl_packed_positions_not_restarted", "VL packing: a packed row's M-RoPE positions run on over its "
+           "samples (one get_rope_index over the whole row) instead of restarting per sample as for the sample "
+           "alone", "roll/mrope.py", "starts = (position_ids == 0).clone()",
+           "starts = torch.zeros_like(position_ids, dtype=torch.bool)",
+           (f"{VL_DATA}::test_packed_rows_keep_their_images_each_samples_positions_and_the_per_token_loss",),
+           fast=True),
+    Mutant("vl_packed_batch_not_converted", "standard backend, VL packing: the packed batch goes to HF as the text "
+           "collator leaves it (2-D position_ids, cu_seqlens kept: the vision tower takes it for its own)",
+           "backends/standard/backend.py",
+           "if self.config.data.packing and is_vl_model(self.config.model.model_name_or_path):", "if False:",
+           (f"{VL_DATA}::test_the_standard_backend_trains_packed_vl_rows_as_the_unpacked_ones",)),
+    Mutant("vl_language_model_kv_cache_on", "standard backend, VL: the language model keeps its KV cache on in "
+           "training (text_config.use_cache), so its mask builder skips the packed-sequence rule and packed samples "
+           "attend to each other", "backends/standard/models.py",
+           "    model.config.get_text_config().use_cache = False", "    pass",
+           (f"{VL_DATA}::test_packed_rows_keep_their_images_each_samples_positions_and_the_per_token_loss",)),
     Mutant("vl_images_scattered_sequence_major", "qwen2_5_vl on mca: the images' features fill the placeholders in "
            "[seq, batch] order (Megatron's layout) instead of HF's row by row", "backends/mca/models/qwen2_5_vl.py",
            "rows, tokens = placeholders.nonzero(as_tuple=True)",
@@ -228,6 +244,18 @@ MUTANTS: list[Mutant] = [
            "                    add_deepstack_after(layer, layer.layer_number - 2)",
            ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
             "test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips",)),
+    Mutant("vl_cp_features_in_batch_order", "VL with context parallelism: each CP rank fills its placeholders with "
+           "the batch's first image features instead of those of the placeholders it holds", "backends/mca/vision.py",
+           'out["image_feature_rows"] = ordinal[:, cp_index][mine].to(device)',
+           'out["image_feature_rows"] = ordinal[placeholders][:int(mine.sum())].to(device)',
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
+    Mutant("vl_packed_cp_rope_cut_over_the_stream", "VL packed rows with context parallelism: the M-RoPE angles "
+           "cut into 2 * CP chunks of the whole packed stream (Megatron's multimodal rotary embedding) instead of "
+           "per packed sample", "backends/mca/models/qwen2_5_vl.py",
+           "if packed_seq_params is None or rope.cp_group is None or rope.cp_group.size() == 1:", "if True:",
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
     Mutant("vl_frozen_tower_trains", "qwen2_5_vl on mca: freeze_vision_tower / freeze_multi_modal_projector "
            "ignored (the tower and projector train)", "backends/mca/vision.py",
            "                param.requires_grad_(False)", "                pass",

@@ -1,6 +1,6 @@
-"""Training a vision-language model (Qwen2.5-VL, ``backends.mca.models.qwen2_5_vl``; Qwen3-VL,
-``backends.mca.models.qwen3_vl``) on the mca backend: what a
-run may ask for, which parts train, and the model inputs of a micro-batch.
+"""Training a vision-language model (Qwen2-VL, Qwen2.5-VL: ``backends.mca.models.qwen2_5_vl``; Qwen3-VL:
+``backends.mca.models.qwen3_vl``) on the mca backend: what a run may ask for, which parts train, and the model
+inputs of a micro-batch.
 
 - **Parts** (LLaMA-Factory's names, the standard backend's meanings, docs/vl.md): the vision tower is ``visual.*``
   but its merger, the multi-modal projector ``visual.merger.*``, the language model everything else (embedding,
@@ -12,9 +12,12 @@ run may ask for, which parts train, and the model inputs of a micro-batch.
   ``target_modules``), as PEFT saves it on the standard backend.
 - **Inputs**: the micro-batch's ``pixel_values`` / ``image_grid_thw`` (docs/vl.md's batch contract) go to every
   pipeline stage's forward with the 3-D M-RoPE positions (``roll.mrope``); only the first stage encodes images.
-- Refused: context parallelism (the positions are not split with the tokens yet); packing is refused for VL
-  models on both backends by the data pipeline; a Qwen3-VL pipeline split whose first chunk does not hold every
-  layer that receives deepstack features.
+  Packed rows: each packed sample's positions as for the sample alone (``roll.mrope.packed_mrope_position_ids``),
+  over the THD stream. Context parallelism: the positions of the whole sequence (Megatron's RoPE keeps the rank's
+  2 chunks of the 2 * CP of each row, or of each packed sample, as the tokens are cut), and the rows of the image
+  features whose placeholders this rank holds (``image_feature_rows``).
+- Refused: a Qwen3-VL pipeline split whose first chunk does not hold every layer that receives deepstack
+  features; Qwen3-VL with context parallelism or packing (its deepstack features are not split with the tokens yet).
 """
 
 from __future__ import annotations
@@ -80,10 +83,6 @@ def frozen_parts(finetuning) -> set[str]:
 def check_config(config, hf_config: dict) -> None:
     """What a vision-language model (``hf_config``: its config.json) cannot do on the mca backend yet, before any
     model loads (exit 2)."""
-    if config.megatron.context_parallel_size > 1:
-        raise ConfigError(f"context_parallel_size={config.megatron.context_parallel_size}: a vision-language model "
-                          "trains without context parallelism on the mca backend (its 3-D positions are not split "
-                          "with the tokens yet). Set context_parallel_size: 1.")
     if frozen_parts(config.finetuning) == {part for part, _ in FREEZE_KEYS}:
         raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
                           "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
@@ -93,8 +92,13 @@ def check_config(config, hf_config: dict) -> None:
                           "adapters). Keep both true (the defaults), use finetuning_type full to train the tower, or "
                           "use_mca: false (LoRA on the tower's layers).")
     if deepstack_layers(hf_config):
-        text = {**hf_config, **(hf_config.get("text_config") or {})}
         m = config.megatron
+        if m.context_parallel_size > 1 or config.data.packing:
+            raise ConfigError(f"context_parallel_size={m.context_parallel_size}, packing={config.data.packing}: "
+                              "Qwen3-VL trains without context parallelism and packing on the mca backend (its "
+                              "deepstack features are not split with the tokens yet). Set context_parallel_size: 1 "
+                              "and packing: false, or use_mca: false.")
+        text = {**hf_config, **(hf_config.get("text_config") or {})}
         error = deepstack_layout_error(deepstack_layers(hf_config), text["num_hidden_layers"],
                                        m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
         if error:
@@ -117,18 +121,32 @@ def freeze_parts(chunks: list[torch.nn.Module], finetuning) -> None:
               ", ".join(sorted(frozen)) or "nothing", trainable, total)
 
 
-def vision_inputs(batch: dict[str, torch.Tensor], input_ids: torch.Tensor, hf_config: dict,
-                  device: torch.device) -> dict[str, Any]:
-    """A (shifted, padded) micro-batch's M-RoPE positions ``[3, b, s]`` and its images, for every stage's forward.
+def vision_inputs(batch: dict[str, torch.Tensor], hf_config: dict, device: torch.device,
+                  cp_index: torch.Tensor | None = None) -> dict[str, Any]:
+    """A (shifted, padded) micro-batch's M-RoPE positions and its images, for every stage's forward.
 
     The positions are computed over all tokens, padding included: padding sits after a row's last real token, so
     the real tokens get the positions HF's model gives them with its attention mask (HF puts padding at 0; a
     causal model never lets a real token see it either way), and a filler row of padding only needs no special
-    case."""
-    from roll.mrope import mrope_position_ids
+    case. Plain rows: ``[3, b, s]``; packed rows (``cu_seqlens``): each sample's own, over the stream ``[3, 1, t]``.
+    ``cp_index`` (context parallelism: the positions of the row or stream this rank holds, ``cp_token_index``): the
+    positions stay whole (Megatron's RoPE keeps the rank's chunks of them: of each row, or of each packed sample,
+    ``Qwen2_5_VLModel._preprocess``) and ``image_feature_rows`` names the image features of the placeholders this
+    rank holds, in their order."""
+    from roll.mrope import mrope_position_ids, packed_mrope_position_ids
 
-    grid = batch.get("image_grid_thw")
-    out: dict[str, Any] = {"position_ids": mrope_position_ids(input_ids, grid, hf_config).to(device)}
+    input_ids, grid = batch["input_ids"], batch.get("image_grid_thw")
+    if "cu_seqlens" in batch:
+        positions = packed_mrope_position_ids(input_ids, batch["position_ids"], grid, hf_config).reshape(3, 1, -1)
+        input_ids = input_ids.reshape(1, -1)  # the THD stream the model gets (cp_index indexes it)
+    else:
+        positions = mrope_position_ids(input_ids, grid, hf_config)
+    out: dict[str, Any] = {"position_ids": positions.to(device)}
     if grid is not None:
         out.update(pixel_values=batch["pixel_values"].to(device), image_grid_thw=grid.to(device))
+        if cp_index is not None:
+            placeholders = input_ids == hf_config["image_token_id"]
+            ordinal = placeholders.reshape(-1).cumsum(0).view_as(placeholders) - 1  # row-major, as the features
+            mine = placeholders[:, cp_index]
+            out["image_feature_rows"] = ordinal[:, cp_index][mine].to(device)
     return out

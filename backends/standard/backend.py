@@ -186,7 +186,13 @@ class StandardBackend(Backend):
             trainer = make_reward_trainer_class()(model=models.policy, data_collator=RewardBatch(job.collator), **common)
             M.moe_loss_coefficients(models.policy, self.config.megatron, job.stage)  # warns
         else:
-            trainer = RollTrainer(model=models.policy, data_collator=job.collator, **common)
+            collator = job.collator
+            if self.config.data.packing and is_vl_model(self.config.model.model_name_or_path):
+                from backends.standard.vision import PackedVisionBatch
+                from roll.hf_config import read_hf_config
+
+                collator = PackedVisionBatch(collator, read_hf_config(self.config.model.model_name_or_path))
+            trainer = RollTrainer(model=models.policy, data_collator=collator, **common)
             trainer.moe_aux_coeff, trainer.moe_z_coeff = M.moe_loss_coefficients(
                 models.policy, self.config.megatron, job.stage)
         trainer.roll_arguments = self.config.to_dict()  # saved as training_args.json (roll.redact)

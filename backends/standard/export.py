@@ -27,6 +27,7 @@ def save_final_model(trainer, tokenizer, output_dir: str) -> str:
     config = getattr(unwrapped, "config", None)
     if config is not None:
         config.use_cache = True  # training turned the KV cache off; inference wants it back
+        config.get_text_config().use_cache = True  # a VL model's language model's too
     before = weight_file_states(output_dir)
     trainer.save_model(output_dir)
     barrier()

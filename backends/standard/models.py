@@ -79,6 +79,9 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, trust_remote_code: bool = F
                                                                      ignore_mismatched_sizes=True, **kwargs)
     check_loading_info(model, info, path, what=what)
     model.config.use_cache = False  # training never reuses a KV cache
+    # a VL model's language model reads its own text_config's: with a cache its mask builder skips the packed-
+    # sequence rule, and packed samples would attend to each other (tests/unit/test_vl_data.py's packed test)
+    model.config.get_text_config().use_cache = False
     return model
 
 

@@ -7,6 +7,8 @@ language-model layers (roll.data.vision.check_config refuses unfreezing vision p
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -89,3 +91,33 @@ def save_image_processor(model_dir: str, output_dir: str) -> None:
     source = os.path.join(model_dir, "preprocessor_config.json")
     if is_rank0() and os.path.isfile(source):
         shutil.copyfile(source, os.path.join(output_dir, "preprocessor_config.json"))
+
+
+@dataclass
+class PackedVisionBatch:
+    """Packed rows of a VL model as transformers 5.23's Qwen-VL takes them: ``position_ids`` [4, b, s], the text
+    positions (restarting at 0 per packed sample: the language model's mask builder then keeps attention inside
+    each sample, its packed-sequence rule) over the 3-D M-RoPE positions of each sample alone
+    (``roll.mrope.packed_mrope_position_ids``), and no ``cu_seqlens``: the vision tower would take a
+    ``cu_seqlens`` keyword for its own patch boundaries (``transformers.vision_utils.get_vision_cu_seqlens``).
+
+    Example (a text-only row of two samples): ``{"input_ids": [[5, 6, 7]], "position_ids": [[0, 1, 0]],
+    "cu_seqlens": [0, 2, 3], ...}`` -> ``{"input_ids": [[5, 6, 7]], "position_ids": [[[0, 1, 0]]] * 4, ...}``.
+    """
+
+    base: Any
+    """The shared collator (roll.data.vision.VisionCollator over a packing SequenceCollator)."""
+    hf_config: dict
+    """The model's config.json."""
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        from roll.mrope import packed_mrope_position_ids
+
+        batch = dict(self.base(features))
+        batch.pop("cu_seqlens", None)
+        text = batch["position_ids"]
+        mrope = packed_mrope_position_ids(batch["input_ids"], text, batch.get("image_grid_thw"), self.hf_config)
+        batch["position_ids"] = torch.cat([text[None], mrope])
+        return batch

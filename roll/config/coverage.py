@@ -144,9 +144,14 @@ ROWS: tuple[Row, ...] = (
     _row("cutoff_len", both=Honoured(
         "tests/unit/test_data_processors.py::test_sft_truncation_keeps_the_answer_and_the_assistant_header")),
     _row("packing", standard=Honoured(
-        "tests/unit/test_standard_train.py::test_packed_rows_give_the_same_loss_as_padded_ones"),
+        "tests/unit/test_standard_train.py::test_packed_rows_give_the_same_loss_as_padded_ones",
+        "vision-language models: each packed sample its own M-RoPE positions (tests/unit/test_vl_data.py::"
+        "test_the_standard_backend_trains_packed_vl_rows_as_the_unpacked_ones)"),
          mca=Honoured(
-             "tests/distributed/test_mca_train.py::test_packed_equals_unpacked_on_the_same_samples")),
+             "tests/distributed/test_mca_train.py::test_packed_equals_unpacked_on_the_same_samples",
+             "vision-language models: tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+             "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen, also with "
+             "context_parallel_size > 1")),
     _row("packing_algorithm", both=Honoured(
         "tests/unit/test_data_packing.py::test_llamafactory_packing_gives_its_rows_in_its_order",
         "the shared pipeline packs (roll.data.packing), both backends train its rows; llamafactory: LLaMA-Factory "
@@ -212,7 +217,9 @@ ROWS: tuple[Row, ...] = (
     _row("tensor_model_parallel_size pipeline_model_parallel_size virtual_pipeline_model_parallel_size "
          "sequence_parallel", standard=MEGATRON_ONLY, mca=Honoured(LAYOUTS)),
     _row("context_parallel_size", standard=MEGATRON_ONLY, mca=Honoured(
-        "tests/distributed/test_mca_platform_dist.py::test_local_attention_packed_and_context_parallel")),
+        "tests/distributed/test_mca_platform_dist.py::test_local_attention_packed_and_context_parallel",
+        "vision-language models too (tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+        "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen), packed too")),
     _row("moe_aux_loss_coeff moe_aux_loss_coef", standard=Honoured(
         MOE_AUX, "pt and sft; stages dpo and kto train without it, with one warning (docs/mca-training.md)",
         parity="moe_default_aux_loss"), mca=Honoured(MOE_AUX, parity="moe_default_aux_loss")),

@@ -3,7 +3,8 @@
 Bins are filled best-fit decreasing (each sample, longest first, goes into the fullest bin that
 still has room), which for chat-length samples reaches > 95% of slots. A packed row holds
 ``input_ids``, ``labels`` (each sample's first label is already IGNORE_INDEX, so no label crosses a
-boundary), ``position_ids`` restarting at 0 per sample, and ``seq_lens`` (sample lengths in order).
+boundary), ``position_ids`` restarting at 0 per sample, and ``seq_lens`` (sample lengths in order); a vision-language model's
+rows also ``images``, their samples' image paths concatenated in the packed order (roll.data.vision).
 The collator turns position_ids into ``cu_seqlens``; HF models read the same boundaries from
 position_ids, Megatron's THD format from cu_seqlens.
 
@@ -191,14 +192,18 @@ def efficiency(packed, capacity: int) -> float:
     return float(sample_lengths(packed).sum()) / (len(packed) * capacity)
 
 
-def packed_features():
-    """The packed rows' schema (the one ``datasets.map`` inferred when packing went through it)."""
+def packed_features(images: bool = False):
+    """The packed rows' schema (the one ``datasets.map`` inferred when packing went through it), with ``images``
+    for a vision-language model's rows."""
     import datasets
 
-    return datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                              "labels": datasets.List(datasets.Value("int64")),
-                              "position_ids": datasets.List(datasets.Value("int64")),
-                              "seq_lens": datasets.List(datasets.Value("int64"))})
+    features = {"input_ids": datasets.List(datasets.Value("int32")),
+                "labels": datasets.List(datasets.Value("int64")),
+                "position_ids": datasets.List(datasets.Value("int64")),
+                "seq_lens": datasets.List(datasets.Value("int64"))}
+    if images:
+        features["images"] = datasets.List(datasets.Value("string"))
+    return datasets.Features(features)
 
 
 def _write_packed(dataset, capacity: int, path: str, llamafactory: tuple[int, int | None] | None = None) -> None:
@@ -209,13 +214,14 @@ def _write_packed(dataset, capacity: int, path: str, llamafactory: tuple[int, in
     lengths = sample_lengths(dataset)
     members, bin_sizes = (pack_bins(lengths, capacity) if llamafactory is None
                           else pack_llamafactory(lengths, capacity, *llamafactory))
-    source = dataset.select_columns(["input_ids", "labels"]).with_format("arrow")
+    images = "images" in dataset.column_names
+    source = dataset.select_columns(["input_ids", "labels", *(["images"] if images else [])]).with_format("arrow")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.{uuid.uuid4().hex}.partial"
     bin_ends = np.cumsum(bin_sizes)
     bins_per_write = max(1, TOKENS_PER_WRITE // capacity)
     try:
-        with ArrowWriter(features=packed_features(), path=partial) as writer:
+        with ArrowWriter(features=packed_features(images), path=partial) as writer:
             for first in range(0, len(bin_sizes), bins_per_write):
                 last = min(first + bins_per_write, len(bin_sizes))
                 start = int(bin_ends[first - 1]) if first else 0
@@ -231,8 +237,9 @@ def _write_packed(dataset, capacity: int, path: str, llamafactory: tuple[int, in
 
 def _packed_rows(rows, sample_lens: np.ndarray, bin_sizes: np.ndarray):
     """Arrow table of packed rows from ``rows`` (the samples, grouped by bin in order) without a Python loop:
-    each column's values are concatenated and cut at the bins' token offsets."""
+    each column's values are concatenated and cut at the bins' token offsets (``images``: at their image counts)."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     bin_tokens = np.add.reduceat(sample_lens, np.r_[0, np.cumsum(bin_sizes)[:-1]]) if len(bin_sizes) else []
     token_offsets = pa.array(np.r_[0, np.cumsum(bin_tokens)].astype(np.int32))
@@ -243,9 +250,16 @@ def _packed_rows(rows, sample_lens: np.ndarray, bin_sizes: np.ndarray):
     def values(column: str, dtype):
         return rows.column(column).combine_chunks().flatten().cast(dtype)
 
-    return pa.table({
+    columns = {
         "input_ids": pa.ListArray.from_arrays(token_offsets, values("input_ids", pa.int32())),
         "labels": pa.ListArray.from_arrays(token_offsets, values("labels", pa.int64())),
         "position_ids": pa.ListArray.from_arrays(token_offsets, pa.array(positions)),
         "seq_lens": pa.ListArray.from_arrays(sample_offsets, pa.array(sample_lens.astype(np.int64))),
-    })
+    }
+    if "images" in rows.column_names:
+        images = rows.column("images").combine_chunks()
+        counts = pc.list_value_length(images).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        bin_images = np.add.reduceat(counts, np.r_[0, np.cumsum(bin_sizes)[:-1]]) if len(bin_sizes) else []
+        image_offsets = pa.array(np.r_[0, np.cumsum(bin_images)].astype(np.int32))
+        columns["images"] = pa.ListArray.from_arrays(image_offsets, images.flatten().cast(pa.string()))
+    return pa.table(columns)

@@ -113,7 +113,6 @@ def check_config(config) -> None:
         return
     data, stage = config.data, config.finetuning.stage
     refused = [(stage != "sft", f"stage {stage} (images are laid out for stage sft only)"),
-               (data.packing, "packing: true (M-RoPE positions per packed sample are not built yet)"),
                (data.streaming, "streaming: true"),
                (bool(data.tokenized_path), "tokenized_path (the prepared rows do not record the image processor)"),
                (config.finetuning.export_merged, "export_merged (the merge loads a causal LM)")]

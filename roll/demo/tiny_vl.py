@@ -56,18 +56,48 @@ def tiny_image_processor():
 
 def make_tiny_vl_model(out_dir: str, seed: int = 0, **config_overrides) -> str:
     """Build a tiny random Qwen2.5-VL, its tokenizer and image processor, saved to ``out_dir``. Returns out_dir."""
-    import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     tok = build_vl_tokenizer()
-    config = tiny_vl_config(tok, **config_overrides)
+    return save_tiny_vl(Qwen2_5_VLForConditionalGeneration, tiny_vl_config(tok, **config_overrides), tok, out_dir,
+                        seed)
+
+
+def save_tiny_vl(model_class, config, tok, out_dir: str, seed: int) -> str:
+    """``model_class(config)`` drawn with ``seed``, saved to ``out_dir`` with ``tok`` and the tiny image processor."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    model = model_class(config)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     tiny_image_processor().save_pretrained(out_dir)
     return out_dir
+
+
+TINY_QWEN2_VL_VISION = dict(depth=2, embed_dim=24, hidden_size=48, mlp_ratio=3, num_heads=2, patch_size=14,
+                            spatial_merge_size=2, temporal_patch_size=2)
+"""Qwen2-VL's vision tower, tiny and odd: 2 blocks of width 24 (2 heads of 12), MLP ratio 3, merged into tokens of
+the language model's width 48."""
+
+
+def make_tiny_qwen2_vl_model(out_dir: str, seed: int = 0) -> str:
+    """A tiny random Qwen2-VL at odd shapes (the second VL family of the mca tests): the language model of
+    ``tiny_vl_config`` at hidden 48, 6 heads of 8 over 2 KV groups, M-RoPE sections 1/1/2, a 517-row vocabulary
+    (TP2 pads it to 518), untied; ``TINY_QWEN2_VL_VISION``; the same tokenizer and image processor. Returns out_dir."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tok = build_vl_tokenizer()
+    base = tiny_vl_config(tok)
+    text = base.text_config.to_dict()
+    text.update(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=96, vocab_size=517)
+    text["rope_parameters"]["mrope_section"] = [1, 1, 2]
+    ids = {f"{name}_token_id": getattr(base, f"{name}_token_id") for name in ("image", "video", "vision_start",
+                                                                             "vision_end")}
+    config = Qwen2VLConfig(text_config=text, vision_config=dict(TINY_QWEN2_VL_VISION), tie_word_embeddings=False,
+                           **ids)
+    return save_tiny_vl(Qwen2VLForConditionalGeneration, config, tok, out_dir, seed)
 
 
 TINY_QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
@@ -99,18 +129,13 @@ def tiny_qwen3_vl_config(tok, *, num_layers: int = 4, tie_word_embeddings: bool 
 def make_tiny_qwen3_vl_model(out_dir: str, seed: int = 0, **config_args) -> str:
     """Build a tiny random Qwen3-VL (``tiny_qwen3_vl_config(tok, **config_args)``), its tokenizer and image processor
     (32-pixel tokens, 2 to 16 of them an image), saved to ``out_dir``. Returns out_dir."""
-    import torch
     from transformers import Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = build_vl_tokenizer()
     config = tiny_qwen3_vl_config(tok, **config_args)
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    vision = config.vision_config
+    save_tiny_vl(Qwen3VLForConditionalGeneration, config, tok, out_dir, seed)
+    vision = config.vision_config  # its own image processor in place of the 14-pixel one
     Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                              temporal_patch_size=vision.temporal_patch_size, min_pixels=64 * 64,
                              max_pixels=128 * 128).save_pretrained(out_dir)

@@ -1,20 +1,21 @@
-"""Qwen2.5-VL and Qwen3-VL on Megatron, under one 2-process torchrun per test (gloo, fp32, CPU): the families'
-conversion and training guarantees.
+"""Qwen2.5-VL, Qwen2-VL and Qwen3-VL on Megatron, under one 2-process torchrun per test (gloo, fp32, CPU): the families'
+conversion guarantees and training.
 
-Qwen2.5-VL: two tiny models with random values in every tensor (vision tower included): roll.demo.tiny_vl's (hidden
-64, 4 heads over 2 KV groups, M-RoPE sections 2/3/3, tied) and an odd-shaped one (hidden 48, 6 heads of 8 over 2 KV
-groups, sections 1/1/2, a 517-row vocabulary that TP2 pads to 518, untied, merger out width 48). Qwen3-VL: roll.demo.
-tiny_vl's tiny Qwen3-VL (4 layers, q/k norms, interleaved sections 2/3/3, both tower blocks feeding deepstack
-features to layers 0 and 1, tied) and an odd-shaped one (2 layers, hidden 48, 6 heads of 12 over 2 KV groups: a
-72-wide attention, interleaved sections 2/2/2, vocabulary 517, untied, deepstack from block 1 into layer 0).
+Tiny models with random values in every tensor (vision tower included): roll.demo.tiny_vl's (hidden 64, 4 heads
+over 2 KV groups, M-RoPE sections 2/3/3, tied), an odd-shaped one (hidden 48, 6 heads of 8 over 2 KV groups,
+sections 1/1/2, a 517-row vocabulary that TP2 pads to 518, untied, merger out width 48) and a Qwen2-VL of that odd
+language model with Qwen2-VL's own tower (``make_tiny_qwen2_vl_model``: LayerNorms with biases, fc1/fc2 MLP).
+Qwen3-VL: roll.demo.tiny_vl's tiny Qwen3-VL (4 layers, q/k norms, interleaved sections 2/3/3, both tower blocks
+feeding deepstack features to layers 0 and 1, tied) and an odd-shaped one (2 layers, hidden 48, 6 heads of 12 over
+2 KV groups: a 72-wide attention, interleaved sections 2/2/2, vocabulary 517, untied, deepstack from block 1 into
+layer 0), checked at TP1, TP2, PP2 (both deepstack layers on stage 0) and round-tripped TP1 -> TP2, PP2 -> TP1:
 
 - ``roll-convert check``'s logits parity (``convert.check_parity``) on a batch with two images of different sizes
-  (grids 4x6 and 6x2 patches) and a text-only row, HF's ``...ForConditionalGeneration`` against the Megatron model
-  (the vision tower on the first stage), at TP1, TP2, PP2 (Qwen3-VL: both deepstack layers on stage 0) and, for
-  Qwen2.5-VL, PP2 x VPP2 (a 4-layer variant), within the bounds of tests/bounds.py;
+  (grids 4x6 and 6x2 patches) and a text-only row, HF's ``...ForConditionalGeneration`` against the
+  Megatron model (the vision tower on the first stage), at TP1, TP2, PP2 and PP2 x VPP2 (a 4-layer variant; Qwen2-VL
+  at TP1, TP2, PP2), within the bounds of tests/bounds.py;
 - HF -> Megatron -> HF bit-exact across TP1, TP2 and PP2 (written at one layout, exported at another), the vision
   tower's tensors included; the export loads with transformers and keeps the image processor.
-- Training through the mca trainer (the second test's docstring), both families in one torchrun.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def assert_vl_exported_like(original: str, exported: str) -> None:
     assert all(torch.equal(loaded[name], a[file]) for name, file in on_disk.items())
 
 
-ROUND_TRIPS = (("tp1", {}, "tp2", {"tp": 2}), ("tp2", {"tp": 2}, "pp2", {"pp": 2}), ("pp2", {"pp": 2}, "tp1", {}))
-"""(written at, its layout, exported at, its layout): every layout on both sides once."""
+ROUND_TRIPS = (("tp1", {}, "tp2", {"tp": 2}), ("tp2", {"tp": 2}, "pp2", {"pp": 2}), ("pp2", {"pp": 2}, "tp1", {}),
+               ("q2_tp2", {"tp": 2}, "pp2", {"pp": 2}))
+"""(written at, its layout, exported at, its layout): every layout on both sides once; Qwen2-VL from TP2 to PP2."""
 
 
 def qwen3_vl_cases(tmp_path) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -110,28 +112,33 @@ def qwen3_vl_cases(tmp_path) -> tuple[list[dict], list[tuple[str, str]]]:
 
 
 def test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips(tmp_path):
-    """Both families (Qwen3-VL's cases from ``qwen3_vl_cases``) in one torchrun."""
-    from roll.demo.tiny_vl import make_tiny_vl_model
+    """The three families (Qwen3-VL's cases from ``qwen3_vl_cases``) in one torchrun."""
+    from roll.demo.tiny_vl import make_tiny_qwen2_vl_model, make_tiny_vl_model
 
     tiny = randomized(make_tiny_vl_model(str(tmp_path / "tiny_src")), str(tmp_path / "tiny"))
     odd = randomized(odd_vl_model(str(tmp_path / "odd_src")), str(tmp_path / "odd"))
     deep = randomized(make_tiny_vl_model(str(tmp_path / "deep_src"), num_layers=4), str(tmp_path / "deep"))
+    qwen2_vl = randomized(make_tiny_qwen2_vl_model(str(tmp_path / "q2_src")), str(tmp_path / "q2"))
     cases = [dict(name="vl_tp1", kind="check", dir=tiny),
              dict(name="vl_tp2", kind="check", dir=tiny, tp=2),
              dict(name="vl_pp2", kind="check", dir=tiny, pp=2),
              dict(name="vl_pp2_vpp2", kind="check", dir=deep, pp=2, vpp=2),  # the tower on virtual stage 0 only
              dict(name="vl_odd_tp1", kind="check", dir=odd),
-             dict(name="vl_odd_tp2_padded_vocab", kind="check", dir=odd, tp=2)]
-    for (written, write_layout, exported, export_layout), hf in zip(ROUND_TRIPS, (tiny, odd, tiny)):
+             dict(name="vl_odd_tp2_padded_vocab", kind="check", dir=odd, tp=2),
+             dict(name="qwen2_vl_tp1", kind="check", dir=qwen2_vl),
+             dict(name="qwen2_vl_tp2_padded_vocab", kind="check", dir=qwen2_vl, tp=2),
+             dict(name="qwen2_vl_pp2", kind="check", dir=qwen2_vl, pp=2)]
+    sources = (tiny, odd, tiny, qwen2_vl)
+    for (written, write_layout, exported, export_layout), hf in zip(ROUND_TRIPS, sources):
         mca, out = str(tmp_path / f"mca_{written}"), str(tmp_path / f"hf_{written}_{exported}")
         cases += [dict(name=f"to_mca_{written}", kind="hf2mca", dir=hf, out=mca, **write_layout),
                   dict(name=f"to_hf_{written}_{exported}", kind="mca2hf", dir=mca, out=out, max_shard_bytes=60_000,
                        **export_layout)]
     qwen3_cases, qwen3_exports = qwen3_vl_cases(tmp_path)
-    res = run_cases(cases + qwen3_cases, tmp_path, timeout=600)
+    res = run_cases(cases + qwen3_cases, tmp_path, timeout=720)
     assert all(rows[0]["diff"] == rows[1]["diff"] for rows in res.values() if "diff" in rows[0])
     assert_within(logit_comparisons(res))
-    for (written, _, exported, _), hf in zip(ROUND_TRIPS, (tiny, odd, tiny)):
+    for (written, _, exported, _), hf in zip(ROUND_TRIPS, sources):
         assert_vl_exported_like(hf, str(tmp_path / f"hf_{written}_{exported}"))
     for hf, export in qwen3_exports:
         assert_vl_exported_like(hf, export)
@@ -161,6 +168,29 @@ def vl_rows(hf_config: dict, seed: int = 0) -> list[dict]:
         rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "images": images,
                      "labels": [-100] * len(prompt) + answer})
     return rows
+
+
+def hf_loss(model_dir: str, rows: list[dict]) -> float:
+    """transformers' loss of ``rows`` as one batch (right-padded), with the modality of each token so that HF uses
+    its M-RoPE positions: the mean over the labelled tokens, what the mca backend's step logs."""
+    from transformers import AutoModelForImageTextToText
+
+    from roll.mrope import mm_token_type_ids
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                        attn_implementation="sdpa").eval()
+    length = max(len(r["input_ids"]) for r in rows)
+
+    def padded(key: str, value: int) -> torch.Tensor:
+        return torch.tensor([r[key] + [value] * (length - len(r[key])) for r in rows])
+
+    input_ids = padded("input_ids", 0)
+    images = [image for r in rows for image in r["images"]]
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=padded("attention_mask", 0), labels=padded("labels", -100),
+                    pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.tensor([g for _, g in images]),
+                    mm_token_type_ids=mm_token_type_ids(input_ids, model.config.to_dict()))
+    return float(out.loss)
 
 
 def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool) -> list[float]:
@@ -199,27 +229,32 @@ def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool)
     return losses
 
 
-FAMILY_RUNS = {"qwen2_5_vl": ["tp1", "tp2_sp", "pp2", "pp2_resume", "pp2_frozen"],
-               "qwen3_vl": ["tp1", "tp2_sp", "pp2", "pp2_frozen"]}
+FAMILY_RUNS = {"qwen2_5_vl": ["tp1", "tp2_sp", "pp2", "pp2_resume", "pp2_frozen", "cp2", "packed", "packed_pp2",
+                              "packed_cp2"],
+               "qwen2_vl": ["tp1"], "qwen3_vl": ["tp1", "tp2_sp", "pp2", "pp2_frozen"]}
 """The worker's runs per family (tests/distributed/_mca_workers/vl_train_runs.py); resuming is family-neutral."""
 
 
 def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen(tmp_path):
-    """Qwen2.5-VL and Qwen3-VL (its deepstack features into layers 0 and 1, both on PP2's first stage) in one
-    torchrun. The batch keys through Megatron's schedule (a micro-batch without images, one with three), the first
-    stage's vision forward, and freezing: both steps' losses are transformers' on the same rows with the same
-    optimisation written out (``hf_losses``) at TP1 x DP2, TP2 with sequence parallelism and full recompute (the
-    images and deepstack features go in before the sequence is split) and PP2, tower trained, and at PP2 with
-    LLaMA-Factory's defaults (tower and merger frozen); the layouts agree with each other more tightly still; a
-    trained tower, projector and deepstack mergers change, frozen ones do not; resuming PP2's step-1 checkpoint (the
-    HF tower inside Megatron's checkpoint) repeats its step 2 exactly."""
+    """The batch keys through Megatron's schedule (a micro-batch without images, one with three), the first stage's
+    vision forward, and freezing, in one torchrun for the three families. Qwen2.5-VL: step 1's loss is HF's on the
+    same rows at TP1 x DP2, TP2 with sequence parallelism (the images go in before the sequence is split), PP2, CP2
+    (each rank 2 of every row's 4 chunks: the 3-D positions are cut as the tokens are) and packed in pairs (each
+    sample its own M-RoPE positions; at DP2, PP2 and CP2: each packed sample cut into 4 chunks); step 2 agrees across
+    layouts; the packed step 1 is also the standard backend's packed loss; resuming PP2's step-1 checkpoint (the HF
+    tower inside Megatron's checkpoint) repeats its step 2 exactly. Qwen2-VL (its own tower) trains at TP1 x DP2 with
+    step 1 at HF's loss. Qwen2.5-VL and Qwen3-VL (deepstack into layers 0 and 1, both on PP2's first stage): both
+    steps' losses are transformers' with the same optimisation written out (``hf_losses``) at TP1 x DP2, TP2 + SP
+    with full recompute and PP2, tower trained, and at PP2 with LLaMA-Factory's defaults (tower and merger frozen);
+    a trained tower, projector and deepstack mergers change, frozen ones do not."""
     import json
 
-    from roll.demo.tiny_vl import make_tiny_qwen3_vl_model, make_tiny_vl_model
+    from roll.demo.tiny_vl import make_tiny_qwen2_vl_model, make_tiny_qwen3_vl_model, make_tiny_vl_model
     from tests.bounds import BACKEND_VL, BACKEND_VL_STEPS, VL_LAYOUT, Comparison
     from tests.helpers import REPO, output_of, torchrun
 
-    makers = {"qwen2_5_vl": make_tiny_vl_model, "qwen3_vl": make_tiny_qwen3_vl_model}
+    makers = {"qwen2_5_vl": make_tiny_vl_model, "qwen2_vl": make_tiny_qwen2_vl_model,
+              "qwen3_vl": make_tiny_qwen3_vl_model}
     spec, rows = [], {}
     for family, runs in FAMILY_RUNS.items():
         model = randomized(makers[family](str(tmp_path / f"{family}_src")), str(tmp_path / family))
@@ -229,27 +264,60 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
         spec.append({"family": family, "model": model, "rows": str(tmp_path / f"{family}_rows.pt"), "runs": runs})
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     worker = os.path.join(REPO, "tests", "distributed", "_mca_workers", "vl_train_runs.py")
-    proc = torchrun(worker, str(tmp_path / "spec.json"), str(tmp_path / "result.json"), timeout=900)
+    proc = torchrun(worker, str(tmp_path / "spec.json"), str(tmp_path / "result.json"), timeout=1200)
     assert proc.returncode == 0, output_of(proc)
     results = json.loads((tmp_path / "result.json").read_text())
+    models = {entry["family"]: entry["model"] for entry in spec}
     comparisons = []
-    for entry in spec:
-        family, res = entry["family"], results[entry["family"]]
-        reference = {trained: hf_losses(entry["model"], rows[family], 2, trained) for trained in (True, False)}
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        res = results[family]
+        reference = {trained: hf_losses(models[family], rows[family], 2, trained) for trained in (True, False)}
         for name, run in res.items():
             if name == "pp2_resume":  # logs step 2 only
                 continue
             hf = reference[name != "pp2_frozen"]
-            comparisons += [Comparison(f"{family}_{name}_step1_vs_hf", run["losses"][:1], hf[:1], BACKEND_VL),
-                            Comparison(f"{family}_{name}_vs_hf", run["losses"], hf, BACKEND_VL_STEPS)]
+            comparisons.append(Comparison(f"{family}_{name}_step1_vs_hf", run["losses"][:1], hf[:1], BACKEND_VL))
+            if name in FAMILY_RUNS["qwen3_vl"]:
+                comparisons.append(Comparison(f"{family}_{name}_vs_hf", run["losses"], hf, BACKEND_VL_STEPS))
         comparisons += [Comparison(f"{family}_{name}_vs_tp1", res[name]["losses"], res["tp1"]["losses"], VL_LAYOUT)
-                        for name in ("tp2_sp", "pp2")]
+                        for name in res if name not in ("tp1", "pp2_resume", "pp2_frozen")]
         parts = ("tower", "merger", "deepstack") if family == "qwen3_vl" else ("tower", "merger")
         assert all(res[n][f"{part}_changed"] for n in ("tp1", "tp2_sp", "pp2") for part in parts), res
         assert not any(res["pp2_frozen"][f"{part}_changed"] for part in parts), res
         assert res["tp2_sp"]["sequence_parallel"] and not res["tp1"]["sequence_parallel"]
         assert res["tp2_sp"]["tower_recomputes"] and not res["tp1"]["tower_recomputes"]  # recompute: the same losses
         assert res["pp2_frozen"]["losses"][1] != res["pp2"]["losses"][1]  # the tower's update changed step 2
+    res, qwen2_vl = results["qwen2_5_vl"], results["qwen2_vl"]["tp1"]
+    comparisons += [Comparison("packed_step1_vs_standard_packed", res["packed"]["losses"][:1],
+                               [standard_packed_loss(models["qwen2_5_vl"], rows["qwen2_5_vl"])], BACKEND_VL),
+                    Comparison("qwen2_vl_step1_vs_hf", qwen2_vl["losses"][:1],
+                               [hf_loss(models["qwen2_vl"], rows["qwen2_vl"])], BACKEND_VL)]
     assert_within(comparisons)
-    res = results["qwen2_5_vl"]
+    assert qwen2_vl["tower_changed"] and qwen2_vl["losses"] != res["tp1"]["losses"]
     assert res["pp2_resume"]["losses"][-1] == res["pp2"]["losses"][-1]  # the tower came back from the checkpoint
+
+
+def standard_packed_loss(model_dir: str, rows: list[dict]) -> float:
+    """The standard backend's loss of ``rows`` packed in pairs (rows 2i and 2i+1 in one row, as the worker packs
+    them): roll's packing collator, the images concatenated in the packed order, ``PackedVisionBatch`` (HF's packed
+    position_ids [4, b, s]) and the model as the backend loads it."""
+    from backends.standard.vision import PackedVisionBatch, load_vl_model
+    from roll.data.collators import SequenceCollator
+    from roll.data.policy import PaddingPolicy
+    from roll.hf_config import read_hf_config
+
+    pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows) - 1, 2)]
+    packed = [{"input_ids": a["input_ids"] + b["input_ids"], "labels": a["labels"] + b["labels"],
+               "position_ids": list(range(len(a["input_ids"]))) + list(range(len(b["input_ids"]))),
+               "images": a["images"] + b["images"]} for a, b in pairs]
+
+    def collate(features: list[dict]) -> dict:
+        batch = SequenceCollator(0, PaddingPolicy(packing=True))([{k: v for k, v in f.items() if k != "images"}
+                                                                  for f in features])
+        images = [image for f in features for image in f["images"]]
+        return {**batch, "pixel_values": torch.cat([p for p, _ in images]),
+                "image_grid_thw": torch.tensor([g for _, g in images])}
+
+    model = load_vl_model(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        return float(model(**PackedVisionBatch(collate, read_hf_config(model_dir))(packed)).loss)

@@ -1,5 +1,7 @@
-"""Qwen2.5-VL on Megatron: the language model is a Megatron-Core GPTModel with multimodal RoPE, the vision tower
-and patch merger are HF's own module (``Qwen2_5_VisionTransformerPretrainedModel``) on the first pipeline stage.
+"""Qwen2-VL and Qwen2.5-VL on Megatron: the language model is a Megatron-Core GPTModel with multimodal RoPE, the
+vision tower and patch merger are HF's own module (``VISION_TOWERS``: Qwen2.5-VL's
+``Qwen2_5_VisionTransformerPretrainedModel``, Qwen2-VL's ``Qwen2VisionTransformerPretrainedModel``) on the first
+pipeline stage. The two families differ in that module and their config names only.
 
 Why HF's tower and not a Megatron one: it computes exactly what the HF model computes (the standard backend's
 vision features are bit-identical to these), its weights need no mapping beyond their names, and it is small
@@ -26,34 +28,32 @@ from megatron.core.models.gpt import GPTModel
 
 from roll.mrope import mrope_position_ids
 
+VISION_TOWERS = {"qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel",
+                 "qwen2_vl": "Qwen2VisionTransformerPretrainedModel", "qwen3_vl": "Qwen3VLVisionModel"}
+"""HF model_type -> its vision tower + merger class (in ``transformers.models.<model_type>.modeling_<model_type>``)."""
 
-TOWERS = {"qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
-          "qwen3_vl": "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel"}
-"""HF's vision tower class of each family (``model_type``), by dotted path."""
 
-
-def hf_vl_config(hf_config: dict):
-    """transformers' config object of a VL model's config.json (a dict): the values HF's model is built with, its
-    class defaults included (a saved config.json leaves out some of them)."""
+def vision_config(hf_config: dict):
+    """The transformers vision config of a VL model's config.json (a dict), by its ``model_type``."""
     from transformers import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[hf_config["model_type"]].from_dict(hf_config)
+    return CONFIG_MAPPING[hf_config["model_type"]].from_dict(hf_config).vision_config
 
 
 def build_vision_tower(config) -> torch.nn.Module:
-    """HF's vision tower + merger for ``config.hf_config`` (SDPA attention, as the HF reference model loads), in the
-    Megatron model's dtype; randomly initialised only when Megatron initialises weights; its blocks recompute their
-    activations when the language model's layers do (``recompute_granularity``)."""
+    """HF's vision tower + merger for ``config.hf_config`` (``VISION_TOWERS``; SDPA attention, as the HF reference
+    model loads), in the Megatron model's dtype; randomly initialised only when Megatron initialises weights; its
+    blocks recompute their activations when the language model's layers do (``recompute_granularity``)."""
     import importlib
 
     from transformers.initialization import no_init_weights
 
-    module, _, name = TOWERS[config.hf_model_type].rpartition(".")
-    tower_class = getattr(importlib.import_module(module), name)
-    vision_config = hf_vl_config(config.hf_config).vision_config
+    family = config.hf_config["model_type"]
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    tower_class = getattr(modeling, VISION_TOWERS[family])
     skip_init = no_init_weights() if not config.perform_initialization else contextlib.nullcontext()
     with skip_init:
-        tower = tower_class._from_config(vision_config, attn_implementation="sdpa")
+        tower = tower_class._from_config(vision_config(config.hf_config), attn_implementation="sdpa")
     for param in tower.parameters():
         param.average_gradients_across_tp_domain = True
     if config.recompute_granularity is not None:
@@ -75,23 +75,44 @@ class Qwen2_5_VLModel(GPTModel):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                 decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
-                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, **kwargs):
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                image_feature_rows: torch.Tensor | None = None, **kwargs):
         if position_ids is None:
             position_ids = mrope_position_ids(input_ids, image_grid_thw, self.config.hf_config)
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
-            raise ValueError(f"{self.config.hf_model_type} needs 3-D (M-RoPE) position ids [3, batch, seq]; got "
-                             f"shape {tuple(position_ids.shape)} (roll.mrope.mrope_position_ids computes them).")
+            raise ValueError(f"a Qwen-VL model needs 3-D (M-RoPE) position ids [3, batch, seq]; got shape "
+                             f"{tuple(position_ids.shape)} (roll.mrope.mrope_position_ids computes them).")
         if self.pre_process and decoder_input is None:
-            decoder_input, block_inputs = self.embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input, block_inputs = self.embed(input_ids, pixel_values, image_grid_thw, image_feature_rows)
             if block_inputs:
                 kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), **block_inputs}
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
                                **kwargs)
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, **kwargs):
+        """GPTModel's, but for packed rows under context parallelism: Megatron's multimodal rotary embedding cuts
+        the whole THD stream into 2 * CP chunks (right for one sequence a row), while THD RoPE wants every token's
+        angles and cuts them per packed sample itself (``_apply_rotary_pos_emb_thd``, which maps them by offset
+        when they cover the stream): the embedding is taken again uncut."""
+        out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context, packed_seq_params,
+                                  **kwargs)
+        rope = self.rotary_pos_emb
+        if packed_seq_params is None or rope.cp_group is None or rope.cp_group.size() == 1:
+            return out
+        cp_group, rope.cp_group = rope.cp_group, None  # None: the embedding's forward cuts nothing
+        try:
+            whole = rope(position_ids, self.mrope_section)
+        finally:
+            rope.cp_group = cp_group
+        return (out[0], whole, *out[2:])
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+              image_feature_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Token embeddings ``[s(/tp), b, h]`` with the images' features at their placeholder tokens, and what the
-        decoder block gets besides (``block_inputs``: nothing here; Qwen3-VL's deepstack features)."""
+        decoder block gets besides (``block_inputs``: nothing here; Qwen3-VL's deepstack features).
+        ``image_feature_rows`` (context parallelism: this rank holds part of the sequence): the rows of the batch's
+        image features that go to this rank's placeholders, in their order; None: all of them."""
         from megatron.core import tensor_parallel
 
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], the whole sequence
@@ -101,6 +122,8 @@ class Qwen2_5_VLModel(GPTModel):
         if pixel_values is not None and len(pixel_values):
             vision = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
             features = vision.pooler_output
+            if image_feature_rows is not None:
+                features = features.index_select(0, image_feature_rows)
         elif count:
             raise ValueError(f"the batch has {count} image placeholder tokens but no pixel_values.")
         else:
@@ -125,7 +148,7 @@ class Qwen2_5_VLModel(GPTModel):
     def vision_block_inputs(self, vision, positions: tuple[torch.Tensor, torch.Tensor],
                             embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the decoder block gets from the tower's output ``vision`` besides the token embeddings: nothing for
-        Qwen2.5-VL (``positions``: the image tokens' (token, row) indices; ``embeddings``: ``[s, b, h]``)."""
+        Qwen2-VL and Qwen2.5-VL (``positions``: the image tokens' (token, row) indices; ``embeddings``: ``[s, b, h]``)."""
         return {}
 
 
@@ -138,7 +161,7 @@ def sample_batch(hf_config: dict, seq_len: int = 16, seed: int = 1234) -> dict[s
     """A fixed multimodal batch for ``roll-convert check``: three rows of ``seq_len`` tokens (at least 16), the
     first with the 6-token image, the second with the 3-token one, the third text only; random text tokens and
     random pixel values (``pixel_values`` [36, C * T * P * P]). Keys: input_ids, pixel_values, image_grid_thw."""
-    vision = hf_vl_config(hf_config).vision_config
+    vision = vision_config(hf_config)
     merge = vision.spatial_merge_size ** 2
     gen = torch.Generator().manual_seed(seed)
     seq_len = max(seq_len, 16)

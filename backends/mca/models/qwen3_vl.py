@@ -50,6 +50,15 @@ class InterleavedMultimodalRotaryEmbedding(torch.nn.Module):
             raise ModelError("qwen3_vl: rotary_interleaved (Megatron's pairwise rotation) is not Qwen3-VL's RoPE.")
         self.rope = rope
 
+    @property
+    def cp_group(self) -> torch.distributed.ProcessGroup | None:
+        """The wrapped module's context-parallel group (Qwen2_5_VLModel._preprocess sets it aside for packed rows)."""
+        return self.rope.cp_group
+
+    @cp_group.setter
+    def cp_group(self, group: torch.distributed.ProcessGroup | None) -> None:
+        self.rope.cp_group = group
+
     def forward(self, position_ids: torch.Tensor, mrope_section: list[int],
                 cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
         rope = self.rope

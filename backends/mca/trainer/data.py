@@ -159,7 +159,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
       uneven end), where Megatron's loss would divide by 0, nor to a dense model (nothing reads it; finding
       a filler batch is a host read);
     - ``vision`` (a vision-language model's HF config): its 3-D M-RoPE positions and the micro-batch's
-      ``pixel_values`` / ``image_grid_thw`` (``backends.mca.vision.vision_inputs``; no packing, no CP).
+      ``pixel_values`` / ``image_grid_thw`` (``backends.mca.vision.vision_inputs``).
     """
     from backends.mca.attention import cp_token_index
 
@@ -183,6 +183,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
         length = input_ids.shape[-1]
         position_ids = torch.arange(length).expand(input_ids.shape[0], -1)
         cu = torch.tensor([0, length])
+    index = None
     if cp_size > 1:
         index = cp_token_index(cu.long(), cp_size, cp_rank)
         input_ids, labels, position_ids = input_ids[:, index], labels[:, index], position_ids[:, index]
@@ -195,6 +196,5 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, cp_size: 
     if vision is not None:
         from backends.mca.vision import vision_inputs
 
-        assert params is None and cp_size == 1, "backends.mca.vision.check_config refuses packing and CP for VL"
-        out.update(vision_inputs(batch, input_ids, vision, device))
+        out.update(vision_inputs(batch, vision, device, cp_index=index))
     return out

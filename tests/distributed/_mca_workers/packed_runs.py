@@ -18,7 +18,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, REPO)
 
 
-def pack_pairs(dataset):
+def pack_pairs(dataset, extra: tuple[str, ...] = ()):
+    """Rows 2i and 2i+1 as one packed row (roll's packer's layout); the list columns ``extra`` (a VL row's images)
+    concatenated in the same order."""
     from datasets import Dataset
 
     rows = []
@@ -26,8 +28,18 @@ def pack_pairs(dataset):
         a, b = dataset[i], dataset[i + 1]
         rows.append({"input_ids": a["input_ids"] + b["input_ids"], "labels": a["labels"] + b["labels"],
                      "position_ids": list(range(len(a["input_ids"]))) + list(range(len(b["input_ids"]))),
-                     "seq_lens": [len(a["input_ids"]), len(b["input_ids"])]})
+                     "seq_lens": [len(a["input_ids"]), len(b["input_ids"])], **{k: a[k] + b[k] for k in extra}})
     return Dataset.from_list(rows)
+
+
+def write_results(results: dict, result_file: str) -> None:
+    """Rank 0 writes the runs' results to ``result_file``; the worker's process group ends."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(result_file, "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -65,10 +77,7 @@ def main() -> None:
                                   pad_token_id=job.tokenizer.pad_token_id, order=SampleOrder(0, shuffle=False))
         losses[name] = [entry["loss"] for entry in trainer.train(dataset, collator).log_history]
         backend.teardown()
-    if dist.get_rank() == 0:
-        with open(result_file, "w", encoding="utf-8") as fh:
-            json.dump(losses, fh)
-    dist.destroy_process_group()
+    write_results(losses, result_file)
 
 
 if __name__ == "__main__":

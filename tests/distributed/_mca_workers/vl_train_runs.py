@@ -1,4 +1,4 @@
-"""Worker: vision-language training steps (Qwen2.5-VL, Qwen3-VL) through McaBackend + MegatronTrainer on hand-made
+"""Worker: vision-language training steps (Qwen2.5-VL, Qwen2-VL, Qwen3-VL) through McaBackend + MegatronTrainer on hand-made
 multimodal rows.
 
 usage: torchrun --nproc_per_node=2 vl_train_runs.py SPEC.json RESULT.json
@@ -11,7 +11,11 @@ pixel_values / image_grid_thw concatenated in row order), as roll.data.vision.Vi
 files. Runs (2 steps of 4 rows each, lr 1e-3): ``tp1`` (DP2), ``tp2_sp`` (with sequence parallelism and full
 recompute), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
 ``pp2_resume`` resuming ``pp2``'s checkpoint-1 (the tower comes back from the Megatron checkpoint), ``pp2_frozen``
-with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning). Rank 0 writes {family: {run:
+with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning), ``cp2`` (context parallelism:
+each rank holds 2 of the 4 chunks of every row, the placeholders' image features among them), ``packed`` (DP2) and
+``packed_pp2``: rows 2i and 2i+1 packed into one (``packing: true``, packed_runs.pack_pairs, one packed row a
+micro-batch, so a step trains the same 4 samples as the others), ``packed_cp2`` (both: each packed sample cut into
+4 chunks). Rank 0 writes {family: {run:
 {"losses": [...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool, "merger_changed": bool,
 "deepstack_changed": bool (Qwen3-VL)}}} (rank 0 holds the first stage, the tower, in every run).
 """
@@ -27,13 +31,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
+from packed_runs import pack_pairs, write_results  # noqa: E402 (this folder: the script's own)
 
 RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}, True),
         "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true", "recompute_granularity": "full",
                     "recompute_method": "uniform", "recompute_num_layers": "1"}, True),
         "pp2": ({"pipeline_model_parallel_size": "2", "save_strategy": "steps", "save_steps": "1"}, True),
         "pp2_resume": ({"pipeline_model_parallel_size": "2", "resume_from_checkpoint": "pp2/checkpoint-1"}, True),
-        "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False)}
+        "pp2_frozen": ({"pipeline_model_parallel_size": "2"}, False),
+        "cp2": ({"context_parallel_size": "2"}, True),
+        "packed": ({"packing": "true", "per_device_train_batch_size": "1", "gradient_accumulation_steps": "1"}, True),
+        "packed_pp2": ({"packing": "true", "pipeline_model_parallel_size": "2", "per_device_train_batch_size": "1"},
+                       True),
+        "packed_cp2": ({"packing": "true", "context_parallel_size": "2", "per_device_train_batch_size": "1"}, True)}
 """name -> (recipe overrides, vision tower and projector trained); ``pp2_resume`` runs after ``pp2``."""
 
 
@@ -86,10 +96,7 @@ def main() -> None:
         models = json.load(fh)
     dist.init_process_group("gloo")  # this worker's: kept across the runs' Megatron set-ups
     results = {model["family"]: family_runs(model, os.path.dirname(result_file)) for model in models}
-    if dist.get_rank() == 0:
-        with open(result_file, "w", encoding="utf-8") as fh:
-            json.dump(results, fh)
-    dist.destroy_process_group()
+    write_results(results, result_file)
 
 
 def family_runs(model: dict, runs: str) -> dict[str, dict]:
@@ -131,7 +138,7 @@ def family_runs(model: dict, runs: str) -> dict[str, dict]:
         collator = ImageCollator(SequenceCollator(tokenizer.pad_token_id, backend.padding_policy("sft")))
         trainer = MegatronTrainer(models.policy, config.training, config.megatron, config.layout,
                                   pad_token_id=tokenizer.pad_token_id)
-        history = trainer.train(rows, collator).log_history
+        history = trainer.train(pack_pairs(rows, IMAGE_KEYS) if config.data.packing else rows, collator).log_history
         after = tower_weights(models.policy)
         visual = getattr(unwrap_model(models.policy[0]), "visual", None)
         results[name] = {"losses": [entry["loss"] for entry in history if "loss" in entry],
