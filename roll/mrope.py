@@ -1,6 +1,7 @@
-"""Multimodal RoPE (M-RoPE) position ids of a Qwen2-VL / Qwen2.5-VL batch, computed by transformers' own code.
+"""Multimodal RoPE (M-RoPE) position ids of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL batch, computed by transformers' own
+code.
 
-Qwen2-VL and Qwen2.5-VL rotate each query/key by three positions (temporal, height, width): text tokens advance all three
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate each query/key by three positions (temporal, height, width): text tokens advance all three
 by one, an image's tokens get their (t, h, w) place in the image's grid of merged patches, offset by the text
 before it. Both backends use the same positions: HF's model computes them in its forward only when it is given
 ``mm_token_type_ids`` (without them transformers 5 silently falls back to 1-D positions), and the Megatron model
@@ -19,7 +20,7 @@ TEXT, IMAGE, VIDEO = 0, 1, 2
 """HF's modality codes in ``mm_token_type_ids``."""
 
 ROPE_INDEX = {"qwen2_5_vl": ("Qwen2_5_VLModel", "Qwen2_5_VLVisionConfig"),
-              "qwen2_vl": ("Qwen2VLModel", "Qwen2VLVisionConfig")}
+              "qwen2_vl": ("Qwen2VLModel", "Qwen2VLVisionConfig"), "qwen3_vl": ("Qwen3VLModel", "Qwen3VLVisionConfig")}
 """HF model_type -> (the model class whose ``get_rope_index`` lays the positions out, its vision config class), in
 ``transformers.models.<model_type>``."""
 

@@ -2,14 +2,15 @@
 
 Not a test (CI has the demo's goldens and backend comparison); run by hand after a change to the VL path.
 
-usage: python scripts/heldout_vl.py [--out OUT] [--steps 10] [--only NAME ...]
+usage: python scripts/heldout_vl.py [--out OUT] [--steps 10] [--only NAME ...] [--family qwen3_vl]
   OUT (default a temporary folder) keeps the data, the tiny model and the runs.
 
 The script draws its own images with PIL, unlike the demo's (roll.demo.vl_data: white pictures of one shape, four
 sizes): stripes, gradients, checkerboards and noise in other sizes and aspect ratios (wide 300 x 50, tall 40 x 200,
 small 29 x 31 scaled up by the processor, large 500 x 500 scaled down, odd 97 x 61), rows with one, two and
 three images (placeholders at the start, in the middle, in a second user turn), text-only rows mixed into the same
-file, and a system prompt. It builds the tiny Qwen2.5-VL (roll.demo.tiny_vl) and runs ``roll-parity`` (the
+file, and a system prompt. It builds the tiny Qwen2.5-VL (roll.demo.tiny_vl; ``--family qwen3_vl``: the tiny
+Qwen3-VL, interleaved M-RoPE and deepstack into its first two layers) and runs ``roll-parity`` (the
 standard backend on one process, mca at the layout) with the vision tower and merger frozen (the defaults) and
 with both trained (``freeze_vision_tower=false freeze_multi_modal_projector=false``), at TP1 and at TP2 / PP2, and
 LoRA on the language model at TP1 and TP2, exporting both adapters (``--save-models``: PEFT's format, compared).
@@ -130,16 +131,17 @@ def main() -> int:
     parser.add_argument("--out", help="keep the data, model and runs here (default: a temporary folder)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", action="append", help=f"run only these checks ({', '.join(CHECKS)}, bad_path)")
+    parser.add_argument("--family", choices=("qwen2_5_vl", "qwen3_vl"), default="qwen2_5_vl")
     args = parser.parse_args()
-    from roll.demo.tiny_vl import make_tiny_vl_model
+    from roll.demo.tiny_vl import make_tiny_qwen3_vl_model, make_tiny_vl_model
 
     failed = 0
     with tempfile.TemporaryDirectory(prefix="roll-heldout-vl-") as tmp:
         out = os.path.abspath(args.out or tmp)
         dataset = write_data(os.path.join(out, "data"))
-        model = os.path.join(out, "tiny-vl")
+        model = os.path.join(out, "tiny-vl" if args.family == "qwen2_5_vl" else "tiny-qwen3-vl")
         if not os.path.isfile(os.path.join(model, "config.json")):
-            make_tiny_vl_model(model, seed=0)
+            (make_tiny_vl_model if args.family == "qwen2_5_vl" else make_tiny_qwen3_vl_model)(model, seed=0)
         results = {}
         for name, (layout, keys) in CHECKS.items():
             if args.only and name not in args.only:

@@ -232,6 +232,19 @@ MUTANTS: list[Mutant] = [
            "tokens, rows = placeholders.t().nonzero(as_tuple=True)",
            ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
             "test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips",)),
+    Mutant("qwen3_vl_mrope_chunked", "qwen3_vl on mca: M-RoPE's sections as contiguous chunks of frequencies "
+           "(Qwen2.5-VL's layout, Megatron's MultimodalRotaryEmbedding) instead of Qwen3-VL's interleaved T/H/W",
+           "backends/mca/models/qwen3_vl.py", "        axes[axis:3 * section[axis]:3] = axis",
+           "        axes[sum(section[:axis]):sum(section[:axis + 1])] = axis",
+           ("tests/unit/test_mca_qwen3_vl.py::test_interleaved_mrope_is_transformers_rotary_embedding",), fast=True),
+    Mutant("qwen3_vl_deepstack_one_layer_late", "qwen3_vl on mca: deepstack feature j added after decoder layer j + 1 "
+           "instead of j (layer_number taken as the 0-based index)", "backends/mca/models/qwen3_vl.py",
+           "                if layer.layer_number - 1 < self.deepstack_layers:\n"
+           "                    add_deepstack_after(layer, layer.layer_number - 1)",
+           "                if 1 < layer.layer_number <= self.deepstack_layers + 1:\n"
+           "                    add_deepstack_after(layer, layer.layer_number - 2)",
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_logits_tp1_tp2_pp2_and_bit_exact_round_trips",)),
     Mutant("vl_cp_features_in_batch_order", "VL with context parallelism: each CP rank fills its placeholders with "
            "the batch's first image features instead of those of the placeholders it holds", "backends/mca/vision.py",
            'out["image_feature_rows"] = ordinal[:, cp_index][mine].to(device)',

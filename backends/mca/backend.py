@@ -57,7 +57,7 @@ class McaBackend(Backend):
 
             get_template(model_type)
         if vision.is_vision_language(hf_config):
-            vision.check_config(config)
+            vision.check_config(config, hf_config)
 
     def padding_policy(self, stage: str) -> PaddingPolicy:
         assert self.config.layout is not None, "RunConfig.validate() sets the layout for use_mca"

@@ -1,5 +1,6 @@
-"""Training a vision-language model (Qwen2-VL, Qwen2.5-VL: ``backends.mca.models.qwen2_5_vl``) on the mca backend:
-what a run may ask for, which parts train, and the model inputs of a micro-batch.
+"""Training a vision-language model (Qwen2-VL, Qwen2.5-VL: ``backends.mca.models.qwen2_5_vl``; Qwen3-VL:
+``backends.mca.models.qwen3_vl``) on the mca backend: what a run may ask for, which parts train, and the model
+inputs of a micro-batch.
 
 - **Parts** (LLaMA-Factory's names, the standard backend's meanings, docs/vl.md): the vision tower is ``visual.*``
   but its merger, the multi-modal projector ``visual.merger.*``, the language model everything else (embedding,
@@ -15,6 +16,8 @@ what a run may ask for, which parts train, and the model inputs of a micro-batch
   over the THD stream. Context parallelism: the positions of the whole sequence (Megatron's RoPE keeps the rank's
   2 chunks of the 2 * CP of each row, or of each packed sample, as the tokens are cut), and the rows of the image
   features whose placeholders this rank holds (``image_feature_rows``).
+- Refused: a Qwen3-VL pipeline split whose first chunk does not hold every layer that receives deepstack
+  features; Qwen3-VL with context parallelism or packing (its deepstack features are not split with the tokens yet).
 """
 
 from __future__ import annotations
@@ -48,13 +51,38 @@ def part_of(name: str) -> str:
     return next((part for part, prefix in PARTS if name.startswith(prefix)), "language")
 
 
+DEEPSTACK_DEFAULT = (8, 16, 24)
+"""transformers' ``Qwen3VLVisionConfig.deepstack_visual_indexes`` default (a config.json may leave it out)."""
+
+
+def deepstack_layers(hf_config: dict) -> int:
+    """How many decoder layers (the first ones) of a Qwen3-VL model receive deepstack features: one per deepstack
+    vision block (``backends.mca.models.qwen3_vl``); 0 for other families."""
+    if hf_config.get("model_type") != "qwen3_vl":
+        return 0
+    return len(hf_config.get("vision_config", {}).get("deepstack_visual_indexes", DEEPSTACK_DEFAULT) or ())
+
+
+def deepstack_layout_error(layers: int, num_layers: int, pp: int, vpp: int | None) -> str | None:
+    """Why a pipeline split cannot hold the ``layers`` deepstack layers in its first chunk, with the vision tower
+    (None: it can)."""
+    per_chunk = num_layers // (pp * (vpp or 1))
+    if layers <= per_chunk:
+        return None
+    split = f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}" if vpp else "")
+    return (f"Qwen3-VL adds its deepstack features to the first {layers} decoder layers, which must sit in the first "
+            f"pipeline stage's first chunk with the vision tower; {split} puts {per_chunk} of the {num_layers} "
+            f"layers there. Use a split with at least {layers} layers per chunk (fewer stages).")
+
+
 def frozen_parts(finetuning) -> set[str]:
     """The parts the recipe freezes (roll.config.finetuning's keys, LLaMA-Factory's names and defaults: docs/vl.md)."""
     return {part for part, key in FREEZE_KEYS if getattr(finetuning, key)}
 
 
-def check_config(config) -> None:
-    """What a vision-language model cannot do on the mca backend yet, before any model loads (exit 2)."""
+def check_config(config, hf_config: dict) -> None:
+    """What a vision-language model (``hf_config``: its config.json) cannot do on the mca backend yet, before any
+    model loads (exit 2)."""
     if frozen_parts(config.finetuning) == {part for part, _ in FREEZE_KEYS}:
         raise ConfigError("every part of the vision-language model is frozen (freeze_vision_tower, "
                           "freeze_multi_modal_projector, freeze_language_model): nothing would train.")
@@ -63,6 +91,18 @@ def check_config(config) -> None:
                           "mca backend adapts the language model only (the vision tower is HF's module, without "
                           "adapters). Keep both true (the defaults), use finetuning_type full to train the tower, or "
                           "use_mca: false (LoRA on the tower's layers).")
+    if deepstack_layers(hf_config):
+        m = config.megatron
+        if m.context_parallel_size > 1 or config.data.packing:
+            raise ConfigError(f"context_parallel_size={m.context_parallel_size}, packing={config.data.packing}: "
+                              "Qwen3-VL trains without context parallelism and packing on the mca backend (its "
+                              "deepstack features are not split with the tokens yet). Set context_parallel_size: 1 "
+                              "and packing: false, or use_mca: false.")
+        text = {**hf_config, **(hf_config.get("text_config") or {})}
+        error = deepstack_layout_error(deepstack_layers(hf_config), text["num_hidden_layers"],
+                                       m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
+        if error:
+            raise ConfigError(error)
 
 
 def freeze_parts(chunks: list[torch.nn.Module], finetuning) -> None:

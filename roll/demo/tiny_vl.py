@@ -1,5 +1,6 @@
 """A tiny Qwen2.5-VL built locally from a config (no downloads): the vision-language model of the tests and the
-VL demo. Its image processor is transformers' PIL one (``Qwen2VLImageProcessorPil``): no torchvision."""
+VL demo; and a tiny Qwen3-VL (``make_tiny_qwen3_vl_model``) for the mca backend's Qwen3-VL tests. Their image
+processor is transformers' PIL one (``Qwen2VLImageProcessorPil``): no torchvision."""
 
 from __future__ import annotations
 
@@ -107,3 +108,45 @@ def make_tiny_qwen2_vl_model(out_dir: str, seed: int = 0) -> str:
     config = Qwen2VLConfig(text_config=text, vision_config=dict(TINY_QWEN2_VL_VISION), tie_word_embeddings=False,
                            **ids)
     return save_tiny_vl(Qwen2VLForConditionalGeneration, config, tok, out_dir, seed)
+
+
+TINY_QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                         deepstack_visual_indexes=[0, 1])
+"""Qwen3-VL's tower, tiny: 2 blocks of width 32, 16-pixel patches merged 2x2, an 8 x 8 learned position table, and
+both blocks feeding deepstack features (through their own mergers) to the first two language-model layers."""
+
+
+def tiny_qwen3_vl_config(tok, *, num_layers: int = 4, tie_word_embeddings: bool = True, text: dict | None = None,
+                         vision: dict | None = None):
+    """A Qwen3-VL config for ``tok``: a Qwen3 language model (hidden 64, 4 heads of 16 over 2 KV groups, q/k norms,
+    interleaved M-RoPE sections 2/3/3 of its 8 rotary frequencies) and ``TINY_QWEN3_VISION``; ``text`` / ``vision``
+    override their keys."""
+    import transformers as T
+
+    text_config = {**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                          rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                           "mrope_interleaved": True, "rope_theta": 5e5}), **(text or {})}
+    ids = {f"{name}_token_id": tok.convert_tokens_to_ids(token) for name, token in
+           (("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"), ("image", "<|image_pad|>"),
+            ("video", "<|video_pad|>"))}
+    return T.Qwen3VLConfig(text_config=text_config, vision_config={**TINY_QWEN3_VISION, **(vision or {})},
+                           tie_word_embeddings=tie_word_embeddings, **ids)
+
+
+def make_tiny_qwen3_vl_model(out_dir: str, seed: int = 0, **config_args) -> str:
+    """Build a tiny random Qwen3-VL (``tiny_qwen3_vl_config(tok, **config_args)``), its tokenizer and image processor
+    (32-pixel tokens, 2 to 16 of them an image), saved to ``out_dir``. Returns out_dir."""
+    from transformers import Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = build_vl_tokenizer()
+    config = tiny_qwen3_vl_config(tok, **config_args)
+    save_tiny_vl(Qwen3VLForConditionalGeneration, config, tok, out_dir, seed)
+    vision = config.vision_config  # its own image processor in place of the 14-pixel one
+    Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                             temporal_patch_size=vision.temporal_patch_size, min_pixels=64 * 64,
+                             max_pixels=128 * 128).save_pretrained(out_dir)
+    return out_dir

@@ -209,30 +209,10 @@ def test_images_for_a_text_model_are_refused(tiny_model_dir, tmp_path):
 
 def tiny_qwen3_vl(out: str) -> str:
     """A tiny Qwen3-VL (interleaved M-RoPE, deepstack after vision block 0, 16-pixel patches: 32-pixel tokens,
-    64^2 <= pixels <= 128^2) with the tiny VL tokenizer."""
-    import torch
-    import transformers as T
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    64^2 <= pixels <= 128^2) with the tiny VL tokenizer (roll.demo.tiny_vl's, at 2 layers)."""
+    from roll.demo.tiny_vl import make_tiny_qwen3_vl_model
 
-    from roll.demo.tiny_vl import build_vl_tokenizer
-
-    tok = build_vl_tokenizer()
-    ids = {f"{name}_token_id": tok.convert_tokens_to_ids(token) for name, token in (
-        ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"), ("image", "<|image_pad|>"),
-        ("video", "<|video_pad|>"))}
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                 "rope_theta": 5e5}, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0])
-    torch.manual_seed(0)
-    T.Qwen3VLForConditionalGeneration(T.Qwen3VLConfig(text_config=text, vision_config=vision,
-                                                      tie_word_embeddings=True, **ids)).save_pretrained(out)
-    tok.save_pretrained(out)
-    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=64 * 64,
-                             max_pixels=128 * 128).save_pretrained(out)
-    return out
+    return make_tiny_qwen3_vl_model(out, num_layers=2, vision=dict(deepstack_visual_indexes=[0]))
 
 
 def test_qwen3_vl_takes_the_same_batch(tmp_path):

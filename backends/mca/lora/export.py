@@ -99,7 +99,7 @@ def save_hf_adapter(chunks: list[nn.Module], out_dir: str, base_model_name_or_pa
         config = unwrap_model(chunks[0]).config
         layers = hf_layers_prefix(getattr(config, "hf_config", None))
         spec.peft_config(base_model_name_or_path, None if layers == TEXT_LAYERS else
-                         _full_module_names(tensors)).save_pretrained(out_dir)
+                         peft_target_modules(_full_module_names(tensors), config.hf_config)).save_pretrained(out_dir)
         remove_stale_weights(out_dir, keep={ADAPTER_WEIGHTS, "adapter_config.json"})
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
@@ -114,6 +114,25 @@ def _full_module_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     blocks' layers of the same short names."""
     names = (key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in tensors)
     return list(dict.fromkeys(names))
+
+
+def peft_target_modules(names: list[str], hf_config: dict) -> list[str]:
+    """``target_modules`` as PEFT writes them for these full module names of the HF model of ``hf_config``: from
+    ``MIN_TARGET_MODULES_FOR_OPTIMIZATION`` names on, PEFT (``BaseTuner.inject_adapter``) replaces them by the
+    shortest name suffixes that match exactly those modules (``q_proj`` for Qwen3-VL, whose tower has none of that
+    name), and the standard backend's adapter says so; fewer stay full names."""
+    from peft.tuners.tuners_utils import _find_minimal_target_modules
+    from peft.utils.constants import MIN_TARGET_MODULES_FOR_OPTIMIZATION
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if len(names) < MIN_TARGET_MODULES_FOR_OPTIMIZATION:
+        return names
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**hf_config))
+    suffixes = tuple("." + name for name in names)
+    others = [name for name, _ in model.named_modules() if name not in names and not name.endswith(suffixes)]
+    shorter = _find_minimal_target_modules(names, others)
+    return sorted(shorter) if len(shorter) < len(names) else names
 
 
 def export_merged(adapter_dir: str, base_model_name_or_path: str, out_dir: str | None = None,

@@ -29,7 +29,7 @@ from megatron.core.models.gpt import GPTModel
 from roll.mrope import mrope_position_ids
 
 VISION_TOWERS = {"qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel",
-                 "qwen2_vl": "Qwen2VisionTransformerPretrainedModel"}
+                 "qwen2_vl": "Qwen2VisionTransformerPretrainedModel", "qwen3_vl": "Qwen3VLVisionModel"}
 """HF model_type -> its vision tower + merger class (in ``transformers.models.<model_type>.modeling_<model_type>``)."""
 
 
@@ -83,9 +83,11 @@ class Qwen2_5_VLModel(GPTModel):
             raise ValueError(f"a Qwen-VL model needs 3-D (M-RoPE) position ids [3, batch, seq]; got shape "
                              f"{tuple(position_ids.shape)} (roll.mrope.mrope_position_ids computes them).")
         if self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_feature_rows)
+            decoder_input, block_inputs = self.embed(input_ids, pixel_values, image_grid_thw, image_feature_rows)
+            if block_inputs:
+                kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), **block_inputs}
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
-                                **kwargs)
+                               **kwargs)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, **kwargs):
@@ -106,8 +108,9 @@ class Qwen2_5_VLModel(GPTModel):
         return (out[0], whole, *out[2:])
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
-              image_feature_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings ``[s(/tp), b, h]`` with the images' features at their placeholder tokens.
+              image_feature_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Token embeddings ``[s(/tp), b, h]`` with the images' features at their placeholder tokens, and what the
+        decoder block gets besides (``block_inputs``: nothing here; Qwen3-VL's deepstack features).
         ``image_feature_rows`` (context parallelism: this rank holds part of the sequence): the rows of the batch's
         image features that go to this rank's placeholders, in their order; None: all of them."""
         from megatron.core import tensor_parallel
@@ -115,8 +118,10 @@ class Qwen2_5_VLModel(GPTModel):
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], the whole sequence
         placeholders = input_ids == self.image_token_id
         count = int(placeholders.sum())
+        block_inputs: dict[str, torch.Tensor] = {}
         if pixel_values is not None and len(pixel_values):
-            features = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw).pooler_output
+            vision = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
+            features = vision.pooler_output
             if image_feature_rows is not None:
                 features = features.index_select(0, image_feature_rows)
         elif count:
@@ -135,9 +140,16 @@ class Qwen2_5_VLModel(GPTModel):
                                  "must keep every image's <|image_pad|> run whole.")
             rows, tokens = placeholders.nonzero(as_tuple=True)  # row-major: the order the images are in
             embeddings = embeddings.index_put((tokens, rows), features.to(embeddings.dtype))
+            block_inputs = self.vision_block_inputs(vision, (tokens, rows), embeddings)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
-        return embeddings
+        return embeddings, block_inputs
+
+    def vision_block_inputs(self, vision, positions: tuple[torch.Tensor, torch.Tensor],
+                            embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the decoder block gets from the tower's output ``vision`` besides the token embeddings: nothing for
+        Qwen2-VL and Qwen2.5-VL (``positions``: the image tokens' (token, row) indices; ``embeddings``: ``[s, b, h]``)."""
+        return {}
 
 
 SAMPLE_GRIDS = ((1, 4, 6), (1, 6, 2))

@@ -21,7 +21,7 @@ from roll.errors import ModelError
 
 _TEMPLATES: dict[str, Template] = {}
 FAMILY_MODULES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
-                  "mixtral", "qwen2_5_vl", "qwen2_vl")
+                  "mixtral", "qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)

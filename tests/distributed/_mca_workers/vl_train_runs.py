@@ -1,25 +1,28 @@
-"""Worker: Qwen2.5-VL and Qwen2-VL training steps through McaBackend + MegatronTrainer on hand-made multimodal rows.
+"""Worker: vision-language training steps (Qwen2.5-VL, Qwen2-VL, Qwen3-VL) through McaBackend + MegatronTrainer on hand-made
+multimodal rows.
 
-usage: torchrun --nproc_per_node=2 vl_train_runs.py MODEL_DIR QWEN2_VL_DIR ROWS.pt RESULT.json
+usage: torchrun --nproc_per_node=2 vl_train_runs.py SPEC.json RESULT.json
 
-ROWS.pt holds tokenized rows (``input_ids``, ``attention_mask``, ``labels``) with ``images``: a list of
-(pixel_values [patches, C*T*P*P], grid (t, h, w)) per row, served as a ``datasets.Dataset`` (what a checkpoint
-records the sample order of). The collator is roll's Megatron SequenceCollator plus docs/vl.md's batch contract
-(the micro-batch's pixel_values / image_grid_thw concatenated in row order), as roll.data.vision.VisionCollator
-builds it from image files. Runs (2 steps of 4 rows each, lr 1e-3): ``tp1`` (DP2), ``tp2_sp`` (with sequence
-parallelism and full recompute), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
+SPEC.json lists the models: [{"family": ..., "model": MODEL_DIR, "rows": ROWS.pt, "runs": [run names]}]. ROWS.pt
+holds tokenized rows (``input_ids``, ``attention_mask``, ``labels``) with ``images``: a list of (pixel_values
+[patches, C*T*P*P], grid (t, h, w)) per row, served as a ``datasets.Dataset`` (what a checkpoint records the sample
+order of). The collator is roll's Megatron SequenceCollator plus docs/vl.md's batch contract (the micro-batch's
+pixel_values / image_grid_thw concatenated in row order), as roll.data.vision.VisionCollator builds it from image
+files. Runs (2 steps of 4 rows each, lr 1e-3): ``tp1`` (DP2), ``tp2_sp`` (with sequence parallelism and full
+recompute), ``pp2`` (saving a checkpoint after each step) with the vision tower and projector trained,
 ``pp2_resume`` resuming ``pp2``'s checkpoint-1 (the tower comes back from the Megatron checkpoint), ``pp2_frozen``
 with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning), ``cp2`` (context parallelism:
 each rank holds 2 of the 4 chunks of every row, the placeholders' image features among them), ``packed`` (DP2) and
 ``packed_pp2``: rows 2i and 2i+1 packed into one (``packing: true``, packed_runs.pack_pairs, one packed row a
 micro-batch, so a step trains the same 4 samples as the others), ``packed_cp2`` (both: each packed sample cut into
-4 chunks), ``qwen2_vl``: QWEN2_VL_DIR at TP1 x DP2. Rank 0
-writes {run: {"losses": [...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool,
-"merger_changed": bool}} (rank 0 holds the first stage, the tower, in every run).
+4 chunks). Rank 0 writes {family: {run:
+{"losses": [...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool, "merger_changed": bool,
+"deepstack_changed": bool (Qwen3-VL)}}} (rank 0 holds the first stage, the tower, in every run).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -30,8 +33,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from packed_runs import pack_pairs, write_results  # noqa: E402 (this folder: the script's own)
 
-DP2 = {"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}
-RUNS = {"tp1": (DP2, True),
+RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_steps": "1"}, True),
         "tp2_sp": ({"tensor_model_parallel_size": "2", "sequence_parallel": "true", "recompute_granularity": "full",
                     "recompute_method": "uniform", "recompute_num_layers": "1"}, True),
         "pp2": ({"pipeline_model_parallel_size": "2", "save_strategy": "steps", "save_steps": "1"}, True),
@@ -41,9 +43,8 @@ RUNS = {"tp1": (DP2, True),
         "packed": ({"packing": "true", "per_device_train_batch_size": "1", "gradient_accumulation_steps": "1"}, True),
         "packed_pp2": ({"packing": "true", "pipeline_model_parallel_size": "2", "per_device_train_batch_size": "1"},
                        True),
-        "packed_cp2": ({"packing": "true", "context_parallel_size": "2", "per_device_train_batch_size": "1"}, True),
-        "qwen2_vl": (DP2, True)}
-"""name -> (recipe overrides, vision tower and projector trained); ``qwen2_vl`` trains QWEN2_VL_DIR."""
+        "packed_cp2": ({"packing": "true", "context_parallel_size": "2", "per_device_train_batch_size": "1"}, True)}
+"""name -> (recipe overrides, vision tower and projector trained); ``pp2_resume`` runs after ``pp2``."""
 
 
 class ImageCollator:
@@ -72,18 +73,34 @@ def as_dataset(rows: list[dict]):
                                "grids": [list(g) for _, g in r["images"]]} for r in rows])
 
 
+PARTS = {"tower": "patch_embed.", "merger": "merger.", "deepstack": "deepstack_merger_list."}
+"""A part of the tower whose first parameter tells whether it trained -> its name prefix inside ``visual``."""
+
+
 def tower_weights(chunks) -> dict[str, torch.Tensor]:
     from backends.mca.models.unwrap import unwrap_model
 
     visual = getattr(unwrap_model(chunks[0]), "visual", None)
     if visual is None:
         return {}
-    return {"tower": visual.patch_embed.proj.weight.detach().clone(),
-            "merger": visual.merger.mlp[0].weight.detach().clone()}
+    params = dict(visual.named_parameters())
+    return {part: next(p for n, p in params.items() if n.startswith(prefix)).detach().clone()
+            for part, prefix in PARTS.items() if any(n.startswith(prefix) for n in params)}
 
 
 def main() -> None:
     import torch.distributed as dist
+
+    spec_file, result_file = sys.argv[1:]
+    with open(spec_file, encoding="utf-8") as fh:
+        models = json.load(fh)
+    dist.init_process_group("gloo")  # this worker's: kept across the runs' Megatron set-ups
+    results = {model["family"]: family_runs(model, os.path.dirname(result_file)) for model in models}
+    write_results(results, result_file)
+
+
+def family_runs(model: dict, runs: str) -> dict[str, dict]:
+    """The runs ``model["runs"]`` of one model (SPEC.json's entry), outputs under ``runs/FAMILY_RUN``."""
     from transformers import AutoTokenizer
 
     from backends.mca.backend import McaBackend
@@ -94,23 +111,21 @@ def main() -> None:
     from roll.contract import ModelBundle
     from roll.data.collators import SequenceCollator
 
-    model_dir, qwen2_vl_dir, rows_file, result_file = sys.argv[1:]
-    rows = as_dataset(torch.load(rows_file, weights_only=True))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the two models': the same tokenizer
-    recipe = {"stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
+    model_dir, family = model["model"], model["family"]
+    rows = as_dataset(torch.load(model["rows"], weights_only=True))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    recipe = {"model_name_or_path": model_dir, "stage": "sft", "dataset": "recipes/demo/data/arithmetic_sft.json",
               "cutoff_len": 64, "use_mca": True, "nproc_per_node": int(os.environ.get("WORLD_SIZE", "1")),
               "learning_rate": 1e-3, "max_steps": 2, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
               "seed": 0, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
               "shuffle": False}  # step 1 trains rows 0-3, the rows the test's HF loss reads
-    dist.init_process_group("gloo")  # this worker's: kept across the runs' Megatron set-ups
     results = {}
-    for name, (overrides, trained) in RUNS.items():
-        runs = os.path.dirname(result_file)
+    for name in model["runs"]:
+        overrides, trained = RUNS[name]
         if "resume_from_checkpoint" in overrides:
-            overrides = {**overrides, "resume_from_checkpoint": os.path.join(runs, overrides["resume_from_checkpoint"])}
-        model = qwen2_vl_dir if name == "qwen2_vl" else model_dir
-        config = resolve({**recipe, "model_name_or_path": model}, {**overrides, "output_dir": os.path.join(runs, name)},
-                         None)
+            checkpoint = os.path.join(runs, f"{family}_{overrides['resume_from_checkpoint']}")
+            overrides = {**overrides, "resume_from_checkpoint": checkpoint}
+        config = resolve(recipe, {**overrides, "output_dir": os.path.join(runs, f"{family}_{name}")}, None)
         backend = McaBackend(config)
         backend.setup_distributed()
         models = backend.load_models("sft", tokenizer)
@@ -125,13 +140,13 @@ def main() -> None:
                                   pad_token_id=tokenizer.pad_token_id)
         history = trainer.train(pack_pairs(rows, IMAGE_KEYS) if config.data.packing else rows, collator).log_history
         after = tower_weights(models.policy)
+        visual = getattr(unwrap_model(models.policy[0]), "visual", None)
         results[name] = {"losses": [entry["loss"] for entry in history if "loss" in entry],
                          "sequence_parallel": bool(models.policy[0].config.sequence_parallel),
-                         "tower_recomputes": bool(getattr(unwrap_model(models.policy[0]), "visual", None) and
-                                                  unwrap_model(models.policy[0]).visual.is_gradient_checkpointing),
+                         "tower_recomputes": bool(visual is not None and visual.is_gradient_checkpointing),
                          **{f"{part}_changed": not torch.equal(before[part], after[part]) for part in before}}
         backend.teardown()
-    write_results(results, result_file)
+    return results
 
 
 if __name__ == "__main__":

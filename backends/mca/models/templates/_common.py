@@ -54,19 +54,22 @@ MOE_CONSTANTS: dict[str, Any] = dict(
 L, M = "model.layers.{layer}.", "decoder.layers.{layer}."
 
 
-def model_rows() -> list[Mapping]:
-    return [Rename("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-            Rename("model.norm.weight", "decoder.final_layernorm.weight"),
+def model_rows(lm: str = "model.") -> list[Mapping]:
+    """Embedding, final norm and head; ``lm`` is the language model's HF prefix (Qwen3-VL's
+    ``model.language_model.``)."""
+    return [Rename(lm + "embed_tokens.weight", "embedding.word_embeddings.weight"),
+            Rename(lm + "norm.weight", "decoder.final_layernorm.weight"),
             Rename("lm_head.weight", "output_layer.weight")]
 
 
-def attention_rows(qkv_bias: bool = False, qk_norm: bool = False) -> list[Mapping]:
-    a = L + "self_attn."
+def attention_rows(qkv_bias: bool = False, qk_norm: bool = False, layer: str = L) -> list[Mapping]:
+    """A decoder layer's attention and its two norms; ``layer`` is the HF layer prefix."""
+    a = layer + "self_attn."
     rows: list[Mapping] = [
-        Rename(L + "input_layernorm.weight", M + "input_layernorm.weight"),
+        Rename(layer + "input_layernorm.weight", M + "input_layernorm.weight"),
         QKV(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", M + "self_attention.linear_qkv.weight"),
         Rename(a + "o_proj.weight", M + "self_attention.linear_proj.weight"),
-        Rename(L + "post_attention_layernorm.weight", M + "pre_mlp_layernorm.weight"),
+        Rename(layer + "post_attention_layernorm.weight", M + "pre_mlp_layernorm.weight"),
     ]
     if qkv_bias:
         rows.append(QKV(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias", M + "self_attention.linear_qkv.bias"))

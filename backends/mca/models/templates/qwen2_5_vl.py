@@ -21,7 +21,7 @@ _VISION_BLOCK = ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bi
                  "attn.proj.bias", *(f"mlp.{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias")))
 
 
-def _text_keys() -> list[ConfigKey]:
+def text_keys() -> list[ConfigKey]:
     """The Llama-style key table read from the top level (hub configs), then from ``text_config`` (wins)."""
     return [*c.CONFIG_KEYS, *(ConfigKey(f"text_config.{key.hf}", key.mca, key.to_mca, key.to_hf)
                               for key in c.CONFIG_KEYS)]
@@ -34,30 +34,35 @@ def vision_rows() -> list[Mapping]:
     return [Rename(name, name) for name in names]
 
 
-def _config_hook(hf: dict, out: dict) -> None:
-    """The language model's M-RoPE (Qwen2-VL's and Qwen2.5-VL's alike)."""
-    family = hf.get("model_type", "qwen2_5_vl")
-    text = {**hf, **(hf.get("text_config") or {})}
-    rope, kind = c.rope_config(text)
-    if kind not in ("default", "mrope"):  # hub configs say {"type": "mrope"}, transformers 5 "default"
-        raise ModelError(f"{family}: rope_type {kind!r} is not supported by the Megatron conversion; only "
-                         "multimodal RoPE with default frequencies is.")
-    if text.get("use_sliding_window"):
-        raise ModelError(f"{family}: use_sliding_window=true is not supported by the Megatron conversion (full "
-                         "causal attention only). Set it to false in config.json.")
-    c.fill_head_dim(text, out)
-    section = list(rope.get("mrope_section") or DEFAULT_MROPE_SECTION)
-    if 2 * sum(section) != out["kv_channels"]:
-        raise ModelError(f"{family}: mrope_section {section} covers {2 * sum(section)} of the head's "
-                         f"{out['kv_channels']} dimensions; its entries must add up to head_dim / 2.")
-    out.update(position_embedding_type="mrope", mrope_section=section)
+def mrope_hook(family: str, default_section: list[int]):
+    """The config hook of a Qwen-VL family: the language model's keys (``text_config`` wins over the top level),
+    default RoPE frequencies with M-RoPE sections (``default_section``: transformers' default for the family when
+    the config names none) covering half of each head."""
+
+    def hook(hf: dict, out: dict) -> None:
+        text = {**hf, **(hf.get("text_config") or {})}
+        rope, kind = c.rope_config(text)
+        if kind not in ("default", "mrope"):  # hub configs say {"type": "mrope"}, transformers 5 "default"
+            raise ModelError(f"{family}: rope_type {kind!r} is not supported by the Megatron conversion; only "
+                             "multimodal RoPE with default frequencies is.")
+        if text.get("use_sliding_window"):
+            raise ModelError(f"{family}: use_sliding_window=true is not supported by the Megatron conversion (full "
+                             "causal attention only). Set it to false in config.json.")
+        c.fill_head_dim(text, out)
+        section = list(rope.get("mrope_section") or default_section)
+        if 2 * sum(section) != out["kv_channels"]:
+            raise ModelError(f"{family}: mrope_section {section} covers {2 * sum(section)} of the head's "
+                             f"{out['kv_channels']} dimensions; its entries must add up to head_dim / 2.")
+        out.update(position_embedding_type="mrope", mrope_section=section)
+
+    return hook
 
 
 TEMPLATE = register_template(Template(
     model_type="qwen2_5_vl",
-    config_keys=_text_keys(),
+    config_keys=text_keys(),
     constants={**c.CONSTANTS, "add_qkv_bias": True},
     weights=[*c.model_rows(), *c.attention_rows(qkv_bias=True), *c.mlp_rows(), *vision_rows()],
-    config_hook=_config_hook,
+    config_hook=mrope_hook("qwen2_5_vl", DEFAULT_MROPE_SECTION),
     model_class="backends.mca.models.qwen2_5_vl.Qwen2_5_VLModel",
 ))

@@ -27,9 +27,9 @@ def vision_rows() -> list[Mapping]:
 
 TEMPLATE = register_template(Template(
     model_type="qwen2_vl",
-    config_keys=qwen2_5_vl._text_keys(),
+    config_keys=qwen2_5_vl.text_keys(),
     constants={**c.CONSTANTS, "add_qkv_bias": True},
     weights=[*c.model_rows(), *c.attention_rows(qkv_bias=True), *c.mlp_rows(), *vision_rows()],
-    config_hook=qwen2_5_vl._config_hook,
+    config_hook=qwen2_5_vl.mrope_hook("qwen2_vl", qwen2_5_vl.DEFAULT_MROPE_SECTION),
     model_class="backends.mca.models.qwen2_5_vl.Qwen2_5_VLModel",
 ))
