@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from tests.bounds import BACKEND, BACKEND_BF16, BACKEND_EVAL, BACKEND_LORA, BACKEND_TP2, LAYOUT, LORA_LAYOUT, Comparison, assert_within
-from tests.helpers import REPO, output_of, roll_train, torchrun
+from tests.helpers import REPO, clean_env, output_of, roll_train, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 WORKERS = os.path.join(REPO, "tests", "distributed", "_mca_workers")
@@ -47,6 +49,43 @@ def standard_log(tmp_path, base: dict, name: str, **overrides) -> list[dict]:
     assert proc.returncode == 0, output_of(proc)
     with open(out / "train_log.jsonl", encoding="utf-8") as fh:
         return [record for record in map(json.loads, fh) if "loss" in record]
+
+
+class StandardRuns:
+    """Standard-backend runs (1 process each) of ``{name: recipe}``, trained one after the other in one process
+    (tests/parity/_worker.py: roll-train's own entry point, as the parity sweep runs them), started at once so
+    that a 1-process Megatron job can train beside it: one interpreter start-up and import for all of them.
+    Each run's output_dir is ROOT/NAME; ``logs()`` waits, then {name: its train_log.jsonl training records}."""
+
+    def __init__(self, root, recipes: dict[str, dict], timeout: float = 600) -> None:
+        self.root, self.names, self.timeout = root, list(recipes), timeout
+        runs = []
+        for name, recipe in recipes.items():
+            path = root / f"{name}.yaml"
+            path.write_text(json.dumps({**recipe, "output_dir": str(root / name)}))  # JSON is YAML
+            runs.append({"label": name, "args": [str(path)]})
+        spec, self.result, self.log = (root / f"standard_runs.{ext}" for ext in ("spec.json", "result.json", "log"))
+        spec.write_text(json.dumps({"runs": runs}))
+        with open(self.log, "w", encoding="utf-8") as fh:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "parity", "_worker.py"),
+                                          str(spec), str(self.result)], cwd=REPO, env=clean_env(), stdout=fh,
+                                         stderr=subprocess.STDOUT)
+
+    def logs(self) -> dict[str, list[dict]]:
+        try:
+            self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        outcome = json.loads(self.result.read_text()) if self.result.exists() else {}
+        failed = {name: outcome.get(name, {}).get("error", "not run") for name in self.names
+                  if not outcome.get(name, {}).get("ok")}
+        assert self.proc.returncode == 0 and not failed, (failed, self.log.read_text()[-4000:])
+        logs = {}
+        for name in self.names:
+            with open(self.root / name / "train_log.jsonl", encoding="utf-8") as fh:
+                logs[name] = [record for record in map(json.loads, fh) if "loss" in record]
+        return logs
 
 
 ODD_EVAL = {"eval_dataset": "recipes/demo/data/arithmetic_sft.json", "per_device_eval_batch_size": 34}
@@ -125,11 +164,11 @@ def backend_runs(model_dir: str, root) -> dict:
     the standard backend's as "std_sft", "std_pt", "std_bf16"."""
     sft = {**SFT, "model_name_or_path": model_dir, "output_dir": str(root / "out")}
     pt = {**sft, "stage": "pt", "dataset": "recipes/demo/data/arithmetic_pt.jsonl"}
-    losses = {"std_sft": standard_losses(root, sft, "std_sft"), "std_pt": standard_losses(root, pt, "std_pt"),
-              "std_bf16": standard_losses(root, sft, "std_bf16", bf16=True)}
-    (root / "one").mkdir()
+    standard = StandardRuns(root, {"std_sft": sft, "std_pt": pt, "std_bf16": {**sft, "bf16": True}})
+    (root / "one").mkdir()  # beside the standard runs: one core each
     one = train_runs(root / "one", sft, [{"name": "sft_tp1"}, {"name": "bf16_tp1", "overrides": {"bf16": True}}],
                      nproc=1)
+    losses = {name: [record["loss"] for record in log] for name, log in standard.logs().items()}
     padded = {"tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": 384}
     two = train_runs(root, sft, [
         {"name": "sft_tp2", "overrides": {"tensor_model_parallel_size": 2}},
