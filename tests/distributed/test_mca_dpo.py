@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 
 import pytest
 
 from tests.bounds import (BACKEND_DPO, BACKEND_DPO_REWARDS, DPO_LAYOUT, DPO_LAYOUT_REWARDS, Bound, Comparison,
                           assert_within)
-from tests.distributed.test_mca_train import WORKERS, standard_log, train_runs
+from tests.distributed.test_mca_train import WORKERS, StandardRuns, standard_log, train_runs
 from tests.helpers import output_of, results, roll_train, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
@@ -38,18 +39,35 @@ def metric_comparisons(label: str, log: list[dict], reference: list[dict], bound
                        bounds[name in REWARDS], scale=1.0 if name in REWARDS else 0.0) for name in ("loss", *METRICS)]
 
 
-def dpo_runs(make_model, tmp_path) -> tuple[dict, dict]:
-    """The standard backend (TRL; sigmoid, ipo, label smoothing) and, in one 2-process torchrun job, Megatron
-    at TP1 x DP2 (the same three losses), TP2 with a padded vocabulary, PP2, PP2 x VPP2, CP2, the
-    distributed optimizer and MoE EP1 / EP2; ({name: standard log}, {name: Megatron run})."""
-    dense = make_model("qwen2", num_layers=4)
+@dataclass(frozen=True)
+class PreferenceRuns:
+    """A preference test's runs over the DPO base (a 4-layer Qwen2): {name: overrides} on the standard backend
+    (one process, the whole global batch of 8) and ``train_runs``' Megatron runs (2 processes, TP1 x DP2 unless
+    they say otherwise)."""
+
+    standard: dict[str, dict]
+    mca: list[dict]
+
+
+def preference_runs(make_model, root, tests: list[PreferenceRuns]) -> list[tuple[dict, dict]]:
+    """The runs of several ``tests`` together: every standard run in one process, every Megatron run in one
+    2-process torchrun job (one launch each, not one per test); each test's ({name: standard log},
+    {name: Megatron run})."""
+    base = {**DPO, "model_name_or_path": make_model("qwen2", num_layers=4), "output_dir": str(root / "out")}
+    standard = StandardRuns(root, {f"std_{name}": {**base, "per_device_train_batch_size": 8, **keys}
+                                   for test in tests for name, keys in test.standard.items()}).logs()
+    result = train_runs(root, base, [run for test in tests for run in test.mca])
+    return [({name: standard[f"std_{name}"] for name in test.standard},
+             {run["name"]: result[run["name"]] for run in test.mca}) for test in tests]
+
+
+def dpo_specs(make_model) -> PreferenceRuns:
+    """The standard backend (TRL; sigmoid, ipo, label smoothing) and Megatron at TP1 x DP2 (the same three
+    losses), TP2 with a padded vocabulary, PP2, PP2 x VPP2, CP2, the distributed optimizer and MoE EP1 / EP2."""
     moe = make_model("qwen3_moe")
-    base = {**DPO, "model_name_or_path": dense, "output_dir": str(tmp_path / "out")}
     variants = {"ipo": {"pref_loss": "ipo"}, "smoothed": {"pref_label_smoothing": 0.2}}
-    standard = {name: standard_log(tmp_path, base, f"std_{name}", per_device_train_batch_size=8, **keys)
-                for name, keys in {"tp1_dp2": {}, **variants}.items()}
     gas2 = {"gradient_accumulation_steps": 2}
-    result = train_runs(tmp_path, base, [
+    return PreferenceRuns({"tp1_dp2": {}, **variants}, [
         {"name": "tp1_dp2"},
         *({"name": name, "overrides": keys} for name, keys in variants.items()),
         {"name": "distributed_optimizer", "overrides": {"use_distributed_optimizer": True}},
@@ -62,7 +80,11 @@ def dpo_runs(make_model, tmp_path) -> tuple[dict, dict]:
         {"name": "moe_ep1", "overrides": {"model_name_or_path": moe}},
         {"name": "moe_ep2", "overrides": {"model_name_or_path": moe, "expert_model_parallel_size": 2}},
     ])
-    return standard, result
+
+
+def dpo_runs(make_model, root) -> tuple[dict, dict]:
+    """``dpo_specs``' runs alone: ({name: standard log}, {name: Megatron run})."""
+    return preference_runs(make_model, root, [dpo_specs(make_model)])[0]
 
 
 BACKEND, LAYOUT = (BACKEND_DPO, BACKEND_DPO_REWARDS), (DPO_LAYOUT, DPO_LAYOUT_REWARDS)
@@ -79,12 +101,12 @@ def dpo_comparisons(standard: dict, result: dict) -> list[Comparison]:
     return comparisons + metric_comparisons("moe_ep2", result["moe_ep2"]["log"], result["moe_ep1"]["log"], LAYOUT)
 
 
-def test_dpo_layouts_and_backend_parity(tiny_model_factory, tmp_path):
+def test_dpo_layouts_and_backend_parity(preference_runs_of_the_session):
     """The standard backend (TRL) and Megatron at TP1 and at TP2 with a padded vocabulary: step 1 is ln 2,
     every logged metric of 5 steps within the measured backend gap (tests/bounds.py), also for ipo and for
     sigmoid with label smoothing. TP2, PP2, PP2 x VPP2, DP2 with the distributed optimizer, CP2, and MoE EP2
     equal TP1 x DP2 within the measured layout gap at every step."""
-    standard, result = dpo_runs(tiny_model_factory, tmp_path)
+    standard, result = preference_runs_of_the_session["dpo"]
     reference = result["tp1_dp2"]["log"]
     assert reference[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert_within(dpo_comparisons(standard, result))

@@ -1,6 +1,7 @@
 """pref_loss orpo and simpo (reference-free; roll.preference) on Megatron: every logged metric of 5 steps equals
 the standard backend's, and TP2 with a padded vocabulary, PP2 x VPP2 and CP2 equal TP1 x DP2. Real runs on
-tiny models, CPU, gloo: two standard processes and one 2-process torchrun job for the whole matrix."""
+tiny models, CPU, gloo: the runs share their process launches with test_mca_dpo's (tests/distributed/conftest.py:
+one standard process, one 2-process torchrun job)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import pytest
 from roll.preference import METRICS
 from tests.bounds import (BACKEND_PREF, BACKEND_PREF_REWARDS, PREF_LAYOUT, PREF_LAYOUT_REWARDS, Comparison,
                           assert_within)
-from tests.distributed.test_mca_dpo import DPO
-from tests.distributed.test_mca_train import standard_log, train_runs
+from tests.distributed.test_mca_dpo import PreferenceRuns, preference_runs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.mca]
 VARIANTS = {"orpo": {"pref_loss": "orpo"},
@@ -30,16 +30,17 @@ def _needs_megatron():
     pytest.importorskip("megatron.core")
 
 
-def pref_runs(make_model, tmp_path) -> tuple[dict, dict]:
-    """({loss: standard log}, {name: Megatron run}): each loss on the standard backend, and at TP1 x DP2 and the
-    ``LAYOUTS`` on Megatron (one torchrun job)."""
-    base = {**DPO, "model_name_or_path": make_model("qwen2", num_layers=4), "output_dir": str(tmp_path / "out")}
-    standard = {loss: standard_log(tmp_path, base, f"std_{loss}", per_device_train_batch_size=8, **keys)
-                for loss, keys in VARIANTS.items()}
+def pref_specs(make_model) -> PreferenceRuns:
+    """Each loss on the standard backend, and at TP1 x DP2 and the ``LAYOUTS`` on Megatron."""
     runs = [{"name": loss, "overrides": keys} for loss, keys in VARIANTS.items()]
     runs += [{"name": name, "overrides": {**VARIANTS[loss], **keys, "gradient_accumulation_steps": 2}}
              for name, (loss, keys) in LAYOUTS.items()]
-    return standard, train_runs(tmp_path, base, runs)
+    return PreferenceRuns(dict(VARIANTS), runs)
+
+
+def pref_runs(make_model, root) -> tuple[dict, dict]:
+    """``pref_specs``' runs alone: ({loss: standard log}, {name: Megatron run})."""
+    return preference_runs(make_model, root, [pref_specs(make_model)])[0]
 
 
 def metric_comparisons(label: str, log: list[dict], reference: list[dict], loss: str, bounds) -> list[Comparison]:
@@ -60,11 +61,11 @@ def pref_comparisons(standard: dict, result: dict) -> list[Comparison]:
     return comparisons
 
 
-def test_orpo_and_simpo_match_across_backends_and_layouts(tiny_model_factory, tmp_path):
+def test_orpo_and_simpo_match_across_backends_and_layouts(preference_runs_of_the_session):
     """Standard vs Megatron at TP1 x DP2: the loss and every metric of 5 steps within the measured backend gap
     (orpo's nll_loss and odds-ratio terms too); TP2 with a padded vocabulary, PP2 x VPP2 and CP2 within the
     measured layout gap of TP1 x DP2; the losses move (the runs train)."""
-    standard, result = pref_runs(tiny_model_factory, tmp_path)
+    standard, result = preference_runs_of_the_session["pref"]
     assert_within(pref_comparisons(standard, result))
     for loss in VARIANTS:
         losses = [entry["loss"] for entry in standard[loss]]
