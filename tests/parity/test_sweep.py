@@ -6,8 +6,8 @@ in one plain process (one per distinct key set: the standard run does not depend
 layout cases reuse the 1-process cases' reference), the 1-process mca runs in one ``torchrun`` job, started
 beside it (one core each), and the 2-process mca runs in a second ``torchrun`` job, started as soon as one of
 the first two ends: the standard runs take about twice as long as the 1-process mca runs (a full sweep on 2
-busy cores: 124 s against 51 s of runs), and a core left idle until both had ended cost the sweep a third of
-its time. Interpreter start-up and imports are paid three times, not once per run. ``roll-parity --case NAME`` runs any one case from the
+busy cores: 124 s against 51 s of runs), and waiting for both left a core idle for 70 of the sweep's 188 s
+(estimated: 150 s when the 2-process job fills it). Interpreter start-up and imports are paid three times, not once per run. ``roll-parity --case NAME`` runs any one case from the
 command line; ``pytest 'tests/parity/test_sweep.py::test_case[NAME]'`` trains only that case (the mutation
 gate's way).
 """
