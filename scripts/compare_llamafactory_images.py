@@ -118,7 +118,7 @@ def roll_rows(spec: dict) -> tuple[dict, list]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", help="the tiny Qwen2.5-VL (required)")
     parser.add_argument("--lf-python", default=os.path.join(ROOT, "lf", "bin", "python"))
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--image-max-pixels", type=int, default=None)
@@ -128,6 +128,8 @@ def main() -> int:
     if opts.lf_worker:
         lf_worker(opts.lf_worker)
         return 0
+    if not opts.model:
+        parser.error("--model is required")
     import numpy as np
 
     folder = opts.work_dir or tempfile.mkdtemp(prefix="lf-images-")

@@ -41,10 +41,18 @@ def patch_auto_processor() -> None:
             model_type = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
             if model_type.model_type not in PROCESSORS:
                 raise
-            processor = getattr(transformers, PROCESSORS[model_type.model_type])
             tokenizer = AutoTokenizer.from_pretrained(path)
-            return processor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
-                             video_processor=NoVideoProcessor(), chat_template=tokenizer.chat_template)
+            image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+            processor = getattr(transformers, PROCESSORS[model_type.model_type])(
+                image_processor=image_processor, tokenizer=tokenizer, video_processor=NoVideoProcessor(),
+                chat_template=tokenizer.chat_template)
+
+            def save_pretrained(save_directory, **_):  # at the end of training: the stand-in has nothing to save
+                image_processor.save_pretrained(save_directory)
+                tokenizer.save_pretrained(save_directory)
+
+            processor.save_pretrained = save_pretrained
+            return processor
 
     AutoProcessor.from_pretrained = classmethod(from_pretrained)
 

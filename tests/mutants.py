@@ -604,11 +604,11 @@ MUTANTS: list[Mutant] = [
     Mutant("vl_collator_skips_resize", "image_max_pixels: the tokens follow the resized image but the collator "
            "gives the model the image as it is (more patches than image tokens)", "roll/data/vision.py",
            "images = [open_image(p, self.vision.resize) for p in paths]", "images = [open_image(p) for p in paths]",
-           (f"{VL_PIXELS}::test_images_are_resized_first_as_llamafactory_does",), fast=True),
+           (f"{VL_PIXELS}::test_images_are_resized_first_as_llamafactory_does[qwen2_vl_template]",)),
     Mutant("vl_qwen2_vl_template_keeps_processor_sizes", "template: qwen2_vl without image_max_pixels: images not "
            "resized to LLaMA-Factory's 768*768 default (other token counts than under LLaMA-Factory)",
            "roll/data/vision_resize.py", "named = data_args.template in TEMPLATES", "named = False",
-           (f"{VL_PIXELS}::test_images_are_resized_first_as_llamafactory_does",), fast=True),
+           (f"{VL_PIXELS}::test_images_are_resized_first_as_llamafactory_does[qwen2_vl_template]",)),
     Mutant("vl_resize_rounds", "image_max_pixels: the scaled sides rounded instead of truncated as LLaMA-Factory "
            "does (a pixel more on some images)", "roll/data/vision_resize.py",
            "width, height = int(width * factor), int(height * factor)",

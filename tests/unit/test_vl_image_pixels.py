@@ -99,7 +99,7 @@ def build(vl_model, data, *args):
     ((), None, (1, 72, 142), 2556),  # no named template, no key: the processor alone, as before the keys
     (("template=qwen2_vl",), 589824, (1, 38, 78), 741),  # LLaMA-Factory's template: its 768*768 and 32*32
     (("image_max_pixels=262144",), 262144, (1, 26, 52), 338),  # the key alone: it, and LLaMA-Factory's 32*32
-])
+], ids=["processor_alone", "qwen2_vl_template", "image_max_pixels"])
 def test_images_are_resized_first_as_llamafactory_does(vl_model, data, args, max_pixels, big_grid, big_tokens):
     """Tokens at tokenization and pixel patches at collation follow the same resize (the model needs both to
     agree); the tiny image comes to 6 tokens either way."""
