@@ -1,7 +1,7 @@
 """Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
-research notes (W1-W10), so users and tests need no tricks of their own. Each says what it fixes
+research notes (W1-W11), so users and tests need no tricks of their own. Each says what it fixes
 and when it can go, and checks (``_verified``) that the installed packages are the versions it was
 verified with: outside that range it still runs, with one warning per package.
 """
@@ -29,6 +29,7 @@ VERIFIED_VERSIONS = {
     "transformers": ("5.23", "5.24"),   # W3, W4
     "accelerate": ("1.15", "1.16"),     # W1, W6
     "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8, W9, W10
+    "trl": ("1.16", "1.17"),            # W11
 }
 """Per package, the [low, high) release range the workarounds below were verified on (constraints.txt pins)."""
 
@@ -325,3 +326,21 @@ def _separate_zero3_universal_steps() -> None:
 
     Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = load_with_own_steps
 
+
+
+@contextmanager
+def kto_trainer_accepts_one_row(args):
+    """W11: TRL 1.16's ``KTOTrainer.__init__`` refuses ``per_device_train_batch_size`` 1 for its own KL rows
+    (formed by rotating each micro-batch, which at one row pairs a prompt with its own reply). roll's kto never
+    runs TRL's KL path: at one row a micro-batch its rows are paired when tokenized (``kto_mismatched_rows:
+    llamafactory``, as LLaMA-Factory pairs them; roll.config refuses one row otherwise) and roll.kto computes the
+    loss. The trainer is built under the one ``loss_type`` TRL exempts from the check (``apo_zero_unpaired``,
+    read only by that check and by TRL's own loss), which is then restored on ``args`` (the caller restores the
+    trainer's copies). Can go when TRL no longer refuses it, or when roll stops subclassing KTOTrainer."""
+    _verified("W11", "trl")
+    loss_type = args.loss_type
+    args.loss_type = "apo_zero_unpaired"
+    try:
+        yield
+    finally:
+        args.loss_type = loss_type

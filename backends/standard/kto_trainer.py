@@ -22,6 +22,7 @@ import contextlib
 import torch
 
 from backends.standard.reliability import SafeCheckpointMixin, SafeStepMixin
+from backends.standard._compat import kto_trainer_accepts_one_row
 from backends.standard.trainers import RollTrainerMixin
 from roll import kto as roll_kto
 from roll import loss as roll_loss
@@ -47,7 +48,11 @@ def make_kto_trainer_class():
         """roll.kto's KTO on roll's kto batches (see the module docstring)."""
 
         def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
+            hf_args = kwargs["args"]
+            one_row = hf_args.per_device_train_batch_size < 2  # kto_mismatched_rows: llamafactory (roll.config)
+            with kto_trainer_accepts_one_row(hf_args) if one_row else contextlib.nullcontext():
+                super().__init__(*args, **kwargs)
+            self.loss_type, self.calculate_KL = hf_args.loss_type, True
             self.roll_kto = roll_kto.KTOSettings(beta=self.args.beta, desirable_weight=self.args.desirable_weight,
                                                  undesirable_weight=self.args.undesirable_weight)
             self._roll_reports: dict[str, dict[int, torch.Tensor]] = {"train": {}, "eval": {}}

@@ -63,11 +63,12 @@ CASES = {case.name: case for case in (
     LlamaFactoryCase("lora_reward", "examples/train_lora/qwen3_lora_reward.yaml",
                      "LoRA rm (dpo_en_demo); LLaMA-Factory's head differs (trl's value head)"),
     LlamaFactoryCase("megatron_qwen3_moe", "examples/megatron/qwen3_moe_full.yaml",
-                     "the Megatron Qwen3-MoE recipe (PP4 x EP2, 8 processes; grouped GEMM needs Transformer Engine "
-                     "or grouped_gemm, which this CPU has not) on a tiny Qwen3-MoE: roll's standard backend vs mca "
-                     "only (LLaMA-Factory runs it through mcore_adapter)",
-                     overrides=("nproc_per_node=8", "moe_grouped_gemm=false"), model=TINY_QWEN3_MOE,
-                     llamafactory=False),
+                     "the Megatron Qwen3-MoE recipe on a tiny Qwen3-MoE, its experts on 2 processes (EP2 x DP2; its "
+                     "PP4 x EP2 needs 8 processes, roll-train runs one a CPU core here: 2), grouped GEMM off (it "
+                     "needs Transformer Engine or grouped_gemm); roll's standard backend vs mca only (LLaMA-Factory "
+                     "runs it through mcore_adapter)",
+                     overrides=("nproc_per_node=2", "pipeline_model_parallel_size=1", "moe_grouped_gemm=false"),
+                     model=TINY_QWEN3_MOE, llamafactory=False),
     LlamaFactoryCase("packed_sft", "examples/train_full/qwen3_full_sft.yaml",
                      "full sft with neat_packing (LLaMA-Factory's packed rows: packing_algorithm: llamafactory on "
                      "roll's side); issue 30's bars 1e-5 / 1e-4",

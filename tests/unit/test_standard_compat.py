@@ -59,4 +59,4 @@ def test_workarounds_warn_once_outside_their_verified_versions(monkeypatch, roll
     assert roll_warnings.text.count("deepspeed 0.21.0 is outside the versions") == 1
     assert "[0.19, 0.20)" in roll_warnings.text and "W6" in roll_warnings.text
     assert "accelerate" not in roll_warnings.text  # 1.15.0 is the verified version
-    assert set(_compat.VERIFIED_VERSIONS) == {"torch", "transformers", "accelerate", "deepspeed"}
+    assert set(_compat.VERIFIED_VERSIONS) == {"torch", "transformers", "accelerate", "deepspeed", "trl"}
