@@ -38,7 +38,7 @@ real-model: install
 
 # The tiny recipe on both backends (standard; mca TP2 on 2 processes): losses side by side, loss.png, a sample.
 # CI runs it with DEMO_STEPS=10 (.ci/run).
-DEMO_STEPS ?= 150
+DEMO_STEPS ?= 250
 DEMO_DIR ?= outputs/demo/tiny_sft
 demo: install
 	$(PY) scripts/demo.py --output-dir $(DEMO_DIR) --steps $(DEMO_STEPS)
