@@ -44,8 +44,8 @@ def test_unsupported_rope_type_is_an_error():
 def test_family_without_template_lists_supported_ones():
     hf = _hf("qwen2")
     hf["model_type"] = "gemma3"
-    with pytest.raises(ModelError, match=r"'gemma3'.*llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen3, "
-                                         r"qwen3_moe"):
+    with pytest.raises(ModelError, match=r"'gemma3'.*llama, mistral, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, "
+                                         r"qwen3, qwen3_moe, qwen3_vl"):
         McaModelConfig.from_hf(hf)
 
 

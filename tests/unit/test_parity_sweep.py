@@ -76,7 +76,8 @@ def test_case_recipes_keep_the_global_batch_and_read_back_as_written(tmp_path):
     for case in CASES:
         recipe = case.recipe(str(tmp_path))
         layout = LAYOUTS[case.layout]
-        gas = {"ga_uneven_lengths": 8, "ep2_mixtral_moe_losses_ga8": 8, "tp2_mixtral_80_aux": 4}.get(case.name, 2)
+        gas = {"ga_uneven_lengths": 8, "ep2_mixtral_moe_losses_ga8": 8, "tp2_mixtral_80_aux": 4,
+               "kto_tokenization_pairs": 8}.get(case.name, 2)  # LLaMA-Factory's kto example: 1 row x 8
         assert recipe["gradient_accumulation_steps"] * layout.dp == gas, case.name
         assert yaml.safe_load(yaml.safe_dump(recipe)) == recipe, case.name  # 1e-05 stays a number
     assert MODELS["qwen2_4l"]["num_layers"] % 4 == 0  # PP2 x VPP2: one layer per model chunk
