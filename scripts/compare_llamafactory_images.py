@@ -9,10 +9,10 @@ DIR: a tiny Qwen2.5-VL with the real Qwen2.5 tokenizer and Qwen2.5-VL's own imag
 (``python scripts/make_tiny_vl_demo.py --model DIR --tokenizer qwen --image-pixels qwen2.5``). The images are drawn
 here: sizes above and below the bounds, a side under 28 pixels, an aspect ratio over 200, and the modes RGB, RGBA, L
 and P (a palette: LLaMA-Factory resizes it before converting it to RGB). LLaMA-Factory's side runs in its own
-environment (this script with ``--lf-worker``: its get_train_args, load_tokenizer, get_template_and_fix_tokenizer,
-get_dataset as run_sft calls them, then its plugin's get_mm_inputs on each row's images; the processor as
-scripts/llamafactory_vl_cli.py builds it); roll's side is roll.router.build_job and the collator. It prints one line
-per row and exits 1 on any difference.
+environment (this script with ``--lf-worker``, through roll.parity.llamafactory_worker: its get_train_args,
+load_tokenizer, get_template_and_fix_tokenizer, get_dataset as run_sft calls them, then its plugin's get_mm_inputs
+on each row's images; the processor as scripts/llamafactory_vl_cli.py builds it); roll's side is
+roll.router.build_job and the collator. It prints one line per row and exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -123,7 +122,7 @@ def main() -> int:
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--image-max-pixels", type=int, default=None)
     parser.add_argument("--image-min-pixels", type=int, default=None)
-    parser.add_argument("--lf-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--lf-worker", help=argparse.SUPPRESS)  # roll.parity.llamafactory_worker runs it
     opts = parser.parse_args()
     if opts.lf_worker:
         lf_worker(opts.lf_worker)
@@ -132,22 +131,23 @@ def main() -> int:
         parser.error("--model is required")
     import numpy as np
 
+    from roll.parity.llamafactory_worker import WorkerFailed, missing_python, run_worker
+
+    problem = missing_python(opts.lf_python)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+
     folder = opts.work_dir or tempfile.mkdtemp(prefix="lf-images-")
     os.makedirs(folder, exist_ok=True)
     draw(folder)
     spec = {"model": os.path.abspath(opts.model), "folder": os.path.abspath(folder), "data": write_rows(folder),
-            "image_max_pixels": opts.image_max_pixels, "image_min_pixels": opts.image_min_pixels,
-            "out": os.path.join(folder, "out"), "out_json": os.path.join(folder, "lf.json")}
-    spec_path = os.path.join(folder, "spec.json")
-    json.dump(spec, open(spec_path, "w", encoding="utf-8"))
-    env = {**os.environ, "HF_DATASETS_CACHE": os.path.join(folder, "cache"), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
-    proc = subprocess.run([opts.lf_python, os.path.abspath(__file__), "--lf-worker", spec_path], env=env,
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        print(f"LLaMA-Factory failed: {proc.stderr.strip()[-2000:]}")
+            "image_max_pixels": opts.image_max_pixels, "image_min_pixels": opts.image_min_pixels}
+    try:
+        lf = run_worker(opts.lf_python, __file__, spec, folder)
+    except WorkerFailed as exc:
+        print(f"LLaMA-Factory failed: {exc.stderr[-2000:]}")
         return 1
-    lf = json.load(open(spec["out_json"], encoding="utf-8"))
     roll, batches = roll_rows(spec)
     bad = 0
     for i, (images, _, _) in enumerate(ROWS):

@@ -5,13 +5,14 @@ usage: python scripts/compare_llamafactory_rows.py [--lf-python lf/bin/python] [
            [--templates qwen,llama3,...] [--stages sft,kto,dpo] [--no-tools] [--work-dir /tmp/lf-rows]
 
 LLaMA-Factory runs in its own virtual environment (``bash scripts/llamafactory_venv.sh lf``): this script runs
-itself there with ``--lf-worker`` (LLaMA-Factory's get_train_args, load_tokenizer, get_template_and_fix_tokenizer
-and get_dataset, as its ``run_sft`` / ``run_kto`` call them), and roll's processors here, on the same file and
-tokenizer (the Qwen2.5 tokenizer, with llama3's and glm4's special tokens added for those names). It prints one
-line per template and stage and exits 1 on any difference. kto: LLaMA-Factory pairs row i's prompt with row
-i-1's reply in its tokenization batch, which is roll's rotation (roll.data.feedback.mismatched_rows) over the
-whole file taken as one micro-batch; a KL row is compared only when neither of its two rows was truncated (roll
-forms it from the kept tokens). No test runs this script: LLaMA-Factory is no dependency of roll.
+itself there with ``--lf-worker`` through roll.parity.llamafactory_worker (LLaMA-Factory's get_train_args,
+load_tokenizer, get_template_and_fix_tokenizer and get_dataset, as its ``run_sft`` / ``run_kto`` call them), and
+roll's processors here, on the same file and tokenizer (the Qwen2.5 tokenizer, with llama3's and glm4's special
+tokens added for those names). It prints one line per template and stage and exits 1 on any difference. kto:
+LLaMA-Factory pairs row i's prompt with row i-1's reply in its tokenization batch, which is roll's rotation
+(roll.data.feedback.mismatched_rows) over the whole file taken as one micro-batch; a KL row is compared only when
+neither of its two rows was truncated (roll forms it from the kept tokens). No test runs this script:
+LLaMA-Factory is no dependency of roll.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 
@@ -201,14 +201,16 @@ def main() -> int:
     parser.add_argument("--enable-thinking", default="true", choices=("true", "false"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", default=None)
-    parser.add_argument("--lf-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--lf-worker", help=argparse.SUPPRESS)  # roll.parity.llamafactory_worker runs it
     opts = parser.parse_args()
     if opts.lf_worker:
         lf_worker(opts.lf_worker)
         return 0
-    if not os.path.isfile(opts.lf_python):
-        print(f"no LLaMA-Factory environment at {opts.lf_python}: bash scripts/llamafactory_venv.sh lf, or "
-              "--lf-python PATH", file=sys.stderr)
+    from roll.parity.llamafactory_worker import WorkerFailed, missing_python, run_worker
+
+    problem = missing_python(opts.lf_python)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     work = opts.work_dir or tempfile.mkdtemp(prefix="lf-rows-")
     tokenizers = _tokenizers(work)
@@ -226,19 +228,13 @@ def main() -> int:
                 handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in staged)
             spec = {"data": data, "tokenizer": tokenizers.get(template, tokenizers["qwen"]), "stage": stage,
                     "template": template, "cutoff_len": opts.cutoff_len, "tools": tools,
-                    "enable_thinking": opts.enable_thinking == "true", "out": os.path.join(case, "out"),
-                    "out_json": os.path.join(case, "lf.json")}
-            spec_path = os.path.join(case, "spec.json")
-            json.dump(spec, open(spec_path, "w", encoding="utf-8"))
-            env = {**os.environ, "HF_DATASETS_CACHE": os.path.join(case, "cache"), "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
-            proc = subprocess.run([opts.lf_python, os.path.abspath(__file__), "--lf-worker", spec_path], env=env,
-                                  capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                print(f"{template:14s} {stage:4s} LLaMA-Factory failed: {proc.stderr.strip()[-400:]}")
+                    "enable_thinking": opts.enable_thinking == "true"}
+            try:
+                lf = run_worker(opts.lf_python, __file__, spec, case)
+            except WorkerFailed as exc:
+                print(f"{template:14s} {stage:4s} LLaMA-Factory failed: {exc.stderr[-400:]}")
                 failed += 1
                 continue
-            lf = json.load(open(spec["out_json"], encoding="utf-8"))
             n, bad, kl_rows, notes = differences(lf, roll_rows(spec), stage)
             failed += bad > 0
             kl = f" (and {kl_rows} KL rows)" if stage == "kto" else ""

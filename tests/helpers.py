@@ -102,3 +102,19 @@ def results(stdout: str, marker: str = "RESULT ") -> list[dict]:
 
     decoder = json.JSONDecoder()
     return [decoder.raw_decode(chunk)[0] for chunk in stdout.split(marker)[1:]]
+
+
+def random_checkpoint(model_dir: str, seed: int = 0) -> tuple[dict, dict]:
+    """A saved HF model's config.json and tensor *names*, every tensor replaced by fresh random values
+    (HF init leaves biases at 0 and norms at 1, which would hide a wrong mapping)."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        hf_config = json.load(fh)
+    gen = torch.Generator().manual_seed(seed)
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        sd = {name: torch.randn(f.get_slice(name).get_shape(), generator=gen) for name in f.keys()}
+    return hf_config, sd

@@ -1,11 +1,13 @@
 """scripts/llamafactory_parity.py's pure pieces on synthetic logs: LLaMA-Factory's trainer_log.jsonl and roll's
 train_log.jsonl parsed, compared, tabled and judged; the configs each side gets; the exit without
-LLaMA-Factory. Nothing here runs LLaMA-Factory (not installed in CI); docs/llamafactory-parity.md has a real run.
+LLaMA-Factory; the worker protocol of scripts/compare_llamafactory_*.py. Nothing here runs LLaMA-Factory (not
+installed in CI); docs/llamafactory-parity.md has a real run.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import yaml
@@ -162,3 +164,29 @@ def test_the_report_holds_roll_standard_against_roll_mca_at_the_examples_bar():
     text = lfp.format_report(comparisons, between)
     assert "-- roll standard vs roll mca --\nstep | roll standard loss |      roll mca loss | rel diff" in text
     assert "   1 |        12.44967461 |        12.47457396 | 2.00e-03  (over 0.001)" in text
+
+
+def test_a_comparison_scripts_worker_reads_its_spec_without_rolls_pythonpath(tmp_path, monkeypatch):
+    """roll.parity.llamafactory_worker (scripts/compare_llamafactory_*.py): this interpreter stands in for
+    LLaMA-Factory's; the worker gets the spec with its output paths, none of roll's PYTHONPATH, and a failure
+    comes back with the worker's stderr."""
+    from roll.parity.llamafactory_worker import WorkerFailed, missing_python, run_worker
+
+    script = tmp_path / "compare.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "flag, path = sys.argv[1:]\n"
+        "spec = json.load(open(path))\n"
+        "if spec['fail']:\n"
+        "    sys.exit('no such template')\n"
+        "json.dump({'flag': flag, 'spec': spec, 'pythonpath': os.environ.get('PYTHONPATH')},"
+        " open(spec['out_json'], 'w'))\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "roll"))
+    got = run_worker(sys.executable, str(script), {"fail": False, "template": "qwen"}, str(tmp_path))
+    assert got == {"flag": "--lf-worker", "pythonpath": None, "spec": {
+        "fail": False, "template": "qwen", "out": str(tmp_path / "out"), "out_json": str(tmp_path / "lf.json")}}
+    with pytest.raises(WorkerFailed) as failed:
+        run_worker(sys.executable, str(script), {"fail": True}, str(tmp_path))
+    assert failed.value.code == 1 and failed.value.stderr == "no such template"
+    assert missing_python(sys.executable) is None
+    assert lfp.INSTALL in missing_python(str(tmp_path / "lf" / "bin" / "python"))

@@ -19,6 +19,7 @@ from backends.mca.models import sharding  # noqa: E402
 from backends.mca.models.config import McaModelConfig  # noqa: E402
 from backends.mca.models.template import get_template  # noqa: E402
 from roll.errors import ModelError  # noqa: E402
+from tests.helpers import random_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +32,7 @@ def tiny_qwen3_vl_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tiny_qwen3_vl(tiny_qwen3_vl_dir) -> tuple[dict, dict[str, torch.Tensor]]:
     """The tiny Qwen3-VL's saved config.json and tensor names, every tensor redrawn at random (untied)."""
-    from safetensors import safe_open
-
-    with open(os.path.join(tiny_qwen3_vl_dir, "config.json"), encoding="utf-8") as fh:
-        hf_config = json.load(fh)
-    gen = torch.Generator().manual_seed(0)
-    with safe_open(os.path.join(tiny_qwen3_vl_dir, "model.safetensors"), "pt") as f:
-        sd = {name: torch.randn(f.get_slice(name).get_shape(), generator=gen) for name in f.keys()}
-    return hf_config, sd
+    return random_checkpoint(tiny_qwen3_vl_dir)
 
 
 def test_round_trip_is_bit_exact_with_the_tower_and_deepstack_mergers_carried_whole(tiny_qwen3_vl):

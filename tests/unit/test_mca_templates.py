@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
@@ -16,27 +15,15 @@ from backends.mca.models import layout, sharding  # noqa: E402
 from backends.mca.models.config import McaModelConfig  # noqa: E402
 from backends.mca.models.template import get_template  # noqa: E402
 from roll.errors import ModelError  # noqa: E402
+from tests.helpers import random_checkpoint  # noqa: E402
 
 KINDS = ["qwen2", "qwen3", "llama", "mistral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "mixtral"]
-
-
-def _hf_checkpoint(model_dir: str, seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The HF config and the saved tensor *names*, every tensor replaced by fresh random values
-    (HF init leaves biases at 0 and norms at 1, which would hide a wrong mapping)."""
-    from safetensors import safe_open
-
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
-        hf_config = json.load(fh)
-    gen = torch.Generator().manual_seed(seed)
-    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
-        sd = {name: torch.randn(f.get_slice(name).get_shape(), generator=gen) for name in f.keys()}
-    return hf_config, sd
 
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_is_bit_exact(tiny_model_factory, kind, tied):
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory(kind, tie_word_embeddings=tied))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory(kind, tie_word_embeddings=tied))
     config = McaModelConfig.from_hf(hf_config)
     template = get_template(kind)
     mca_sd = template.hf_to_mca(hf_sd, config)
@@ -50,7 +37,7 @@ def test_round_trip_is_bit_exact(tiny_model_factory, kind, tied):
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
 def test_canonical_names_match_a_built_megatron_model(tiny_model_factory, kind):
     """The converted names are exactly the local-spec GPTModel's parameter names (no _extra_state)."""
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory(kind))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory(kind))
     config = McaModelConfig.from_hf(hf_config)
     mca_sd = get_template(kind).hf_to_mca(hf_sd, config)
     expected = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
@@ -69,7 +56,7 @@ def test_canonical_names_match_a_built_megatron_model(tiny_model_factory, kind):
 
 def test_qkv_is_interleaved_per_query_group(tiny_model_factory):
     """Megatron layout [g0: q0 q1 k0 v0 | g1: q2 q3 k1 v1] (4 heads, 2 groups, head_dim 16)."""
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("qwen2"))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("qwen2"))
     config = McaModelConfig.from_hf(hf_config)
     fused = get_template("qwen2").hf_to_mca(hf_sd, config)["decoder.layers.1.self_attention.linear_qkv.weight"]
     p = "model.layers.1.self_attn."
@@ -83,7 +70,7 @@ def test_qkv_is_interleaved_per_query_group(tiny_model_factory):
 
 
 def test_shared_expert_and_gate_are_mapped(tiny_model_factory):
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("qwen2_moe"))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("qwen2_moe"))
     config = McaModelConfig.from_hf(hf_config)
     assert config.moe_shared_expert_gate and config.moe_shared_expert_intermediate_size == 64
     mca_sd = get_template("qwen2_moe").hf_to_mca(hf_sd, config)
@@ -96,7 +83,7 @@ def test_shared_expert_and_gate_are_mapped(tiny_model_factory):
 def test_mixtral_maps_its_router_and_experts_and_refuses_what_megatron_cannot_express(tiny_model_factory):
     """block_sparse_moe.gate -> router; experts.{e}.[w1; w3] (gate; up) -> linear_fc1, w2 -> linear_fc2; HF's
     softmax-top-k-renormalise router is Megatron's top-k-then-softmax; no shared expert."""
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("mixtral"))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("mixtral"))
     config = McaModelConfig.from_hf(hf_config)
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 32)
     assert config.moe_router_score_function == "softmax" and not config.moe_router_pre_softmax
@@ -117,7 +104,7 @@ def test_mixtral_maps_its_router_and_experts_and_refuses_what_megatron_cannot_ex
 @pytest.mark.parametrize("kind,grouped", [("qwen2", False), ("qwen3_moe", False), ("qwen3_moe", True)])
 def test_te_and_grouped_naming_round_trips(tiny_model_factory, kind, grouped):
     """TE fuses norms into linears (dense only) and names grouped experts weight{e}; no TE import needed."""
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory(kind))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory(kind))
     config = McaModelConfig.from_hf(hf_config, transformer_impl="transformer_engine", moe_grouped_gemm=grouped)
     mca_sd = get_template(kind).hf_to_mca(hf_sd, config)
     te_names = {layout.to_impl_name(n, config): n for n in mca_sd}
@@ -132,7 +119,7 @@ def test_te_and_grouped_naming_round_trips(tiny_model_factory, kind, grouped):
 
 
 def test_tp_ep_sharding_round_trips_and_splits_gate_up_separately(tiny_model_factory):
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("qwen2_moe"))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("qwen2_moe"))
     config = McaModelConfig.from_hf(hf_config, vocab_size=511, tensor_model_parallel_size=2)
     assert config.padded_vocab_size == 512
     hf_sd["model.embed_tokens.weight"] = hf_sd["model.embed_tokens.weight"][:511]
@@ -149,7 +136,7 @@ def test_tp_ep_sharding_round_trips_and_splits_gate_up_separately(tiny_model_fac
 
 
 def test_placement_maps_local_layers_and_experts_to_global(tiny_model_factory):
-    hf_config, _ = _hf_checkpoint(tiny_model_factory("qwen3_moe"))
+    hf_config, _ = random_checkpoint(tiny_model_factory("qwen3_moe"))
     config = McaModelConfig.from_hf(hf_config, num_layers=8, pipeline_model_parallel_size=2,
                                     virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=2)
     chunk = layout.placement(config, pp_rank=1, vpp_stage=1, ep_rank=1)
@@ -166,7 +153,7 @@ def _to_local(place: layout.Placement, name: str) -> str:
 
 
 def test_unmapped_hf_parameter_lists_known_patterns(tiny_model_factory):
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("llama"))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("llama"))
     hf_sd["model.layers.0.self_attn.rotary_emb.inv_freq_extra"] = torch.zeros(2)
     with pytest.raises(ModelError, match=r"(?s)rotary_emb.inv_freq_extra.*Known HF patterns.*q_proj"):
         get_template("llama").hf_to_mca(hf_sd, McaModelConfig.from_hf(hf_config))
@@ -215,7 +202,7 @@ def test_streaming_loader_fills_a_te_layout_chunk_as_any_rank(tiny_model_factory
     from backends.mca.models.loader import load_hf_weights
 
     src = tiny_model_factory(kind, tie_word_embeddings=False)
-    hf_config, hf_sd = _hf_checkpoint(src)
+    hf_config, hf_sd = random_checkpoint(src)
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(hf_config))
@@ -257,7 +244,7 @@ def test_streaming_loader_refuses_weights_that_do_not_fit_the_config(tiny_model_
 
     from backends.mca.models.loader import load_hf_weights
 
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("qwen2", tie_word_embeddings=False))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("qwen2", tie_word_embeddings=False))
     config = McaModelConfig.from_hf(hf_config)
     place = layout.placement(config, pp_rank=0, vpp_stage=0, ep_rank=0)
     coords = {"tp_size": 1, "tp_rank": 0, "etp_size": 1, "etp_rank": 0}

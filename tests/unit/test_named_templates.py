@@ -297,19 +297,27 @@ def test_kto_rows_with_a_named_template_train_the_last_reply_slot_and_the_kl_row
         assert batch["attention_mask"][row].sum() == n
 
 
+def _long_kto(tokenizer) -> tuple[list[dict], list[list[int]]]:
+    """Two kto rows, one longer than a cutoff_len of 16, and qwen3_nothink's token ids of their pieces: row 0's
+    prompt and reply, row 1's reply and prompt."""
+    rows = [{"conversations": [{"from": "human", "value": "one two three four five six seven eight nine ten"},
+                               {"from": "gpt", "value": "alpha beta gamma delta epsilon zeta eta theta"}],
+             "kto_tag": True},
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "kto_tag": False}]
+    return rows, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (
+        "<|im_start|>user\none two three four five six seven eight nine ten<|im_end|>\n<|im_start|>assistant\n",
+        "alpha beta gamma delta epsilon zeta eta theta<|im_end|>\n", "Hello.<|im_end|>\n",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")]
+
+
 def test_kto_named_template_truncation_is_llamafactorys_for_rows_and_kl_rows():
     """infer_seqlen on each row and on each mismatched row: both keep their start (the tokenizer-template
     rule would keep the prompt's end)."""
     from roll.data.feedback import FeedbackCollator
 
     tokenizer = _tokenizer("qwen3_nothink")
-    long = [{"conversations": [{"from": "human", "value": "one two three four five six seven eight nine ten"},
-                               {"from": "gpt", "value": "alpha beta gamma delta epsilon zeta eta theta"}],
-             "kto_tag": True},
-            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "kto_tag": False}]
-    enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (
-        "<|im_start|>user\none two three four five six seven eight nine ten<|im_end|>\n<|im_start|>assistant\n",
-        "alpha beta gamma delta epsilon zeta eta theta<|im_end|>\n", "Hello.<|im_end|>\n")]
+    long, enc = _long_kto(tokenizer)
+    enc = enc[:3]
     cutoff = 16
     rows = _kto(tokenizer, "qwen3_nothink", long, cutoff_len=cutoff)
     assert [len(e) for e in enc] == [18, 11, 4]
@@ -333,14 +341,7 @@ def test_kto_rows_paired_in_the_tokenization_batch_as_llamafactory():
     from roll.data.feedback import FeedbackCollator, FeedbackProcessor
 
     tokenizer = _tokenizer("qwen3_nothink")
-    long = [{"conversations": [{"from": "human", "value": "one two three four five six seven eight nine ten"},
-                               {"from": "gpt", "value": "alpha beta gamma delta epsilon zeta eta theta"}],
-             "kto_tag": True},
-            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}], "kto_tag": False}]
-    enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (
-        "<|im_start|>user\none two three four five six seven eight nine ten<|im_end|>\n<|im_start|>assistant\n",
-        "alpha beta gamma delta epsilon zeta eta theta<|im_end|>\n", "Hello.<|im_end|>\n",
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")]
+    long, enc = _long_kto(tokenizer)
     assert [len(e) for e in enc] == [18, 11, 4, 9]
     processor = FeedbackProcessor(tokenizer, 16, "sharegpt", "mem.json", pair_in_batch=True,
                                   encoder=encoder_for(DataArguments(template="qwen3_nothink")))
