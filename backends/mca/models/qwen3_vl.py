@@ -92,13 +92,16 @@ class Qwen3VLModel(Qwen2_5_VLModel):
                 if layer.layer_number - 1 < self.deepstack_layers:
                     add_deepstack_after(layer, layer.layer_number - 1)
 
-    def vision_block_inputs(self, vision, positions, embeddings):
-        """The deepstack features in a dense ``[s(/tp), b, n, h]`` tensor, the decoder block's ``context``."""
+    def vision_block_inputs(self, vision, positions, embeddings, feature_rows=None):
+        """The deepstack features in a dense ``[s(/tp), b, n, h]`` tensor, the decoder block's ``context``: the rows
+        ``feature_rows`` of them (context parallelism: those of this rank's placeholders, as the main features)."""
         from megatron.core import tensor_parallel
 
         if not vision.deepstack_features:
             return {}
         features = torch.stack(vision.deepstack_features, dim=1).to(embeddings.dtype)  # [n_image_tokens, n, h]
+        if feature_rows is not None:
+            features = features.index_select(0, feature_rows)
         seq, batch, hidden = embeddings.shape
         dense = embeddings.new_zeros(seq, batch, len(vision.deepstack_features), hidden)
         dense = dense.index_put(positions, features)
