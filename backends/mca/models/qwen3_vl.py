@@ -15,8 +15,12 @@ things Qwen3-VL does differently, each as transformers 5.23's ``modeling_qwen3_v
   is an identity). Layers ``0 .. n-1`` add their slice to their output. They must all sit in the first pipeline
   stage's first virtual chunk, with the tower (``deepstack_layout_error``; checked at config time).
 
-Memory: the dense features cost ``n * s * b * h / tp`` activations per micro-batch (3 x 4096 x 4096 bf16 values, 96
-MiB, for Qwen3-VL-8B at 4096 tokens), held by the first stage until its backward.
+Under context parallelism (and packed) the features take the rows of the main image features (``image_feature_rows``:
+those of the placeholders this rank holds), so the dense tensor is this rank's part of the sequence.
+
+Memory: the dense features cost ``n * s * b * h / (tp with SP) / cp`` activations per micro-batch (3 x 4096 x 4096
+bf16 values, 96 MiB, for Qwen3-VL-8B at 4096 tokens); autograd saves none of it (the scatter and the additions keep
+no operand), a full recompute saves it with each micro-batch's checkpointed layers until their backward.
 """
 
 from __future__ import annotations
