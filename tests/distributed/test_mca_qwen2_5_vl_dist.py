@@ -8,7 +8,9 @@ language model with Qwen2-VL's own tower (``make_tiny_qwen2_vl_model``: LayerNor
 Qwen3-VL: roll.demo.tiny_vl's tiny Qwen3-VL (4 layers, q/k norms, interleaved sections 2/3/3, both tower blocks
 feeding deepstack features to layers 0 and 1, tied) and an odd-shaped one (2 layers, hidden 48, 6 heads of 12 over
 2 KV groups: a 72-wide attention, interleaved sections 2/2/2, vocabulary 517, untied, deepstack from block 1 into
-layer 0), checked at TP1, TP2, PP2 (both deepstack layers on stage 0) and round-tripped TP1 -> TP2, PP2 -> TP1:
+layer 0), checked at TP1, TP2, PP2 (both deepstack layers on stage 0) and round-tripped TP1 -> TP2, PP2 -> TP1; the
+training test runs both families' TP, PP, CP and packed layouts (CP and packed against transformers' unpacked loss
+and the standard backend's packed batches):
 
 - ``roll-convert check``'s logits parity (``convert.check_parity``) on a batch with two images of different sizes
   (grids 4x6 and 6x2 patches) and a text-only row, HF's ``...ForConditionalGeneration`` against the
