@@ -238,7 +238,8 @@ def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool,
 
 FAMILY_RUNS = {"qwen2_5_vl": ["tp1", "tp2_sp", "pp2", "pp2_resume", "pp2_frozen", "cp2", "packed", "packed_pp2",
                               "packed_cp2"],
-               "qwen2_vl": ["tp1"], "qwen3_vl": ["tp1", "tp2_sp", "pp2", "pp2_frozen", "cp2", "packed", "packed_cp2"]}
+               "qwen2_vl": ["tp1"], "qwen3_vl": ["tp1", "tp2_sp", "pp2", "pp2_frozen", "cp2", "packed", "packed_cp2",
+                                                   "packed_tp2_sp"]}
 """The worker's runs per family (tests/distributed/_mca_workers/vl_train_runs.py); resuming is family-neutral."""
 
 
@@ -252,7 +253,8 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
     Qwen2-VL (its own tower) trains at TP1 x DP2 with step 1 at HF's loss. Qwen2.5-VL and Qwen3-VL (deepstack into
     layers 0 and 1, both on PP2's first stage; under CP and packing its features take the rows of the main image
     features): both steps' losses are transformers' with the same optimisation written out (``hf_losses``) at TP1 x
-    DP2, TP2 + SP with full recompute, PP2, CP2 and packed at DP2 and CP2, tower trained, and at PP2 with
+    DP2, TP2 + SP with full recompute, PP2, CP2 and packed at DP2 and CP2 (Qwen3-VL also packed at TP2 + SP: its
+    deepstack features scattered along the packed stream), tower trained, and at PP2 with
     LLaMA-Factory's defaults (tower and merger frozen); every packed run's two steps are also the standard backend's
     on the same packed batches (``standard_packed_batch``); a trained tower, projector and deepstack mergers change,
     frozen ones do not."""
