@@ -12,8 +12,9 @@ three images (placeholders at the start, in the middle, in a second user turn), 
 file, and a system prompt. It builds the tiny Qwen2.5-VL (roll.demo.tiny_vl; ``--family qwen3_vl``: the tiny
 Qwen3-VL, interleaved M-RoPE and deepstack into its first two layers) and runs ``roll-parity`` (the
 standard backend on one process, mca at the layout) with the vision tower and merger frozen (the defaults) and
-with both trained (``freeze_vision_tower=false freeze_multi_modal_projector=false``), at TP1 and at TP2 / PP2, and
-LoRA on the language model at TP1 and TP2, exporting both adapters (``--save-models``: PEFT's format, compared).
+with both trained (``freeze_vision_tower=false freeze_multi_modal_projector=false``), at TP1 and at TP2 / PP2 / CP2,
+packed (``packing: true``: the same packed rows on both backends) at TP1 and, tower trained, at CP2, and LoRA on the
+language model at TP1 and TP2, exporting both adapters (``--save-models``: PEFT's format, compared).
 Then ``roll-train`` on a copy of the data with one row's image path broken must exit 2 with a message naming the
 file, the row and the image. Prints one line per check; exits 1 if one fails.
 """
@@ -37,11 +38,13 @@ COMMON = {"stage": "sft", "cutoff_len": 96, "per_device_train_batch_size": 2, "g
           "learning_rate": 3.0e-3, "seed": 0}
 """4 rows a step; every row fits cutoff 96 (the largest, three images of up to 16 tokens plus text, about 80)."""
 LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "nproc_per_node": 2},
-           "pp2": {"pipeline_model_parallel_size": 2, "nproc_per_node": 2}}
+           "pp2": {"pipeline_model_parallel_size": 2, "nproc_per_node": 2},
+           "cp2": {"context_parallel_size": 2, "nproc_per_node": 2}}
 TRAIN_TOWER = {"freeze_vision_tower": False, "freeze_multi_modal_projector": False}
 LORA = {"finetuning_type": "lora", "lora_rank": 8, "learning_rate": 1.0e-2}
 CHECKS = {"tp1": ("tp1", {}), "tp1_tower": ("tp1", TRAIN_TOWER), "tp2": ("tp2", {}), "pp2_tower": ("pp2", TRAIN_TOWER),
-          "tp1_lora": ("tp1", LORA), "tp2_lora": ("tp2", LORA)}
+          "tp1_lora": ("tp1", LORA), "tp2_lora": ("tp2", LORA), "cp2_tower": ("cp2", TRAIN_TOWER),
+          "packed": ("tp1", {"packing": True}), "packed_cp2_tower": ("cp2", {"packing": True, **TRAIN_TOWER})}
 """LoRA checks also export both adapters (roll-parity --save-models: the PEFT adapters compared tensor by tensor)."""
 
 

@@ -251,6 +251,13 @@ MUTANTS: list[Mutant] = [
            'out["image_feature_rows"] = ordinal[placeholders][:int(mine.sum())].to(device)',
            ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
             "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
+    Mutant("qwen3_vl_cp_deepstack_in_batch_order", "qwen3_vl with context parallelism (packed or not): each CP rank "
+           "adds the batch's first deepstack features instead of the rows of the placeholders it holds (the main "
+           "image features' ``image_feature_rows``)", "backends/mca/models/qwen3_vl.py",
+           "            features = features.index_select(0, feature_rows)",
+           "            features = features[:len(feature_rows)]",
+           ("tests/distributed/test_mca_qwen2_5_vl_dist.py::"
+            "test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and_frozen",)),
     Mutant("vl_packed_cp_rope_cut_over_the_stream", "VL packed rows with context parallelism: the M-RoPE angles "
            "cut into 2 * CP chunks of the whole packed stream (Megatron's multimodal rotary embedding) instead of "
            "per packed sample", "backends/mca/models/qwen2_5_vl.py",

@@ -15,9 +15,10 @@ inputs of a micro-batch.
   Packed rows: each packed sample's positions as for the sample alone (``roll.mrope.packed_mrope_position_ids``),
   over the THD stream. Context parallelism: the positions of the whole sequence (Megatron's RoPE keeps the rank's
   2 chunks of the 2 * CP of each row, or of each packed sample, as the tokens are cut), and the rows of the image
-  features whose placeholders this rank holds (``image_feature_rows``).
+  features whose placeholders this rank holds (``image_feature_rows``); Qwen3-VL's deepstack features take the same
+  rows (``Qwen3VLModel.vision_block_inputs``), so they follow the tokens under packing, CP and both.
 - Refused: a Qwen3-VL pipeline split whose first chunk does not hold every layer that receives deepstack
-  features; Qwen3-VL with context parallelism or packing (its deepstack features are not split with the tokens yet).
+  features.
 """
 
 from __future__ import annotations
@@ -93,11 +94,6 @@ def check_config(config, hf_config: dict) -> None:
                           "use_mca: false (LoRA on the tower's layers).")
     if deepstack_layers(hf_config):
         m = config.megatron
-        if m.context_parallel_size > 1 or config.data.packing:
-            raise ConfigError(f"context_parallel_size={m.context_parallel_size}, packing={config.data.packing}: "
-                              "Qwen3-VL trains without context parallelism and packing on the mca backend (its "
-                              "deepstack features are not split with the tokens yet). Set context_parallel_size: 1 "
-                              "and packing: false, or use_mca: false.")
         text = {**hf_config, **(hf_config.get("text_config") or {})}
         error = deepstack_layout_error(deepstack_layers(hf_config), text["num_hidden_layers"],
                                        m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)

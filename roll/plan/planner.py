@@ -222,6 +222,8 @@ def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
            if st.pp > 1 else "")))
     if shape.vision is not None and stage == 0:
         lines.append(_vision_activations(shape, st, config, batch))
+        if shape.vision.deepstack_mergers:
+            lines.append(_deepstack_features(shape, st, config, batch))
     if stage == st.pp - 1 and config.finetuning.stage != "rm":  # a reward model's head is 1 wide: no logits
         vocab = -(-shape.vocab_size // st.vocab_multiple) * st.vocab_multiple
         lines.append(PlanLine("logits", d.cutoff_len * batch * vocab * 4 / st.tp,
@@ -233,19 +235,36 @@ def _stage_lines(shape: ModelShape, st: Strategy, config: RunConfig,
 
 def _vision_activations(shape: ModelShape, st: Strategy, config: RunConfig, batch: int) -> PlanLine:
     """The vision tower's activations, at most: every token of the micro-batch an image token (merge^2 patches
-    each). The tower is not tensor- or sequence-parallel (one replica per TP rank); on the standard backend
-    gradient_checkpointing recomputes its blocks too, on mca it keeps them (the HF module)."""
+    each). The tower is not tensor- or sequence-parallel (one replica per TP rank); its blocks recompute when the
+    language model's layers do (the standard backend's gradient_checkpointing; mca's recompute_granularity, either
+    granularity: ``backends.mca.models.qwen2_5_vl.build_vision_tower``)."""
     ft, vision = config.finetuning, shape.vision
     patches = config.data.cutoff_len * batch * vision.merge ** 2
     train_tower, train_merger = ft.finetuning_type == "full" and not ft.freeze_vision_tower, \
         ft.finetuning_type == "full" and not ft.freeze_multi_modal_projector
-    recompute = st.backend == "standard" and st.recompute == "full"
+    recompute = st.recompute is not None
     frozen = "tower and merger frozen: no activations kept" if not (train_tower or train_merger) else (
         f"tower {'trained' if train_tower else 'frozen'}, merger {'trained' if train_merger else 'frozen'}"
         + (", blocks recomputed" if recompute and train_tower else ""))
     return PlanLine("vision activations",
                     vision.activation_bytes(patches, st.act_bytes, train_tower, train_merger, recompute),
                     f"at most {patches} patches (every token an image's), {frozen}")
+
+
+def _deepstack_features(shape: ModelShape, st: Strategy, config: RunConfig, batch: int) -> PlanLine:
+    """Qwen3-VL's deepstack features on stage 0, at most (every token an image token): ``n * s * b * h`` in the
+    activation dtype, split like the sequence (mca: /TP with SP, /CP). Nothing saves them for backward (adding them
+    and scattering them in keep no operand), so one micro-batch's exist at a time, during its forward; but a full
+    recompute saves each micro-batch's (mca: the decoder block's ``context``) until its backward, 1F1B's in-flight
+    micro-batches on stage 0 (the standard backend's checkpointed layers do not take them)."""
+    vision, tokens = shape.vision, config.data.cutoff_len * batch
+    split = st.cp * (st.tp if st.sp else 1)
+    kept = st.backend == "mca" and st.recompute == "full"
+    copies = min(st.pp, config.training.gradient_accumulation_steps) if kept else 1
+    detail = (f"{vision.deepstack_mergers} x s*b*h, s={config.data.cutoff_len} b={batch} h={vision.out_hidden_size}"
+              + (f", /{split} (the rank's part of the sequence)" if split > 1 else "")
+              + (f", kept by full recompute for {copies} micro-batches in flight" if kept else ", during the forward"))
+    return PlanLine("deepstack features", vision.deepstack_bytes(tokens, st.act_bytes) / split * copies, detail)
 
 
 def _suggestions(st: Strategy, shape: ModelShape, config: RunConfig, lines: list[PlanLine]) -> list[str]:

@@ -58,14 +58,21 @@ class VisionShape:
                          recompute: bool) -> float:
         """What backward keeps for ``patches`` patches: nothing when tower and merger are frozen (no gradient
         reaches them); a trained tower, per block Korthikanti's 34 * s * h (16-bit, attention fused; each block's
-        input only, 2 * s * h, under full recompute); a trained merger about 4 * s * h."""
+        input only, 2 * s * h, under full recompute) and about 4 * s * h per deepstack merger; a trained merger
+        about 4 * s * h."""
         scale = act_bytes / 2
         s, h = patches, self.hidden_size
         merger = 4 * s * h * scale if (train_merger or train_tower) else 0.0
         if not train_tower:
             return merger
         per_block = (2 if recompute else 34) * s * h * scale
-        return self.depth * per_block + (34 * s * h * scale if recompute else 0.0) + merger
+        deepstack = self.deepstack_mergers * 4 * s * h * scale  # Qwen3-VL: each a merger, trained with the tower
+        return self.depth * per_block + (34 * s * h * scale if recompute else 0.0) + merger + deepstack
+
+    def deepstack_bytes(self, tokens: float, act_bytes: int) -> float:
+        """Qwen3-VL's deepstack features of ``tokens`` image tokens: one ``out_hidden_size`` vector per token and
+        deepstack merger (the language model's first layers add them to their output)."""
+        return self.deepstack_mergers * tokens * self.out_hidden_size * act_bytes
 
 
 def vision_shape(config: dict) -> VisionShape | None:

@@ -8,7 +8,9 @@ language model with Qwen2-VL's own tower (``make_tiny_qwen2_vl_model``: LayerNor
 Qwen3-VL: roll.demo.tiny_vl's tiny Qwen3-VL (4 layers, q/k norms, interleaved sections 2/3/3, both tower blocks
 feeding deepstack features to layers 0 and 1, tied) and an odd-shaped one (2 layers, hidden 48, 6 heads of 12 over
 2 KV groups: a 72-wide attention, interleaved sections 2/2/2, vocabulary 517, untied, deepstack from block 1 into
-layer 0), checked at TP1, TP2, PP2 (both deepstack layers on stage 0) and round-tripped TP1 -> TP2, PP2 -> TP1:
+layer 0), checked at TP1, TP2, PP2 (both deepstack layers on stage 0) and round-tripped TP1 -> TP2, PP2 -> TP1; the
+training test runs both families' TP, PP, CP and packed layouts (CP and packed against transformers' unpacked loss
+and the standard backend's packed batches):
 
 - ``roll-convert check``'s logits parity (``convert.check_parity``) on a batch with two images of different sizes
   (grids 4x6 and 6x2 patches) and a text-only row, HF's ``...ForConditionalGeneration`` against the
@@ -193,16 +195,20 @@ def hf_loss(model_dir: str, rows: list[dict]) -> float:
     return float(out.loss)
 
 
-def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool) -> list[float]:
+def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool, packed: bool = False) -> list[float]:
     """transformers' losses of ``rows`` as one batch (right-padded; with the modality of each token, so that HF uses
-    its M-RoPE positions) over ``steps`` steps of the mca runs' optimisation, written out: AdamW (lr 1e-3 decaying
-    linearly to 0 over the steps, betas 0.9 / 0.999, eps 1e-8, no weight decay), gradients clipped at norm 1, the
-    vision tower and merger trained or frozen. Each loss is the mean over the labelled tokens, what a step logs."""
-    from transformers import AutoModelForImageTextToText, get_scheduler
+    its M-RoPE positions; ``packed``: the standard backend's packed batch, ``standard_packed_batch``) over ``steps``
+    steps of the mca runs' optimisation, written out: AdamW (lr 1e-3 decaying linearly to 0 over the steps, betas
+    0.9 / 0.999, eps 1e-8, no weight decay), gradients clipped at norm 1, the vision tower and merger trained or
+    frozen. Each loss is the mean over the labelled tokens, what a step logs. The model is loaded as the standard
+    backend loads it (``load_vl_model``: without a KV cache, whose mask builder would let packed samples attend to
+    each other)."""
+    from transformers import get_scheduler
 
+    from backends.standard.vision import load_vl_model
     from roll.mrope import mm_token_type_ids
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = load_vl_model(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.model.visual.requires_grad_(tower_trained)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -214,9 +220,10 @@ def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool)
 
     input_ids = padded("input_ids", 0)
     images = [image for r in rows for image in r["images"]]
-    batch = dict(input_ids=input_ids, attention_mask=padded("attention_mask", 0), labels=padded("labels", -100),
-                 pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.tensor([g for _, g in images]),
-                 mm_token_type_ids=mm_token_type_ids(input_ids, model.config.to_dict()))
+    batch = standard_packed_batch(model_dir, rows) if packed else dict(
+        input_ids=input_ids, attention_mask=padded("attention_mask", 0), labels=padded("labels", -100),
+        pixel_values=torch.cat([p for p, _ in images]), image_grid_thw=torch.tensor([g for _, g in images]),
+        mm_token_type_ids=mm_token_type_ids(input_ids, model.config.to_dict()))
     losses = []
     for _ in range(steps):
         loss = model(**batch).loss
@@ -231,7 +238,8 @@ def hf_losses(model_dir: str, rows: list[dict], steps: int, tower_trained: bool)
 
 FAMILY_RUNS = {"qwen2_5_vl": ["tp1", "tp2_sp", "pp2", "pp2_resume", "pp2_frozen", "cp2", "packed", "packed_pp2",
                               "packed_cp2"],
-               "qwen2_vl": ["tp1"], "qwen3_vl": ["tp1", "tp2_sp", "pp2", "pp2_frozen"]}
+               "qwen2_vl": ["tp1"], "qwen3_vl": ["tp1", "tp2_sp", "pp2", "pp2_frozen", "cp2", "packed", "packed_cp2",
+                                                   "packed_tp2_sp"]}
 """The worker's runs per family (tests/distributed/_mca_workers/vl_train_runs.py); resuming is family-neutral."""
 
 
@@ -241,12 +249,15 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
     same rows at TP1 x DP2, TP2 with sequence parallelism (the images go in before the sequence is split), PP2, CP2
     (each rank 2 of every row's 4 chunks: the 3-D positions are cut as the tokens are) and packed in pairs (each
     sample its own M-RoPE positions; at DP2, PP2 and CP2: each packed sample cut into 4 chunks); step 2 agrees across
-    layouts; the packed step 1 is also the standard backend's packed loss; resuming PP2's step-1 checkpoint (the HF
-    tower inside Megatron's checkpoint) repeats its step 2 exactly. Qwen2-VL (its own tower) trains at TP1 x DP2 with
-    step 1 at HF's loss. Qwen2.5-VL and Qwen3-VL (deepstack into layers 0 and 1, both on PP2's first stage): both
-    steps' losses are transformers' with the same optimisation written out (``hf_losses``) at TP1 x DP2, TP2 + SP
-    with full recompute and PP2, tower trained, and at PP2 with LLaMA-Factory's defaults (tower and merger frozen);
-    a trained tower, projector and deepstack mergers change, frozen ones do not."""
+    layouts; resuming PP2's step-1 checkpoint (the HF tower inside Megatron's checkpoint) repeats its step 2 exactly.
+    Qwen2-VL (its own tower) trains at TP1 x DP2 with step 1 at HF's loss. Qwen2.5-VL and Qwen3-VL (deepstack into
+    layers 0 and 1, both on PP2's first stage; under CP and packing its features take the rows of the main image
+    features): both steps' losses are transformers' with the same optimisation written out (``hf_losses``) at TP1 x
+    DP2, TP2 + SP with full recompute, PP2, CP2 and packed at DP2 and CP2 (Qwen3-VL also packed at TP2 + SP: its
+    deepstack features scattered along the packed stream), tower trained, and at PP2 with
+    LLaMA-Factory's defaults (tower and merger frozen); every packed run's two steps are also the standard backend's
+    on the same packed batches (``standard_packed_batch``); a trained tower, projector and deepstack mergers change,
+    frozen ones do not."""
     import json
 
     from roll.demo.tiny_vl import make_tiny_qwen2_vl_model, make_tiny_qwen3_vl_model, make_tiny_vl_model
@@ -272,6 +283,7 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
     for family in ("qwen2_5_vl", "qwen3_vl"):
         res = results[family]
         reference = {trained: hf_losses(models[family], rows[family], 2, trained) for trained in (True, False)}
+        standard_packed = hf_losses(models[family], rows[family], 2, True, packed=True)
         for name, run in res.items():
             if name == "pp2_resume":  # logs step 2 only
                 continue
@@ -279,6 +291,11 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
             comparisons.append(Comparison(f"{family}_{name}_step1_vs_hf", run["losses"][:1], hf[:1], BACKEND_VL))
             if name in FAMILY_RUNS["qwen3_vl"]:
                 comparisons.append(Comparison(f"{family}_{name}_vs_hf", run["losses"], hf, BACKEND_VL_STEPS))
+            if name.startswith("packed"):
+                comparisons += [Comparison(f"{family}_{name}_step1_vs_standard_packed", run["losses"][:1],
+                                           standard_packed[:1], BACKEND_VL),
+                                Comparison(f"{family}_{name}_vs_standard_packed", run["losses"], standard_packed,
+                                           BACKEND_VL_STEPS)]
         comparisons += [Comparison(f"{family}_{name}_vs_tp1", res[name]["losses"], res["tp1"]["losses"], VL_LAYOUT)
                         for name in res if name not in ("tp1", "pp2_resume", "pp2_frozen")]
         parts = ("tower", "merger", "deepstack") if family == "qwen3_vl" else ("tower", "merger")
@@ -288,20 +305,18 @@ def test_qwen2_5_vl_trains_through_the_mca_trainer_tp1_tp2_pp2_tower_trained_and
         assert res["tp2_sp"]["tower_recomputes"] and not res["tp1"]["tower_recomputes"]  # recompute: the same losses
         assert res["pp2_frozen"]["losses"][1] != res["pp2"]["losses"][1]  # the tower's update changed step 2
     res, qwen2_vl = results["qwen2_5_vl"], results["qwen2_vl"]["tp1"]
-    comparisons += [Comparison("packed_step1_vs_standard_packed", res["packed"]["losses"][:1],
-                               [standard_packed_loss(models["qwen2_5_vl"], rows["qwen2_5_vl"])], BACKEND_VL),
-                    Comparison("qwen2_vl_step1_vs_hf", qwen2_vl["losses"][:1],
-                               [hf_loss(models["qwen2_vl"], rows["qwen2_vl"])], BACKEND_VL)]
+    comparisons.append(Comparison("qwen2_vl_step1_vs_hf", qwen2_vl["losses"][:1],
+                                  [hf_loss(models["qwen2_vl"], rows["qwen2_vl"])], BACKEND_VL))
     assert_within(comparisons)
     assert qwen2_vl["tower_changed"] and qwen2_vl["losses"] != res["tp1"]["losses"]
     assert res["pp2_resume"]["losses"][-1] == res["pp2"]["losses"][-1]  # the tower came back from the checkpoint
 
 
-def standard_packed_loss(model_dir: str, rows: list[dict]) -> float:
-    """The standard backend's loss of ``rows`` packed in pairs (rows 2i and 2i+1 in one row, as the worker packs
-    them): roll's packing collator, the images concatenated in the packed order, ``PackedVisionBatch`` (HF's packed
-    position_ids [4, b, s]) and the model as the backend loads it."""
-    from backends.standard.vision import PackedVisionBatch, load_vl_model
+def standard_packed_batch(model_dir: str, rows: list[dict]) -> dict:
+    """The standard backend's batch of ``rows`` packed in pairs (rows 2i and 2i+1 in one row, as the worker packs
+    them): roll's packing collator, the images concatenated in the packed order and ``PackedVisionBatch`` (HF's
+    packed position_ids [4, b, s])."""
+    from backends.standard.vision import PackedVisionBatch
     from roll.data.collators import SequenceCollator
     from roll.data.policy import PaddingPolicy
     from roll.hf_config import read_hf_config
@@ -318,6 +333,4 @@ def standard_packed_loss(model_dir: str, rows: list[dict]) -> float:
         return {**batch, "pixel_values": torch.cat([p for p, _ in images]),
                 "image_grid_thw": torch.tensor([g for _, g in images])}
 
-    model = load_vl_model(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        return float(model(**PackedVisionBatch(collate, read_hf_config(model_dir))(packed)).loss)
+    return PackedVisionBatch(collate, read_hf_config(model_dir))(packed)

@@ -109,11 +109,11 @@ def test_positions_are_the_image_grid_offset_by_the_text_before_it(tiny_qwen3_vl
     assert positions[2][0] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]  # w
 
 
-def test_a_split_that_takes_deepstack_layers_off_the_first_chunk_and_qwen3_vl_moe_are_refused(tiny_qwen3_vl_dir,
-                                                                                                 tmp_path):
+def test_splits_taking_deepstack_off_the_first_chunk_and_qwen3_vl_moe_are_refused_cp_and_packing_not(
+        tiny_qwen3_vl_dir, tmp_path):
     """4 layers, 2 of them receive deepstack features: PP2 (2 layers a stage) trains, PP4 and PP2 x VPP2 (1 layer a
-    chunk) are refused before any model loads, and so are context parallelism and packing (the deepstack features
-    are not split with the tokens); the default of transformers' config when config.json names none."""
+    chunk) are refused before any model loads, context parallelism and packing are not (the deepstack features
+    follow the tokens); the default of transformers' config when config.json names none."""
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
     from backends.mca.vision import DEEPSTACK_DEFAULT, deepstack_layers
@@ -130,9 +130,9 @@ def test_a_split_that_takes_deepstack_layers_off_the_first_chunk_and_qwen3_vl_mo
                    "gradient_accumulation_steps": 2}):
         with pytest.raises(ConfigError, match="deepstack features to the first 2 decoder layers.* puts 1 of the 4"):
             resolve({**recipe, **split}, {}, None)
-    for split in ({"context_parallel_size": 2, "nproc_per_node": 2}, {"packing": True}):
-        with pytest.raises(ConfigError, match="Qwen3-VL trains without context parallelism and packing"):
-            resolve({**recipe, **split}, {}, None)
+    for split in ({"context_parallel_size": 2, "nproc_per_node": 2}, {"packing": True},
+                  {"context_parallel_size": 2, "nproc_per_node": 2, "packing": True}):
+        resolve({**recipe, **split}, {}, None)  # deepstack follows the tokens (test_mca_qwen2_5_vl_dist's runs)
     with pytest.raises(ModelError, match="'qwen3_vl_moe' has no Megatron conversion template"):
         get_template("qwen3_vl_moe")
 

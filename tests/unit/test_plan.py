@@ -257,6 +257,44 @@ QWEN2_5_VL_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct's config.json on the Hub (the f
                       "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}}
 
 
+QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct's config.json on the Hub (the fields that size it)
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653, "video_token_id": 151656,
+    "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 4096, "intermediate_size": 12288,
+                    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "vocab_size": 151936, "tie_word_embeddings": False,
+                    "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
+    "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                      "num_heads": 16, "in_channels": 3, "out_hidden_size": 4096, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
+                      "deepstack_visual_indexes": [8, 16, 24]}}
+
+
+def test_plan_counts_qwen3_vl_deepstack_features(tmp_path, monkeypatch):
+    """Qwen3-VL-8B through recipes/qwen2_5_vl_sft.yaml (cutoff_len 4096, micro-batch 1, bf16, GA 8): the deepstack
+    features are 3 x 4096 tokens x 4096 wide x 2 bytes = 100,663,296 bytes at most (every token an image's) on the
+    standard backend; mca's TP2 + SP halves them (50,331,648); its full recompute keeps one copy per micro-batch in
+    flight on stage 0: PP2 doubles that (100,663,296), CP2 halves it again (50,331,648). A trained tower's
+    activations count the 3 deepstack mergers like the merger: (27 blocks x 2 (their inputs, recomputed) + 34 (the
+    block recomputed) + 4 (merger) + 3 x 4) x 16384 patches x 1152 = 1,962,934,272 bytes."""
+    from roll.config import parse_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_VL_8B))
+    expected = {(): 100_663_296, ("--use-mca",): 50_331_648,
+                ("--use-mca", "pipeline_model_parallel_size=2"): 100_663_296,
+                ("--use-mca", "pipeline_model_parallel_size=2", "context_parallel_size=2"): 50_331_648}
+    for argv, want in expected.items():
+        _, config = parse_args(["recipes/qwen2_5_vl_sft.yaml", f"model_name_or_path={tmp_path}", *argv])
+        lines = {line.key: line.bytes for line in plan_run(config).lines}
+        assert lines["deepstack features"] == want, argv
+    _, config = parse_args(["recipes/qwen2_5_vl_sft.yaml", f"model_name_or_path={tmp_path}", "--use-mca",
+                            "freeze_vision_tower=false"])
+    lines = {line.key: line.bytes for line in plan_run(config).lines}
+    assert lines["vision activations"] == (27 * 2 + 34 + 4 + 3 * 4) * 16384 * 1152 == 1_962_934_272
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_vision_tower_count_matches_transformers(family):
     """The tower and merger counts of roll.plan.vision against transformers' own modules (tiny odd shapes)."""

@@ -140,15 +140,16 @@ class Qwen2_5_VLModel(GPTModel):
                                  "must keep every image's <|image_pad|> run whole.")
             rows, tokens = placeholders.nonzero(as_tuple=True)  # row-major: the order the images are in
             embeddings = embeddings.index_put((tokens, rows), features.to(embeddings.dtype))
-            block_inputs = self.vision_block_inputs(vision, (tokens, rows), embeddings)
+            block_inputs = self.vision_block_inputs(vision, (tokens, rows), embeddings, image_feature_rows)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
         return embeddings, block_inputs
 
-    def vision_block_inputs(self, vision, positions: tuple[torch.Tensor, torch.Tensor],
-                            embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
+    def vision_block_inputs(self, vision, positions: tuple[torch.Tensor, torch.Tensor], embeddings: torch.Tensor,
+                            feature_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """What the decoder block gets from the tower's output ``vision`` besides the token embeddings: nothing for
-        Qwen2-VL and Qwen2.5-VL (``positions``: the image tokens' (token, row) indices; ``embeddings``: ``[s, b, h]``)."""
+        Qwen2-VL and Qwen2.5-VL (``positions``: the image tokens' (token, row) indices; ``embeddings``: ``[s, b, h]``;
+        ``feature_rows``: ``embed``'s ``image_feature_rows``, the feature rows these tokens take)."""
         return {}
 
 

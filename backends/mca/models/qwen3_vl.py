@@ -15,8 +15,12 @@ things Qwen3-VL does differently, each as transformers 5.23's ``modeling_qwen3_v
   is an identity). Layers ``0 .. n-1`` add their slice to their output. They must all sit in the first pipeline
   stage's first virtual chunk, with the tower (``deepstack_layout_error``; checked at config time).
 
-Memory: the dense features cost ``n * s * b * h / tp`` activations per micro-batch (3 x 4096 x 4096 bf16 values, 96
-MiB, for Qwen3-VL-8B at 4096 tokens), held by the first stage until its backward.
+Under context parallelism (and packed) the features take the rows of the main image features (``image_feature_rows``:
+those of the placeholders this rank holds), so the dense tensor is this rank's part of the sequence.
+
+Memory: the dense features cost ``n * s * b * h / (tp with SP) / cp`` activations per micro-batch (3 x 4096 x 4096
+bf16 values, 96 MiB, for Qwen3-VL-8B at 4096 tokens); autograd saves none of it (the scatter and the additions keep
+no operand), a full recompute saves it with each micro-batch's checkpointed layers until their backward.
 """
 
 from __future__ import annotations
@@ -92,13 +96,16 @@ class Qwen3VLModel(Qwen2_5_VLModel):
                 if layer.layer_number - 1 < self.deepstack_layers:
                     add_deepstack_after(layer, layer.layer_number - 1)
 
-    def vision_block_inputs(self, vision, positions, embeddings):
-        """The deepstack features in a dense ``[s(/tp), b, n, h]`` tensor, the decoder block's ``context``."""
+    def vision_block_inputs(self, vision, positions, embeddings, feature_rows=None):
+        """The deepstack features in a dense ``[s(/tp), b, n, h]`` tensor, the decoder block's ``context``: the rows
+        ``feature_rows`` of them (context parallelism: those of this rank's placeholders, as the main features)."""
         from megatron.core import tensor_parallel
 
         if not vision.deepstack_features:
             return {}
         features = torch.stack(vision.deepstack_features, dim=1).to(embeddings.dtype)  # [n_image_tokens, n, h]
+        if feature_rows is not None:
+            features = features.index_select(0, feature_rows)
         seq, batch, hidden = embeddings.shape
         dense = embeddings.new_zeros(seq, batch, len(vision.deepstack_features), hidden)
         dense = dense.index_put(positions, features)

@@ -15,7 +15,8 @@ with LLaMA-Factory's defaults (both frozen, through McaBackend.apply_finetuning)
 each rank holds 2 of the 4 chunks of every row, the placeholders' image features among them), ``packed`` (DP2) and
 ``packed_pp2``: rows 2i and 2i+1 packed into one (``packing: true``, packed_runs.pack_pairs, one packed row a
 micro-batch, so a step trains the same 4 samples as the others), ``packed_cp2`` (both: each packed sample cut into
-4 chunks). Rank 0 writes {family: {run:
+4 chunks; Qwen3-VL's deepstack features take the rank's rows as the image features do), ``packed_tp2_sp`` (packed
+with TP2 and sequence parallelism). Rank 0 writes {family: {run:
 {"losses": [...], "sequence_parallel": bool, "tower_recomputes": bool, "tower_changed": bool, "merger_changed": bool,
 "deepstack_changed": bool (Qwen3-VL)}}} (rank 0 holds the first stage, the tower, in every run).
 """
@@ -43,7 +44,9 @@ RUNS = {"tp1": ({"per_device_train_batch_size": "2", "gradient_accumulation_step
         "packed": ({"packing": "true", "per_device_train_batch_size": "1", "gradient_accumulation_steps": "1"}, True),
         "packed_pp2": ({"packing": "true", "pipeline_model_parallel_size": "2", "per_device_train_batch_size": "1"},
                        True),
-        "packed_cp2": ({"packing": "true", "context_parallel_size": "2", "per_device_train_batch_size": "1"}, True)}
+        "packed_cp2": ({"packing": "true", "context_parallel_size": "2", "per_device_train_batch_size": "1"}, True),
+        "packed_tp2_sp": ({"packing": "true", "tensor_model_parallel_size": "2", "sequence_parallel": "true",
+                           "per_device_train_batch_size": "1"}, True)}
 """name -> (recipe overrides, vision tower and projector trained); ``pp2_resume`` runs after ``pp2``."""
 
 
