@@ -87,7 +87,7 @@ def test_transformer_engine_names_follow_megatrons_te_spec(monkeypatch, tiny_mod
     from megatron.core.transformer.identity_op import IdentityOp
 
     from backends.mca.models import layout, sharding
-    from tests.unit.test_mca_templates import _hf_checkpoint
+    from tests.helpers import random_checkpoint
 
     moe, dense = _te_layer_specs(monkeypatch, 4).submodules, _te_layer_specs(monkeypatch, None).submodules
     attention = moe.self_attention.submodules
@@ -97,7 +97,7 @@ def test_transformer_engine_names_follow_megatrons_te_spec(monkeypatch, tiny_mod
     assert attention.linear_q_down_proj == attention.linear_kv_down_proj == "TE.linear"
     assert dense.pre_mlp_layernorm is IdentityOp
 
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("deepseek_v3", q_lora_rank=q_lora_rank))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("deepseek_v3", q_lora_rank=q_lora_rank))
     config = McaModelConfig.from_hf(hf_config, transformer_impl="transformer_engine", tensor_model_parallel_size=2)
     mca_sd = get_template("deepseek_v3").hf_to_mca(hf_sd, config)
     te_names = {layout.to_impl_name(name, config): name for name in mca_sd}

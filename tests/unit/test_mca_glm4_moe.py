@@ -16,7 +16,8 @@ from backends.mca.models.config import McaModelConfig  # noqa: E402
 from backends.mca.models.template import get_template  # noqa: E402
 from roll.demo.tiny_model import tiny_config  # noqa: E402
 from roll.errors import ConfigError, ModelError  # noqa: E402
-from tests.unit.test_mca_templates import _fake_chunk, _hf_checkpoint  # noqa: E402
+from tests.helpers import random_checkpoint  # noqa: E402
+from tests.unit.test_mca_templates import _fake_chunk  # noqa: E402
 
 
 def _hf(**overrides) -> dict:
@@ -69,7 +70,7 @@ def test_a_load_balancing_loss_is_refused_naming_the_key():
 
 
 def test_names_of_dense_and_moe_layers(tiny_model_factory):
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("glm4_moe"))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("glm4_moe"))
     config = McaModelConfig.from_hf(hf_config)
     mca_sd = get_template("glm4_moe").hf_to_mca(hf_sd, config)
     layer0 = {n.removeprefix("decoder.layers.0.") for n in mca_sd if n.startswith("decoder.layers.0.")}
@@ -128,7 +129,7 @@ def test_a_stage_of_dense_layers_only_loads_and_mtp_layers_are_left_out_saying_s
     """PP2 of 4 layers with 2 dense first layers: stage 0 holds no MoE layer, yet the MoE layers' tensors are
     the other stage's, not unused. The multi-token-prediction layer after the last decoder layer (what GLM-4.5
     and DeepSeek-V3 checkpoints hold) is left out with a warning when config.json declares it, an error when not."""
-    hf_config, hf_sd = _hf_checkpoint(tiny_model_factory("glm4_moe", num_layers=4, first_k_dense_replace=2))
+    hf_config, hf_sd = random_checkpoint(tiny_model_factory("glm4_moe", num_layers=4, first_k_dense_replace=2))
     stage0 = _load_stage(tmp_path, "stage0", hf_config, hf_sd, pp_rank=0)
     assert not any(".mlp.router." in n for n in stage0)
     stage1 = _load_stage(tmp_path, "stage1", hf_config, hf_sd, pp_rank=1)
