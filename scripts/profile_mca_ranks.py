@@ -4,8 +4,8 @@ usage: python scripts/profile_mca_ranks.py RECIPE [KEY=VALUE ...] [--nproc 2] [-
                                            [--no-ops] [--shapes]
 
 Trains ``RECIPE`` with ``--use-mca`` on ``--nproc`` local processes (torchrun, 1 thread each unless
-``OMP_NUM_THREADS`` says otherwise; ``--nproc 1`` runs in this process) and, on every rank, after ``--warmup``
-steps:
+``OMP_NUM_THREADS`` says otherwise; ``--nproc 1`` runs in this process, on every core unless it says otherwise)
+and, on every rank, after ``--warmup`` steps:
 
 - times each step's phases with ``time.perf_counter`` and ``time.process_time`` around the loop's own functions:
   zeroing the ``main_grad`` buffers, the forward and backward through Megatron's schedule (with, inside it, the
