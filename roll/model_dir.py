@@ -20,8 +20,11 @@ _ADAPTER_CONFIG = "adapter_config.json"
 
 
 def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
-                    key: str = "model_name_or_path") -> None:
-    """A local model directory (the value of ``key``) is complete and loadable without surprises."""
+                    key: str = "model_name_or_path", model_type: bool = True) -> None:
+    """A local model directory (the value of ``key``) is complete and loadable without surprises.
+
+    ``model_type=False`` leaves out the one check that imports transformers (seconds: is config.json's
+    model_type one it knows), for a caller that runs ``check_model_dir_type`` after its cheaper checks."""
     check_model_exists(path, key)
     if not os.path.isdir(path):
         raise ModelError(f"{key}={path!r} is a file; give the directory that holds config.json.")
@@ -30,9 +33,18 @@ def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
     if not has_hf_config(path):
         raise ModelError(f"{key}={path!r} has no config.json: it is not a Hugging Face model "
                          "directory (a run's checkpoint-N is resumed with resume_from_checkpoint).")
-    check_remote_code(read_hf_config(path), os.path.join(path, "config.json"),
-                      trust_remote_code=trust_remote_code)
+    hf_config, where = read_hf_config(path), os.path.join(path, "config.json")
+    check_auto_map(hf_config, where, trust_remote_code=trust_remote_code)
+    if model_type:
+        check_model_type(hf_config, where, trust_remote_code=trust_remote_code)
     check_weight_files(path, use_mca=use_mca, key=key)
+
+
+def check_model_dir_type(path: str, *, trust_remote_code: bool, use_mca: bool) -> None:
+    """``check_model_type`` of a directory ``check_model_dir(..., model_type=False)`` passed."""
+    if use_mca and os.path.isfile(os.path.join(path, _MCA_CONFIG)):
+        return
+    check_model_type(read_hf_config(path), os.path.join(path, "config.json"), trust_remote_code=trust_remote_code)
 
 
 DEMO_MODEL_DIR = ".demo/tiny-qwen2"
@@ -146,16 +158,27 @@ def check_reference_vocab(config) -> None:
 
 def check_remote_code(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
     """A config that needs the model's own Python code (``auto_map``, or a model_type transformers lacks)."""
+    check_auto_map(hf_config, where, trust_remote_code=trust_remote_code)
+    check_model_type(hf_config, where, trust_remote_code=trust_remote_code)
+
+
+def check_auto_map(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
+    """A config whose ``auto_map`` names the model's own Python code, unless trust_remote_code."""
+    if hf_config.get("auto_map") and not trust_remote_code:
+        names = sorted(hf_config["auto_map"])
+        raise ModelError(f"{where} ships its own Python code (auto_map: {names}), which roll does "
+                         "not run by default: set trust_remote_code: true if you trust this code.")
+
+
+def check_model_type(hf_config: dict, where: str, *, trust_remote_code: bool) -> None:
+    """A config without ``auto_map`` whose model_type the installed transformers does not know (this imports
+    transformers and torch: seconds)."""
+    if hf_config.get("auto_map"):
+        return  # the model's own code defines it (check_auto_map)
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     model_type = hf_config.get("model_type")
-    if hf_config.get("auto_map"):
-        if not trust_remote_code:
-            names = sorted(hf_config["auto_map"])
-            raise ModelError(f"{where} ships its own Python code (auto_map: {names}), which roll does "
-                             "not run by default: set trust_remote_code: true if you trust this code.")
-        return
     if model_type not in CONFIG_MAPPING_NAMES:
         remote = "" if trust_remote_code else (
             ", or, for a model that ships its code (auto_map in config.json), set trust_remote_code: true if "

@@ -4,8 +4,9 @@ found from files alone, in milliseconds, instead of N ranks later as a Megatron 
 What is checked: output_dir (``roll.outputs``, ``roll.checkpoints.check_output_dir``; writable), nproc_per_node
 against this machine (only when launching), the model directory (``roll.model_dir``: not an adapter directory,
 config.json, remote code, weights files intact, tokenizer files), a DPO reference's vocabulary, the chat template stages sft/dpo
-need, a resumed checkpoint against this run (backend, model, LoRA or full, global batch), and every pickle
-that would be loaded (``roll.unpickle``).
+need, a resumed checkpoint against this run (backend, model, LoRA or full, global batch), the data files named
+(they exist, of a type roll reads), every pickle that would be loaded (``roll.unpickle``), and last, the one check
+that imports transformers (seconds): the model_type is one it knows. A typo is answered before that import.
 Layout rules that need the model's config (heads / layers / experts divisible by TP / PP / EP) are part of
 config validation (``RunConfig.validate``), so --print-config reports them too.
 """
@@ -20,7 +21,8 @@ from roll.config.training import read_json_object
 from roll.errors import ConfigError, ModelError
 from roll.hf_config import has_hf_config, read_hf_config, text_config
 from roll.model_dir import (DEMO_MODEL_DIR, DEMO_SFT_OUTPUT, TOKENIZER_FILES, check_model_dir,  # noqa: F401
-                            check_model_exists, check_model_paths, check_not_adapter, check_reference_vocab,
+                            check_model_dir_type, check_model_exists, check_model_paths, check_not_adapter,
+                            check_reference_vocab,
                             check_remote_code, check_safetensors_file, check_tokenizer_files,
                             check_weight_files, weight_files)
 
@@ -42,18 +44,22 @@ def check_before_training(config, *, launching: bool) -> None:
         check_machine(training)
     model = config.model
     check_not_adapter(model.model_name_or_path)
-    check_model_dir(model.model_name_or_path, trust_remote_code=model.trust_remote_code,
-                    use_mca=training.use_mca)
+    models = {"model_name_or_path": model.model_name_or_path}
     if model.tokenizer_name_or_path:
         check_model_exists(model.tokenizer_name_or_path, "tokenizer_name_or_path")
     if config.finetuning.stage in ("dpo", "kto") and config.finetuning.ref_model:
-        check_model_dir(config.finetuning.ref_model, trust_remote_code=model.trust_remote_code,
-                        use_mca=training.use_mca, key="ref_model")
+        models["ref_model"] = config.finetuning.ref_model
+    for key, path in models.items():
+        check_model_dir(path, trust_remote_code=model.trust_remote_code, use_mca=training.use_mca, key=key,
+                        model_type=False)
     check_reference_vocab(config)
     check_tokenizer_files(config.model)
     check_chat_template(config)
     check_resume(config)
+    check_data_files(config)
     check_pickles(config)
+    for path in models.values():  # last: transformers' list of model types costs seconds of imports
+        check_model_dir_type(path, trust_remote_code=model.trust_remote_code, use_mca=training.use_mca)
 
 
 # ---- output_dir ---------------------------------------------------------------------------------
@@ -92,6 +98,24 @@ def check_output_writable(output_dir: str) -> None:
         what = "is not writable" if parent == path else f"cannot be created ({parent!r} is not writable)"
         raise ConfigError(f"output_dir={output_dir!r} {what} by this user (or its file system is read-only): "
                           "choose an output_dir you can write.")
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+def check_data_files(config) -> None:
+    """``dataset`` (and ``eval_dataset``) name files, directories or registered names that exist here, of a type
+    roll reads (``roll.data.loading``'s own resolution, which the ranks run again), unless the run loads rows
+    prepared before: then the raw files may stay on the machine that prepared them."""
+    from roll.data.loading import resolve_source, split_sources
+    from roll.data.prepared import has_data
+
+    data = config.data
+    if data.tokenized_path and has_data(data.tokenized_path) and not data.overwrite_cache:
+        return
+    specs = [data.dataset] + ([data.eval_dataset] if (data.eval_dataset or "").strip() else [])
+    for spec in specs:
+        for part in split_sources(spec):
+            resolve_source(part, data.dataset_dir)
 
 
 # ---- the machine --------------------------------------------------------------------------------

@@ -78,6 +78,11 @@ ELASTIC_RUN = ("tests/distributed/test_elastic_resume_dist.py::"
 
 MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
+    Mutant("preflight_imports_transformers_first", "roll-train imports transformers and torch (seconds) before it "
+           "checks the data files and the checkpoint named, so a typo there waits for the training stack",
+           "roll/preflight.py", "use_mca=training.use_mca, key=key,\n                        model_type=False)",
+           "use_mca=training.use_mca, key=key,\n                        model_type=True)",
+           ("tests/unit/test_startup.py::test_mistakes_preflight_finds_in_a_complete_model_dir_import_no_training_stack",)),
     Mutant("vl_lora_adapter_text_names_mca", "mca: a VL model's LoRA adapter saved under a text model's keys "
            "(model.layers.*), which PEFT does not find in transformers' VL model", "backends/mca/lora/export.py",
            'return VL_LAYERS if hf_config and "vision_config" in hf_config else TEXT_LAYERS', "return TEXT_LAYERS",

@@ -13,6 +13,7 @@ the cheap subset inside ``make test`` and checks every anchor of the list.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import signal
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +123,25 @@ def run_mutant(root: Path, mutant: Mutant, timeout: float) -> Outcome:
         path.write_text(original, encoding="utf-8")
     verdict = {"failed": "caught", "passed": "survived"}.get(status, status)
     return Outcome(mutant.name, verdict, failed, seconds, out)
+
+
+def run_mutants(roots: list[Path], mutants: list[Mutant], timeout: float) -> list[Outcome]:
+    """``run_mutant`` for each of ``mutants``, ``len(roots)`` at a time: each run takes a copy of the tree
+    (``roots``, one per worker) no other run is using, so a mutant never sees another's edit. Outcomes in
+    the order of ``mutants``."""
+    free: queue.Queue[Path] = queue.Queue()
+    for root in roots:
+        free.put(root)
+
+    def one(mutant: Mutant) -> Outcome:
+        root = free.get()
+        try:
+            return run_mutant(root, mutant, timeout)
+        finally:
+            free.put(root)
+
+    with ThreadPoolExecutor(max_workers=len(roots)) as pool:
+        return list(pool.map(one, mutants))
 
 
 def baseline(root: Path, mutants: list[Mutant], timeout: float) -> Outcome:

@@ -6,8 +6,10 @@ The cases cover the recipe, the command line, the data, the model directory, a c
 parallel layout and output_dir. Most fail in roll-train's own process before anything is launched (config
 validation, ``roll.preflight``); the data cases fail while the data is prepared; three more fail inside
 launched ranks (torchrun, the DeepSpeed launcher, Megatron at TP2), so the ranks' report path is covered too.
-The tiny models, data and one real trained run are built once per module; the cases then run two at a time,
-each a few seconds of CPU (Python start-up and roll-train's imports).
+The tiny models, data and one real trained run are built once per module; the cases then run two at a time.
+Most cost about 0.3 s of CPU: what the recipe and the files it names can tell is found before roll-train imports
+transformers or torch (``roll.preflight``; tests/unit/test_startup.py checks the imports); those found while the
+data is prepared, the weights loaded or by Megatron's templates pay those imports (2 to 7 s each).
 """
 
 from __future__ import annotations

@@ -162,3 +162,37 @@ def test_a_megatron_checkpoint_is_checked_against_the_run(tmp_path):
     (model / "config.json").write_text(json.dumps({**hf, "hidden_size": 128}))
     with pytest.raises(ConfigError, match=r"another model .*\(hidden_size 64 there, 128 here\)"):
         preflight.check_resume(_resume_config(ckpt, model, use_mca=True))
+
+
+def _data(**keys):
+    values = {"dataset": None, "eval_dataset": None, "dataset_dir": "data", "tokenized_path": None,
+              "overwrite_cache": False, **keys}
+    return SimpleNamespace(data=SimpleNamespace(**values))
+
+
+def test_data_files_are_checked_unless_prepared_rows_are_loaded(tmp_path):
+    """A missing or unreadable data file is found before any import; rows prepared into tokenized_path
+    (on another machine, docs/data.md) need no raw files, unless overwrite_cache prepares them again."""
+    from roll.errors import DataError
+
+    rows = tmp_path / "rows.json"
+    rows.write_text("[]")
+    preflight.check_data_files(_data(dataset=f"{rows}, {rows}", eval_dataset=""))
+    for keys, message in ((dict(dataset=None), "no dataset given"),
+                          (dict(dataset=str(tmp_path / "row.json")), "not found"),
+                          (dict(dataset=str(rows), eval_dataset=str(tmp_path / "evals.json")), "not found"),
+                          (dict(dataset=str(tmp_path / "rows.xml")), "not found")):
+        with pytest.raises(DataError, match=message):
+            preflight.check_data_files(_data(**keys))
+    (tmp_path / "rows.xml").write_text("<rows/>")
+    with pytest.raises(DataError, match="unsupported file type"):
+        preflight.check_data_files(_data(dataset=str(tmp_path / "rows.xml")))
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "manifest.json").write_text("{}")
+    preflight.check_data_files(_data(dataset=str(tmp_path / "gone.json"), tokenized_path=str(prepared)))
+    with pytest.raises(DataError, match="not found"):
+        preflight.check_data_files(_data(dataset=str(tmp_path / "gone.json"), tokenized_path=str(prepared),
+                                         overwrite_cache=True))
+    with pytest.raises(DataError, match="not found"):  # an empty tokenized_path is where to prepare
+        preflight.check_data_files(_data(dataset=str(tmp_path / "gone.json"), tokenized_path=str(tmp_path / "new")))

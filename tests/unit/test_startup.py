@@ -48,6 +48,28 @@ def test_help_print_config_and_mistakes_import_no_training_stack():
     assert result["heavy"] == [], f"imported {result['heavy']} to answer a question about the config"
 
 
+def test_mistakes_preflight_finds_in_a_complete_model_dir_import_no_training_stack(tiny_model_dir, tmp_path):
+    """roll.preflight's checks of files (data, resume, chat template) run before the one that imports
+    transformers (is model_type one it knows): a newcomer's typo is answered in well under a second."""
+    data = tmp_path / "rows.json"
+    data.write_text('[{"instruction": "Hi", "output": "Yo."}]')
+    (tmp_path / "rows.xml").write_text("<rows/>")
+    base = [f"model_name_or_path={tiny_model_dir}", f"dataset={data}", "max_steps=1", "report_to=none"]
+    cases = [
+        [*base, f"output_dir={tmp_path / 'a'}", f"dataset={tmp_path / 'row.json'}"],  # a typo in the data file
+        [*base, f"output_dir={tmp_path / 'b'}", f"dataset={tmp_path / 'rows.xml'}"],  # a type roll does not read
+        [*base, f"output_dir={tmp_path / 'c'}", f"eval_dataset={tmp_path / 'evals.json'}"],
+        [*base, f"output_dir={tmp_path / 'd'}", f"resume_from_checkpoint={tmp_path / 'checkpoint-3'}"],
+        [*base, f"output_dir={tmp_path / 'e'}", "dataset="],
+    ]
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cases), json.dumps(HEAVY)], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["codes"] == [2] * len(cases)
+    assert result["heavy"] == [], f"imported {result['heavy']} to find a mistake in the files"
+
+
 def test_hf_training_snapshot_matches_installed_transformers():
     """roll/config/hf_training.py is the installed transformers' TrainingArguments: every field, with its
     default and the same accepted values (enums as Literal). Out of date: run scripts/update_hf_fields.py."""
