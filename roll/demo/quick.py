@@ -31,7 +31,7 @@ head's matmuls) is amplified, the more so the higher the learning rate: measured
 demo's recipe (batch 4, 200 steps, 2026-11-28) at most 7.9e-5 (step 176), the exported weights 1.1e-6 apart
 (relative to the update); tiny_sft.yaml (batch 8) 1.0e-5 over 150 steps, 8.8e-5 over 250 (2026-11-27); at lr 5e-3
 (2026-11-25) 3.7e-4 after 150 steps and 4e-2 after 250. roll-parity's default (1e-4) is meant for short runs at
-fine-tuning rates; CI's 10-step demo stays near 1e-7 (1.4e-7 at lr 3e-3)."""
+fine-tuning rates; CI's 10-step demo stays near 1e-7 (7.9e-8 at batch 4, 1.4e-7 at tiny_sft.yaml's batch 8)."""
 
 
 def ensure_tiny_model(model_dir: str, out: Callable[[str], object]) -> None:
