@@ -36,12 +36,14 @@ tiny-model: install
 real-model: install
 	$(PY) -m roll.demo.real_model
 
-# The tiny recipe on both backends (standard; mca TP2 on 2 processes): losses side by side, loss.png, a sample.
+# The tiny recipe (recipes/demo/quick_sft.yaml) on both backends (standard; mca TP2 on 2 processes): losses side by
+# side, loss.png, a sample; about 2 minutes on 2 idle cores (README, "Two commands").
 # CI runs it with DEMO_STEPS=10 (.ci/run).
-DEMO_STEPS ?= 250
+# DEMO_STEPS unset: the recipe's max_steps (recipes/demo/quick_sft.yaml).
+DEMO_STEPS ?=
 DEMO_DIR ?= outputs/demo/tiny_sft
 demo: install
-	$(PY) scripts/demo.py --output-dir $(DEMO_DIR) --steps $(DEMO_STEPS)
+	$(PY) scripts/demo.py --output-dir $(DEMO_DIR) $(if $(DEMO_STEPS),--steps $(DEMO_STEPS))
 
 # The real model, taught an identity it cannot know: LoRA (recipes/demo/real_identity_lora.yaml) on both
 # backends (standard; mca, 1 process), "Who are you?" before and after, both loss curves in one loss.png,

@@ -51,7 +51,8 @@ DEMO_MODEL_DIR = ".demo/tiny-qwen2"
 """Where the demo recipes expect the tiny model (``python scripts/make_tiny_model.py --out`` it)."""
 
 DEMO_SFT_OUTPUT = "outputs/demo/tiny_sft/standard"
-"""The tiny sft model ``make demo`` trains on the standard backend (tiny_dpo, tiny_kto and tiny_rm start from it)."""
+"""The tiny sft model ``make demo`` trains on the standard backend (recipes/demo/quick_sft.yaml; tiny_dpo, tiny_kto and
+tiny_rm start from it)."""
 
 
 def check_model_paths(config) -> None:
@@ -80,7 +81,7 @@ def check_model_exists(path: str | None, key: str = "model_name_or_path") -> Non
     where = os.path.normpath(path)
     if where == os.path.normpath(DEMO_SFT_OUTPUT):
         raise ModelError(f"{key}={path!r} does not exist yet: it is the tiny sft model `make demo` trains "
-                         "(recipes/demo/tiny_sft.yaml on the standard backend). Run `make demo` (or `python "
+                         "(recipes/demo/quick_sft.yaml on the standard backend). Run `make demo` (or `python "
                          "scripts/demo.py`) first, or point it at another model directory.")
     if where.split(os.sep)[0] == os.path.normpath(DEMO_MODEL_DIR).split(os.sep)[0]:
         also = "; `make tiny-model` and `make demo` build it too" if where == os.path.normpath(DEMO_MODEL_DIR) else ""

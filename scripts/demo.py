@@ -1,7 +1,7 @@
-"""The `make demo` run: recipes/demo/tiny_sft.yaml on the standard backend and with --use-mca (TP2, 2
+"""The `make demo` run: recipes/demo/quick_sft.yaml on the standard backend and with --use-mca (TP2, 2
 processes), the per-step losses side by side, both curves in one loss.png, and one sample generation.
 
-usage: python scripts/demo.py [--output-dir outputs/demo/tiny_sft] [--steps 250]
+usage: python scripts/demo.py [--output-dir outputs/demo/tiny_sft] [--steps N (default: the recipe's max_steps)]
 """
 
 import argparse
@@ -17,7 +17,7 @@ def main() -> int:
     parser.add_argument("--recipe", default=DEMO_RECIPE)
     parser.add_argument("--output-dir", default="outputs/demo/tiny_sft",
                         help="DIR/standard, DIR/mca (models, logs, loss.png each) and DIR/loss.png (both curves)")
-    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--steps", type=int, default=None, help="steps to train (default: the recipe's max_steps)")
     args = parser.parse_args()
     setup_logging(logging.WARNING)
     return run_demo(args.output_dir, args.steps, args.recipe, out=lambda text: print(text, end="", flush=True))

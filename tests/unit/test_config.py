@@ -224,7 +224,7 @@ def test_moe_aux_loss_coefficient_in_either_spelling_applies_on_both_backends(re
 
 SHIPPED = ("qwen_sft", "qwen_pt", "qwen_dpo", "qwen_kto", "qwen_lora_sft", "qwen3_moe_sft", "llama3_sft",
            "qwen_rm", "qwen2_5_vl_sft")
-DEMO = ("tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_rm")
+DEMO = ("quick_sft", "tiny_pt", "tiny_sft", "tiny_dpo", "tiny_kto", "tiny_lora", "tiny_rm")
 
 
 def test_every_shipped_recipe_parses(monkeypatch):

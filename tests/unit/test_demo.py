@@ -89,3 +89,23 @@ def test_generate_reply_asks_with_the_prompt_training_saw(tiny_model_factory, tm
     expected = _greedy_by_hand(model_dir, "", max_new_tokens=6, text=trained)
     assert expected != _greedy_by_hand(model_dir, "What is 2 plus 3?", max_new_tokens=6)  # the case matters
     assert generate_reply(model_dir, "What is 2 plus 3?", max_new_tokens=6) == expected
+
+
+def test_the_demo_trains_its_recipes_max_steps_unless_told(monkeypatch, tmp_path):
+    """`make demo` without DEMO_STEPS trains recipes/demo/quick_sft.yaml's max_steps (the number its header
+    sizes for 2 CPU minutes); DEMO_STEPS=10 (CI) trains 10, on TP2 with the demo's tolerance either way."""
+    import yaml
+
+    from roll.demo import quick
+
+    calls = []
+    monkeypatch.setattr(quick, "ensure_tiny_model", lambda model_dir, out: None)
+    monkeypatch.setattr(quick.parity, "main", lambda argv, out: calls.append(argv) or 2)  # 2: stop after the runs
+    with open(os.path.join(REPO, quick.DEMO_RECIPE), encoding="utf-8") as fh:
+        max_steps = yaml.safe_load(fh)["max_steps"]
+    recipe = os.path.join(REPO, quick.DEMO_RECIPE)
+    assert quick.run_demo(str(tmp_path), recipe=recipe, out=lambda text: None) == 2
+    assert quick.run_demo(str(tmp_path), 10, recipe=recipe, out=lambda text: None) == 2
+    assert [argv[argv.index("--steps") + 1] for argv in calls] == [str(max_steps), "10"]
+    assert all(argv[argv.index("--tolerance") + 1] == str(quick.LOSS_TOLERANCE) and
+               "tensor_model_parallel_size=2" in argv for argv in calls)
