@@ -32,10 +32,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     model, work = os.path.abspath(args.model), os.path.abspath(args.work_dir)
+    # resolved once, here: each round changes into a checkout, after which "." would be the other one
+    checkouts = (("before", os.path.abspath(args.before)), ("after", os.path.abspath(args.after)))
     results: dict[str, list] = {}
     for round_ in range(args.rounds):
-        for name, repo in (("before", args.before), ("after", args.after)):
-            repo = os.path.abspath(repo)
+        for name, repo in checkouts:
             os.environ["PYTHONPATH"] = repo  # the converter subprocesses import this checkout
             os.chdir(repo)
             load = os.getloadavg()

@@ -108,7 +108,67 @@ def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp
         largest_tensor = max(t.numel() * t.element_size() for t in hf.values())
         assert 0 < held["peak"] <= largest_tensor < largest_shard < total / 3, (held, largest_shard, total)
     assert held["now"] == 0  # nothing kept after the load
-    assert report.bytes_read == total
+    assert report.bytes_read == total and report.bytes_mapped == 0  # maps only when asked (roll-convert hf2mca)
+
+
+def test_safetensors_spans_are_mapped_copy_on_write(tmp_path):
+    """``SafetensorsFile.mapped``: tensors stored one after the other, in the order asked and at the dtype asked,
+    come back as one view of the file's bytes; any other request gets None; writing into a view never reaches
+    the file (a private map: ``roll-convert hf2mca`` must leave the user's checkpoint as it was)."""
+    from safetensors.torch import save_file
+
+    from backends.mca.models.safetensors_io import SafetensorsFile
+
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.arange(10.0, 14.0), "c": torch.arange(20.0, 23.0),
+               "h": torch.ones(3, dtype=torch.bfloat16)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    before = open(path, "rb").read()
+    with SafetensorsFile(path) as fh:
+        order = sorted(fh.keys(), key=lambda n: fh._entries[n]["data_offsets"][0])
+        assert order[:3] == ["a", "b", "c"], order  # safetensors' own order: by dtype size, then name
+        span = fh.mapped(["a", "b"], torch.float32)
+        assert torch.equal(span, torch.cat([tensors["a"].reshape(-1), tensors["b"]]))
+        assert torch.equal(fh.mapped(["c"], torch.float32), tensors["c"])
+        assert fh.mapped(["a", "c"], torch.float32) is None  # b lies between them
+        assert fh.mapped(["b", "a"], torch.float32) is None  # stored the other way round
+        assert fh.mapped(["h"], torch.float32) is None  # another dtype
+    span.fill_(-1.0)  # the map outlives the file object; the write copies the page, never the file
+    assert torch.equal(span, torch.full((10,), -1.0)) and open(path, "rb").read() == before
+
+
+def test_loader_maps_whole_parameters_for_a_conversion(tiny_model_factory, tmp_path):
+    """``load_hf_weights(map_files=True)`` (``roll-convert hf2mca``): every parameter stored whole in the file (1:1
+    renames, gate then up) becomes a view of the file's map, nothing copied; q/k/v, interleaved per query group, is
+    read into its parameter as before; the values are the template's; the file stays unchanged after writing
+    into every parameter."""
+    from backends.mca.models import layout, loader
+    from backends.mca.models.config import McaModelConfig
+    from backends.mca.models.template import get_template
+    from tests.unit.test_mca_templates import _fake_chunk
+
+    model_dir = tiny_model_factory("qwen2", tie_word_embeddings=False)
+    (file,) = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    before = open(file, "rb").read()
+    hf = _weights(model_dir)
+    config = McaModelConfig.from_hf(json.loads(open(os.path.join(model_dir, "config.json")).read()))
+    expected = {layout.to_impl_name(n, config): t for n, t in get_template("qwen2").hf_to_mca(hf, config).items()}
+    chunk = _fake_chunk({n: tuple(t.shape) for n, t in expected.items()})
+    own = {n: p.data_ptr() for n, p in chunk.named_parameters()}
+    coords = {"tp_size": 1, "tp_rank": 0, "etp_size": 1, "etp_rank": 0}
+    place = layout.placement(config, pp_rank=0, vpp_stage=0, ep_rank=0)
+    report = loader.load_hf_weights([chunk], config, model_dir, placements=[place], coords=coords, map_files=True)
+
+    params = dict(chunk.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in expected.items())
+    moved = {n for n, p in params.items() if p.data_ptr() != own[n]}
+    assert moved == {n for n in params if "linear_qkv" not in n}, sorted(set(params) - moved)
+    qkv = sum(t.nbytes for n, t in hf.items() if any(f".{x}_proj." in n for x in "qkv"))
+    assert report.bytes_read == sum(t.nbytes for t in hf.values()) and report.bytes_mapped == report.bytes_read - qkv
+    with torch.no_grad():
+        for param in params.values():
+            param.fill_(7.0)
+    assert open(file, "rb").read() == before
 
 
 _NO_PROCESSES = """
