@@ -2,7 +2,8 @@
 
 Each rank works out which canonical Megatron tensors its chunks hold (PP/VPP layers, EP experts),
 which HF tensors those need, and which safetensors files hold them; it then reads only those
-tensors, file by file and tensor by tensor (``safetensors_io``: positioned reads, no memory map),
+tensors, file by file and tensor by tensor (``safetensors_io``: positioned reads; a memory map only for
+``map_files``, a conversion's model that is only saved again),
 converting a Megatron tensor as soon as all its HF inputs have arrived and dropping the inputs right
 after. A parameter this rank holds whole is filled in place, input by input: a 1:1 rename is the parameter,
 q/k/v and gate/up fill slices of the fused parameter (``Mapping.slots``); at the file's dtype the bytes are

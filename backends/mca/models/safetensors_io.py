@@ -6,7 +6,9 @@ the whole file count in the process's resident memory until it is closed. Here t
 once and each tensor's bytes are read with ``os.preadv`` into its destination: the parameter itself
 when no conversion is needed (a 1:1 rename at the parameter's dtype and shape), or the parameter's slices
 a fused tensor's inputs fill (q/k/v, gate/up: ``read_into``), else a buffer of that one tensor. Nothing
-else of the file is ever resident in this process.
+else of the file is ever resident in this process. A conversion that only writes the model out again may
+instead take tensors stored one after the other as a view of a private map of the file (``mapped``): no copy
+at all, and no fresh memory to fault in.
 
 The format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N, N bytes
 of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the
