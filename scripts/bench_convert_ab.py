@@ -14,7 +14,9 @@ load average. The model is any HF directory (roll-bench's is ``outputs/bench/mod
 in odd ones), each a fresh process that imports the converter, then times ``convert_cli.run`` alone: wall and
 CPU seconds (all threads) of the conversion without the start-up, whose variance under load (10-40 s on 2
 shared cores) swamps the conversion in the whole-process rows, and the process's peak resident memory
-(``VmHWM``, file pages it maps included) and peak anonymous memory (``RssAnon``, sampled every 10 ms).
+(``VmHWM``, file pages it maps included) and peak anonymous memory (``RssAnon``, sampled every 10 ms), and its
+minor page faults (``getrusage``), which, unlike the times, no other job on the machine changes: faulting in fresh
+memory is most of what reading into it costs (``scripts/disk_floor.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from roll.bench.convert import time_conversion  # noqa: E402
 from roll.bench.report import conversion_table  # noqa: E402
 
 _IN_PROCESS = """
-import json, sys, threading, time
+import json, resource, sys, threading, time
 from backends.mca import convert, convert_cli  # noqa: F401 - the start-up (roll-bench's import-only process), not timed
 from roll.logging import setup_logging
 
@@ -45,12 +47,14 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 setup_logging()
 base_hwm, base_anon = status('VmHWM'), status('RssAnon')
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 wall, cpu = time.perf_counter(), time.process_time()
 code = convert_cli.run(sys.argv[1:])
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 done.set()
 peak[0] = max(peak[0], status('RssAnon'))
-print(json.dumps({'code': code, 'wall_s': wall, 'cpu_s': cpu, 'hwm': status('VmHWM'), 'base_hwm': base_hwm,
+print(json.dumps({'code': code, 'wall_s': wall, 'cpu_s': cpu, 'minor_faults': faults, 'hwm': status('VmHWM'), 'base_hwm': base_hwm,
                   'anon_peak': peak[0], 'base_anon': base_anon}))
 """
 
@@ -78,7 +82,7 @@ def in_process(checkouts, model: str, work: str, pairs: int, timeout: float) -> 
                 row.update(load=load, pair=pair)
                 results.setdefault(f"{direction} {name}", []).append(row)
                 print(f"pair {pair} {direction:6s} {name:6s} load {load:5.1f}: {row['wall_s']:6.2f} s wall "
-                      f"({size / row['wall_s']:.2f} GB/s), {row['cpu_s']:5.2f} s CPU, peak RSS "
+                      f"({size / row['wall_s']:.2f} GB/s), {row['cpu_s']:5.2f} s CPU, {row['minor_faults']:6d} page faults, peak RSS "
                       f"+{(row['hwm'] - row['base_hwm']) / 1e9:.2f} GB, peak anonymous "
                       f"+{(row['anon_peak'] - row['base_anon']) / 1e9:.2f} GB", flush=True)
     return results
