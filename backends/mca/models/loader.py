@@ -229,9 +229,9 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
                     _fill_ready(hf_name, waiting, targets, buffer, config, tp, etp, report)
     assert not buffer, f"HF tensors read but never consumed: {sorted(buffer)}"
     elapsed = time.perf_counter() - start
-    mapped = f" ({report.bytes_mapped / 1e9:.2f} GB of them mapped, not copied)" if report.bytes_mapped else ""
-    log_rank0(logger, "read %.2f GB of HF weights%s from %d file(s) in %.1fs (%.2f GB/s)", report.bytes_read / 1e9,
-              mapped, len(report.files_read), elapsed, report.bytes_read / 1e9 / max(elapsed, 1e-9))
+    mapped = f"; {report.bytes_mapped / 1e9:.2f} GB of them mapped, not copied" if report.bytes_mapped else ""
+    log_rank0(logger, "read %.2f GB of HF weights from %d file(s) in %.1fs (%.2f GB/s%s)", report.bytes_read / 1e9,
+              len(report.files_read), elapsed, report.bytes_read / 1e9 / max(elapsed, 1e-9), mapped)
 
 
 def _whole_slots(targets: dict[str, _Target], waiting: dict[str, set[str]],
