@@ -584,7 +584,7 @@ MUTANTS: list[Mutant] = [
            "offset though its inputs are not stored one after the other (another tensor between gate and up), so it "
            "holds the wrong bytes", "backends/mca/models/safetensors_io.py",
            'if entry["torch_dtype"] != dtype or entry["data_offsets"][0] != end:', 'if entry["torch_dtype"] != dtype:',
-           ("tests/unit/test_convert_streaming.py::test_safetensors_spans_are_mapped_copy_on_write",), fast=True),
+           ("tests/unit/test_convert_streaming.py::test_safetensors_spans_are_mapped_copy_on_write",)),
     Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",
