@@ -187,8 +187,15 @@ def counted(*args):
     reads[done] += 1
     return done
 checkpoint_io._read_in_place = counted
+copied, copy = [0], os.copy_file_range
+def copy_counted(*args):
+    done = copy(*args)
+    copied[0] += done
+    return done
+os.copy_file_range = copy_counted
 hf, mca, back = sys.argv[1:4]
 assert convert_cli.run(["hf2mca", "--input", hf, "--output", mca]) == 0
+print("bytes copied file to file", copied[0])
 assert convert_cli.run(["mca2hf", "--input", mca, "--output", back, "--max-shard-gb", "0.00005"]) == 0
 print("tensors read in place", reads[True], "through PyTorch's reader", reads[False])
 """
@@ -211,6 +218,9 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
     tensors = sum(1 for name in a if not name.endswith("_extra_state"))  # fused in Megatron: fewer, never 0
     counts = [int(word) for word in proc.stdout.split("tensors read in place")[1].split() if word.isdigit()]
     assert counts[0] >= tensors // 2 and counts[1] == 0, proc.stdout  # every tensor in place
+    copied = int(proc.stdout.split("bytes copied file to file")[1].split()[0])
+    mapped = [line for line in proc.stderr.splitlines() if "mapped, not copied" in line]
+    assert copied > 0 and mapped, proc.stdout  # the mapped parameters went from the HF files to the .distcp by the kernel
 
 
 def _archive(tmp_path, value, name: str) -> tuple[str, int, int]:

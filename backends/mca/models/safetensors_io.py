@@ -22,6 +22,7 @@ import mmap
 import os
 import struct
 import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -33,6 +34,22 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _MAX_HEADER = 100 * 1024**2  # the format's own limit
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
+_MAPS: dict[int, tuple[int, int]] = {}  # start address of a live map of ``mapped`` -> (its length, its file's descriptor)
+
+
+def mapped_source(address: int, nbytes: int) -> tuple[int, int] | None:
+    """(a descriptor of the file, the offset in it) of the ``nbytes`` bytes at ``address`` when they lie in one live
+    map of ``SafetensorsFile.mapped``, else None: a writer can then have the kernel copy them file to file
+    (``os.copy_file_range``) instead of faulting the map's pages in to copy them from memory."""
+    for start, (length, fd) in list(_MAPS.items()):
+        if start <= address and address + nbytes <= start + length:
+            return fd, address - start
+    return None
+
+
+def _forget(start: int, fd: int) -> None:
+    _MAPS.pop(start, None)
+    os.close(fd)
 
 
 class SafetensorsFile:
@@ -134,6 +151,9 @@ class SafetensorsFile:
             return None
         if self._map is None:
             self._map = mmap.mmap(self._fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            start, fd = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr(), os.dup(self._fd)
+            _MAPS[start] = (len(self._map), fd)
+            weakref.finalize(self._map, _forget, start, fd)  # with the last tensor over the map
         return torch.frombuffer(self._map, dtype=dtype, count=(end - begin) // dtype.itemsize,
                                 offset=self._base + begin)
 
