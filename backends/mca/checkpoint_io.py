@@ -2,7 +2,8 @@
 
 Writing (``in_process_save_strategy``): Megatron's planner and PyTorch's ``FileSystemWriter`` threads, no
 helper processes, every tensor written straight from the model (the halves of a fused gate/up weight, which
-Megatron saves as two tensors, are not cloned first), a byte progress bar.
+Megatron saves as two tensors, are not cloned first; a tensor over a safetensors file's map, as ``roll-convert
+hf2mca`` makes them, copied file to file by the kernel), a byte progress bar.
 
 Reading (``direct_load_strategy``): one positioned read per tensor, straight into the model. PyTorch's ``FileSystemReader`` (under Megatron's ``TorchDistLoadShardedStrategy``) copies every tensor three
 times: the file slice into a ``BytesIO``, ``torch.load`` of it into a new tensor, that tensor into the
@@ -23,7 +24,6 @@ import dataclasses
 import io
 import itertools
 import math
-import mmap
 import os
 import pickle
 import struct
@@ -54,6 +54,8 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    from backends.mca.models.safetensors_io import copying_from_maps
+
     def item_bytes(item) -> int:
         return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
@@ -76,7 +78,7 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=sync_files)
-            writer.fs.create_stream = _copying_from_maps(writer.fs.create_stream)
+            writer.fs.create_stream = copying_from_maps(writer.fs.create_stream)  # hf2mca's mapped tensors
             planner = Planner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
             crc32 = torch.serialization.get_crc32_options()
             torch.serialization.set_crc32_options(False)  # torch.load never checks it (0.3 s per 0.5 GB)
@@ -86,59 +88,6 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
                 torch.serialization.set_crc32_options(crc32)
 
     return InProcessSaveStrategy("torch_dist", 1, thread_count=thread_count)
-
-
-def _copying_from_maps(create_stream):
-    """``FileSystem.create_stream`` whose write streams hand each write of bytes lying in a safetensors file's map
-    (``roll-convert hf2mca``'s parameters: ``SafetensorsFile.mapped``) to the kernel, file to file."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def create(path, mode: str):
-        with create_stream(path, mode) as stream:
-            yield _MapCopyingStream(stream) if "w" in mode else stream
-
-    return create
-
-
-class _MapCopyingStream:
-    """A binary write stream whose writes of at least a page from a safetensors file's map are done with
-    ``os.copy_file_range`` from that file: the kernel copies page cache to page cache, without faulting the map's
-    pages into this process (0.15 against 0.33-0.41 s of CPU for 0.47 GB, docs/performance.md). Anything else,
-    or a file system that refuses the copy, is written as before."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-
-    def write(self, data) -> int:
-        import numpy as np
-
-        from backends.mca.models.safetensors_io import mapped_source
-
-        view = memoryview(data)
-        if view.nbytes >= mmap.PAGESIZE and view.c_contiguous:
-            source = mapped_source(int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data), view.nbytes)
-            if source is not None and self._copy(*source, view.nbytes):
-                return view.nbytes
-        return self._stream.write(data)
-
-    def _copy(self, fd: int, offset: int, nbytes: int) -> bool:
-        self._stream.flush()
-        at, done = self._stream.tell(), 0
-        try:
-            while done < nbytes:
-                got = os.copy_file_range(fd, self._stream.fileno(), nbytes - done, offset + done, at + done)
-                if got <= 0:
-                    raise OSError("copy_file_range copied nothing")
-                done += got
-        except OSError:  # another file system (EXDEV on older kernels), or none that supports it: write instead
-            self._stream.seek(at)
-            return False
-        self._stream.seek(at + nbytes)
-        return True
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
 
 
 def exact_storage(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ data, offsets relative to its start.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -181,3 +182,53 @@ class SafetensorsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def copying_from_maps(create_stream):
+    """PyTorch's ``FileSystem.create_stream`` whose write streams hand each write of bytes lying in a map of
+    ``SafetensorsFile.mapped`` (``roll-convert hf2mca``'s parameters) to the kernel, file to file."""
+
+    @contextlib.contextmanager
+    def create(path, mode: str):
+        with create_stream(path, mode) as stream:
+            yield _MapCopyingStream(stream) if "w" in mode else stream
+
+    return create
+
+
+class _MapCopyingStream:
+    """A binary write stream whose writes of at least a page from a safetensors file's map are done with
+    ``os.copy_file_range`` from that file: the kernel copies page cache to page cache, without faulting the map's
+    pages into this process (0.15 against 0.33-0.41 s of CPU for 0.47 GB, docs/performance.md). Anything else,
+    or a file system that refuses the copy, is written as before."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, data) -> int:
+        import numpy as np
+
+        view = memoryview(data)
+        if view.nbytes >= mmap.PAGESIZE and view.c_contiguous:
+            source = mapped_source(int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data), view.nbytes)
+            if source is not None and self._copy(*source, view.nbytes):
+                return view.nbytes
+        return self._stream.write(data)
+
+    def _copy(self, fd: int, offset: int, nbytes: int) -> bool:
+        self._stream.flush()
+        at, done = self._stream.tell(), 0
+        try:
+            while done < nbytes:
+                got = os.copy_file_range(fd, self._stream.fileno(), nbytes - done, offset + done, at + done)
+                if got <= 0:
+                    raise OSError("copy_file_range copied nothing")
+                done += got
+        except OSError:  # another file system (EXDEV on older kernels), or none that supports it: write instead
+            self._stream.seek(at)
+            return False
+        self._stream.seek(at + nbytes)
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
