@@ -140,7 +140,9 @@ class SafetensorsFile:
         copied: the tensor's pages are the page cache's own, so a model that is only written out again
         (``roll-convert hf2mca``) never faults in fresh memory for it (3-6x the cost of reading cached bytes
         into touched memory, docs/performance.md). A write to the tensor copies the page it touches, never
-        the file; the map lives as long as a tensor over it."""
+        the file, and is not seen by ``copying_from_maps``, which copies the file's bytes: map only tensors that
+        are written out unchanged (``load_hf_weights(map_files=True)``, for hf2mca). The map lives as long as a
+        tensor over it."""
         entries = [self._entries[name] for name in names]
         begin = entries[0]["data_offsets"][0] if entries else 0
         end = begin
