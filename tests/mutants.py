@@ -592,6 +592,11 @@ MUTANTS: list[Mutant] = [
            "head = sum(offsets[d] * strides[d] for d in range(split, ndim))", "head = 0",
            ("tests/unit/test_convert_streaming.py::test_parts_of_stored_tensors_are_read_in_place_at_another_layout",),
            fast=True),
+    Mutant("mapped_span_not_adjacent", "roll-convert hf2mca: a parameter mapped over the file from its first input's "
+           "offset though its inputs are not stored one after the other (another tensor between gate and up), so it "
+           "holds the wrong bytes", "backends/mca/models/safetensors_io.py",
+           'if entry["torch_dtype"] != dtype or entry["data_offsets"][0] != end:', 'if entry["torch_dtype"] != dtype:',
+           ("tests/unit/test_convert_streaming.py::test_safetensors_spans_are_mapped_copy_on_write",)),
     Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",

@@ -2,7 +2,8 @@
 
 Writing (``in_process_save_strategy``): Megatron's planner and PyTorch's ``FileSystemWriter`` threads, no
 helper processes, every tensor written straight from the model (the halves of a fused gate/up weight, which
-Megatron saves as two tensors, are not cloned first), a byte progress bar.
+Megatron saves as two tensors, are not cloned first; a tensor over a safetensors file's map, as ``roll-convert
+hf2mca`` makes them, copied file to file by the kernel), a byte progress bar.
 
 Reading (``direct_load_strategy``): one positioned read per tensor, straight into the model. PyTorch's ``FileSystemReader`` (under Megatron's ``TorchDistLoadShardedStrategy``) copies every tensor three
 times: the file slice into a ``BytesIO``, ``torch.load`` of it into a new tensor, that tensor into the
@@ -53,6 +54,8 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    from backends.mca.models.safetensors_io import copying_from_maps
+
     def item_bytes(item) -> int:
         return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
@@ -75,15 +78,33 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=sync_files)
+            # every file is written with the CRC-32 off, in whichever thread writes it; hf2mca's mapped tensors
+            # are copied file to file
+            writer.fs.create_stream = _without_crc32(copying_from_maps(writer.fs.create_stream))
             planner = Planner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
-            crc32 = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)  # torch.load never checks it (0.3 s per 0.5 GB)
-            try:
-                dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
-            finally:
-                torch.serialization.set_crc32_options(crc32)
+            dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
 
     return InProcessSaveStrategy("torch_dist", 1, thread_count=thread_count)
+
+
+def _without_crc32(create_stream):
+    """``create_stream`` with ``torch.save``'s CRC-32 off in the calling thread while the stream is open. The switch
+    (``torch.serialization.set_crc32_options``) holds for one thread only, and PyTorch's ``FileSystemWriter`` writes
+    from its own threads too: set once around ``dcp.save`` it left the CRC-32 of every file but the calling thread's
+    computed (reading every byte: 0.3 s of CPU per 0.5 GB). ``torch.load`` never checks it; roll's reader neither."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def create(path, mode: str):
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            with create_stream(path, mode) as stream:
+                yield stream
+        finally:
+            torch.serialization.set_crc32_options(previous)
+
+    return create
 
 
 def exact_storage(tensor: torch.Tensor) -> torch.Tensor:

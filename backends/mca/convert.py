@@ -39,17 +39,20 @@ def megatron_settings(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int 
     return megatron, megatron.build_layout(int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def load_chunks(path: str, megatron: MegatronArguments, layout: ParallelLayout) -> list[torch.nn.Module]:
+def load_chunks(path: str, megatron: MegatronArguments, layout: ParallelLayout,
+                map_hf_files: bool = False) -> list[torch.nn.Module]:
     """Initialise Megatron for ``layout`` (idempotent) and load ``path`` (HF or Megatron) at it."""
     from backends.mca.initialize import initialize_megatron
 
     initialize_megatron(layout)
-    return AutoModel.from_pretrained(path, megatron)
+    return AutoModel.from_pretrained(path, megatron, map_hf_files=map_hf_files)
 
 
 def hf_to_mca(hf_dir: str, out_dir: str, megatron: MegatronArguments, layout: ParallelLayout) -> McaModelConfig:
     """Convert an HF checkpoint to a Megatron (torch_dist) checkpoint with ``mca_config.json``."""
-    chunks = load_chunks(hf_dir, megatron, layout)
+    # Only saved again: the parameters stored whole in the HF files stay the page cache's pages (no fresh memory
+    # to fault in, no copy), and the writer copies them to the new files once.
+    chunks = load_chunks(hf_dir, megatron, layout, map_hf_files=True)
     config = chunks[0].config
     save_mca(chunks, config, out_dir, tokenizer_dir=hf_dir)
     log_rank0(logger, "wrote Megatron checkpoint to %s", out_dir)

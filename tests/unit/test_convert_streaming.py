@@ -108,7 +108,67 @@ def test_loader_reads_shard_by_shard_with_bounded_memory(tiny_model_factory, tmp
         largest_tensor = max(t.numel() * t.element_size() for t in hf.values())
         assert 0 < held["peak"] <= largest_tensor < largest_shard < total / 3, (held, largest_shard, total)
     assert held["now"] == 0  # nothing kept after the load
-    assert report.bytes_read == total
+    assert report.bytes_read == total and report.bytes_mapped == 0  # maps only when asked (roll-convert hf2mca)
+
+
+def test_safetensors_spans_are_mapped_copy_on_write(tmp_path):
+    """``SafetensorsFile.mapped``: tensors stored one after the other, in the order asked and at the dtype asked,
+    come back as one view of the file's bytes; any other request gets None; writing into a view never reaches
+    the file (a private map: ``roll-convert hf2mca`` must leave the user's checkpoint as it was)."""
+    from safetensors.torch import save_file
+
+    from backends.mca.models.safetensors_io import SafetensorsFile
+
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.arange(10.0, 14.0), "c": torch.arange(20.0, 23.0),
+               "h": torch.ones(3, dtype=torch.bfloat16)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    before = open(path, "rb").read()
+    with SafetensorsFile(path) as fh:
+        order = sorted(fh.keys(), key=lambda n: fh._entries[n]["data_offsets"][0])
+        assert order[:3] == ["a", "b", "c"], order  # safetensors' own order: by dtype size, then name
+        span = fh.mapped(["a", "b"], torch.float32)
+        assert torch.equal(span, torch.cat([tensors["a"].reshape(-1), tensors["b"]]))
+        assert torch.equal(fh.mapped(["c"], torch.float32), tensors["c"])
+        assert fh.mapped(["a", "c"], torch.float32) is None  # b lies between them
+        assert fh.mapped(["b", "a"], torch.float32) is None  # stored the other way round
+        assert fh.mapped(["h"], torch.float32) is None  # another dtype
+    span.fill_(-1.0)  # the map outlives the file object; the write copies the page, never the file
+    assert torch.equal(span, torch.full((10,), -1.0)) and open(path, "rb").read() == before
+
+
+def test_loader_maps_whole_parameters_for_a_conversion(tiny_model_factory, tmp_path):
+    """``load_hf_weights(map_files=True)`` (``roll-convert hf2mca``): every parameter stored whole in the file (1:1
+    renames, gate then up) becomes a view of the file's map, nothing copied; q/k/v, interleaved per query group, is
+    read into its parameter as before; the values are the template's; the file stays unchanged after writing
+    into every parameter."""
+    from backends.mca.models import layout, loader
+    from backends.mca.models.config import McaModelConfig
+    from backends.mca.models.template import get_template
+    from tests.unit.test_mca_templates import _fake_chunk
+
+    model_dir = tiny_model_factory("qwen2", tie_word_embeddings=False)
+    (file,) = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    before = open(file, "rb").read()
+    hf = _weights(model_dir)
+    config = McaModelConfig.from_hf(json.loads(open(os.path.join(model_dir, "config.json")).read()))
+    expected = {layout.to_impl_name(n, config): t for n, t in get_template("qwen2").hf_to_mca(hf, config).items()}
+    chunk = _fake_chunk({n: tuple(t.shape) for n, t in expected.items()})
+    own = {n: p.data_ptr() for n, p in chunk.named_parameters()}
+    coords = {"tp_size": 1, "tp_rank": 0, "etp_size": 1, "etp_rank": 0}
+    place = layout.placement(config, pp_rank=0, vpp_stage=0, ep_rank=0)
+    report = loader.load_hf_weights([chunk], config, model_dir, placements=[place], coords=coords, map_files=True)
+
+    params = dict(chunk.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in expected.items())
+    moved = {n for n, p in params.items() if p.data_ptr() != own[n]}
+    assert moved == {n for n in params if "linear_qkv" not in n}, sorted(set(params) - moved)
+    qkv = sum(t.nbytes for n, t in hf.items() if any(f".{x}_proj." in n for x in "qkv"))
+    assert report.bytes_read == sum(t.nbytes for t in hf.values()) and report.bytes_mapped == report.bytes_read - qkv
+    with torch.no_grad():
+        for param in params.values():
+            param.fill_(7.0)
+    assert open(file, "rb").read() == before
 
 
 _NO_PROCESSES = """
@@ -127,8 +187,15 @@ def counted(*args):
     reads[done] += 1
     return done
 checkpoint_io._read_in_place = counted
+copied, copy = [0], os.copy_file_range
+def copy_counted(*args):
+    done = copy(*args)
+    copied[0] += done
+    return done
+os.copy_file_range = copy_counted
 hf, mca, back = sys.argv[1:4]
 assert convert_cli.run(["hf2mca", "--input", hf, "--output", mca]) == 0
+print("bytes copied file to file", copied[0])
 assert convert_cli.run(["mca2hf", "--input", mca, "--output", back, "--max-shard-gb", "0.00005"]) == 0
 print("tensors read in place", reads[True], "through PyTorch's reader", reads[False])
 """
@@ -145,11 +212,15 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
     for bar in ("read HF weights: 100%", "write Megatron weights: 100%", "read Megatron weights: 100%",
                 "write HF weights: 100%"):
         assert bar in proc.stderr and "B/s]" in proc.stderr, output_of(proc)
-    for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "loaded model checkpoint", "GB/s"):
+    for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "loaded model checkpoint", "GB/s",
+                "GB of them mapped, not copied"):  # hf2mca maps what it stores unchanged: the round trip is exact
         assert log in proc.stderr, output_of(proc)
     tensors = sum(1 for name in a if not name.endswith("_extra_state"))  # fused in Megatron: fewer, never 0
     counts = [int(word) for word in proc.stdout.split("tensors read in place")[1].split() if word.isdigit()]
     assert counts[0] >= tensors // 2 and counts[1] == 0, proc.stdout  # every tensor in place
+    copied = int(proc.stdout.split("bytes copied file to file")[1].split()[0])
+    mapped = [line for line in proc.stderr.splitlines() if "mapped, not copied" in line]
+    assert copied > 0 and mapped, proc.stdout  # the mapped parameters went from the HF files to the .distcp by the kernel
 
 
 def _archive(tmp_path, value, name: str) -> tuple[str, int, int]:

@@ -2,7 +2,8 @@
 
 Each rank works out which canonical Megatron tensors its chunks hold (PP/VPP layers, EP experts),
 which HF tensors those need, and which safetensors files hold them; it then reads only those
-tensors, file by file and tensor by tensor (``safetensors_io``: positioned reads, no memory map),
+tensors, file by file and tensor by tensor (``safetensors_io``: positioned reads; a memory map only for
+``map_files``, a conversion's model that is only saved again),
 converting a Megatron tensor as soon as all its HF inputs have arrived and dropping the inputs right
 after. A parameter this rank holds whole is filled in place, input by input: a 1:1 rename is the parameter,
 q/k/v and gate/up fill slices of the fused parameter (``Mapping.slots``); at the file's dtype the bytes are
@@ -50,6 +51,7 @@ class LoadReport:
     files_read: list[str] = field(default_factory=list)
     tensors_read: int = 0
     bytes_read: int = 0
+    bytes_mapped: int = 0  # of ``bytes_read``: served by the files' memory maps, not copied (``map_files``)
     tensors_in_checkpoint: int = 0
     params_loaded: int = 0
 
@@ -76,11 +78,15 @@ def hf_weight_map(hf_dir: str) -> dict[str, str]:
 
 
 def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_dir: str,
-                    placements: list[layout.Placement] | None = None, coords: dict[str, int] | None = None) -> LoadReport:
+                    placements: list[layout.Placement] | None = None, coords: dict[str, int] | None = None,
+                    map_files: bool = False) -> LoadReport:
     """Fill ``chunks`` (this rank's) from the HF checkpoint in ``hf_dir``; strict both ways.
 
     ``placements``/``coords`` default to this rank's (from Megatron's parallel state); tests pass
-    them to load a chunk as any rank would, without process groups.
+    them to load a chunk as any rank would, without process groups. ``map_files``: a parameter whose HF
+    inputs are stored whole, in its order and at its dtype, one after the other in one file (a 1:1 rename;
+    gate then up) becomes a view of the file's private memory map instead of a copy
+    (``SafetensorsFile.mapped``): for a model that is only saved again (``roll-convert hf2mca``), not trained.
     """
     coords = coords if coords is not None else rank_coordinates()
     template = template_for(config)
@@ -98,7 +104,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], config: McaModelConfig, hf_di
     check_weights_match(hf_dir, missing=missing, unexpected=unused, model_type=config.hf_model_type,
                         checkpoint_size=len(weight_map))  # strict both ways, the standard backend's message
     report = LoadReport(tensors_in_checkpoint=len(weight_map))
-    _stream(targets, config, hf_dir, weight_map, report, coords)
+    _stream(targets, config, hf_dir, weight_map, report, coords, map_files)
     return report
 
 
@@ -177,7 +183,7 @@ def _targets(chunks: list[torch.nn.Module], placements: list[layout.Placement] |
 
 
 def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, weight_map: dict[str, str],
-            report: LoadReport, coords: dict[str, int]) -> None:
+            report: LoadReport, coords: dict[str, int], map_files: bool = False) -> None:
     """Read the needed tensors file by file (sorted), each into its place in its parameter when
     ``_whole_slots`` finds one, else into a buffer held only until its mapping is complete."""
     tp, etp = (coords["tp_size"], coords["tp_rank"]), (coords["etp_size"], coords["etp_rank"])
@@ -202,13 +208,16 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
         for file in sorted(by_file):
             report.files_read.append(file)
             with SafetensorsFile(os.path.join(hf_dir, file), expand) as fh:
+                mapped = _map_whole(fh, by_file[file], slots, targets) if map_files else set()
                 for hf_name in sorted(by_file[file]):
                     report.tensors_read += 1
                     report.bytes_read += fh.nbytes(hf_name)
                     bar.update(fh.nbytes(hf_name))
                     if hf_name in slots:  # into its place: the one parameter that needs it
                         canonical, views = slots[hf_name]
-                        if info[hf_name][0] == views[0].dtype:
+                        if hf_name in mapped:  # the parameter is the file's bytes already
+                            report.bytes_mapped += fh.nbytes(hf_name)
+                        elif info[hf_name][0] == views[0].dtype:
                             fh.read_into(hf_name, views)
                         else:  # converted into place from a buffer of this one tensor
                             _copy_into(fh.read(hf_name), views)
@@ -220,8 +229,9 @@ def _stream(targets: dict[str, _Target], config: McaModelConfig, hf_dir: str, we
                     _fill_ready(hf_name, waiting, targets, buffer, config, tp, etp, report)
     assert not buffer, f"HF tensors read but never consumed: {sorted(buffer)}"
     elapsed = time.perf_counter() - start
-    log_rank0(logger, "read %.2f GB of HF weights from %d file(s) in %.1fs (%.2f GB/s)", report.bytes_read / 1e9,
-              len(report.files_read), elapsed, report.bytes_read / 1e9 / max(elapsed, 1e-9))
+    mapped = f"; {report.bytes_mapped / 1e9:.2f} GB of them mapped, not copied" if report.bytes_mapped else ""
+    log_rank0(logger, "read %.2f GB of HF weights from %d file(s) in %.1fs (%.2f GB/s%s)", report.bytes_read / 1e9,
+              len(report.files_read), elapsed, report.bytes_read / 1e9 / max(elapsed, 1e-9), mapped)
 
 
 def _whole_slots(targets: dict[str, _Target], waiting: dict[str, set[str]],
@@ -246,6 +256,26 @@ def _whole_slots(targets: dict[str, _Target], waiting: dict[str, set[str]],
         if fits and sum(v.numel() for slot in views for v in slot) == param.numel():
             out.update((name, (canonical, slot)) for name, slot in zip(target.hf_names, views))
     return out
+
+
+def _map_whole(fh: SafetensorsFile, names: list[str], slots: dict[str, tuple[str, list[torch.Tensor]]],
+               targets: dict[str, _Target]) -> set[str]:
+    """Make every parameter of ``slots`` that ``fh`` stores whole (its inputs ``names`` of this file, each filling
+    one slot, the slots in order over the whole parameter, their bytes one after the other in the file at its
+    dtype) a view of the file's memory map; the HF names so served."""
+    served: set[str] = set()
+    for canonical in sorted({slots[name][0] for name in names if name in slots}):
+        hf_names, param = targets[canonical].hf_names, targets[canonical].params[0]
+        if not set(hf_names) <= set(names) or any(len(slots[name][1]) != 1 for name in hf_names):
+            continue
+        at = param.data_ptr()
+        for view in (slots[name][1][0] for name in hf_names):
+            at = at + view.nbytes if view.data_ptr() == at and view.dtype == param.dtype else -1
+        span = fh.mapped(list(hf_names), param.dtype) if at == param.data_ptr() + param.nbytes else None
+        if span is not None:
+            param.data = span.view(param.shape)
+            served.update(hf_names)
+    return served
 
 
 def _copy_into(tensor: torch.Tensor, views: list[torch.Tensor]) -> None:
