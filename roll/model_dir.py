@@ -20,11 +20,10 @@ _ADAPTER_CONFIG = "adapter_config.json"
 
 
 def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
-                    key: str = "model_name_or_path", model_type: bool = True) -> None:
-    """A local model directory (the value of ``key``) is complete and loadable without surprises.
-
-    ``model_type=False`` leaves out the one check that imports transformers (seconds: is config.json's
-    model_type one it knows), for a caller that runs ``check_model_dir_type`` after its cheaper checks."""
+                    key: str = "model_name_or_path") -> None:
+    """A local model directory (the value of ``key``) is complete and loadable without surprises, but for the one
+    check that imports transformers (seconds: is config.json's model_type one it knows): ``check_model_dir_type``,
+    which the caller runs after its other cheap checks."""
     check_model_exists(path, key)
     if not os.path.isdir(path):
         raise ModelError(f"{key}={path!r} is a file; give the directory that holds config.json.")
@@ -35,13 +34,11 @@ def check_model_dir(path: str | None, *, trust_remote_code: bool, use_mca: bool,
                          "directory (a run's checkpoint-N is resumed with resume_from_checkpoint).")
     hf_config, where = read_hf_config(path), os.path.join(path, "config.json")
     check_auto_map(hf_config, where, trust_remote_code=trust_remote_code)
-    if model_type:
-        check_model_type(hf_config, where, trust_remote_code=trust_remote_code)
     check_weight_files(path, use_mca=use_mca, key=key)
 
 
 def check_model_dir_type(path: str, *, trust_remote_code: bool, use_mca: bool) -> None:
-    """``check_model_type`` of a directory ``check_model_dir(..., model_type=False)`` passed."""
+    """``check_model_type`` of a directory ``check_model_dir`` passed."""
     if use_mca and os.path.isfile(os.path.join(path, _MCA_CONFIG)):
         return
     check_model_type(read_hf_config(path), os.path.join(path, "config.json"), trust_remote_code=trust_remote_code)

@@ -50,8 +50,7 @@ def check_before_training(config, *, launching: bool) -> None:
     if config.finetuning.stage in ("dpo", "kto") and config.finetuning.ref_model:
         models["ref_model"] = config.finetuning.ref_model
     for key, path in models.items():
-        check_model_dir(path, trust_remote_code=model.trust_remote_code, use_mca=training.use_mca, key=key,
-                        model_type=False)
+        check_model_dir(path, trust_remote_code=model.trust_remote_code, use_mca=training.use_mca, key=key)
     check_reference_vocab(config)
     check_tokenizer_files(config.model)
     check_chat_template(config)

@@ -80,8 +80,9 @@ MUTANTS: list[Mutant] = [
     # ---- cheap: unit tests only ------------------------------------------------------------------------
     Mutant("preflight_imports_transformers_first", "roll-train imports transformers and torch (seconds) before it "
            "checks the data files and the checkpoint named, so a typo there waits for the training stack",
-           "roll/preflight.py", "use_mca=training.use_mca, key=key,\n                        model_type=False)",
-           "use_mca=training.use_mca, key=key,\n                        model_type=True)",
+           "roll/preflight.py", "use_mca=training.use_mca, key=key)\n    check_reference_vocab(config)",
+           "use_mca=training.use_mca, key=key)\n        check_model_dir_type(path, trust_remote_code=model."
+           "trust_remote_code, use_mca=training.use_mca)\n    check_reference_vocab(config)",
            ("tests/unit/test_startup.py::test_mistakes_preflight_finds_in_a_complete_model_dir_import_no_training_stack",)),
     Mutant("vl_lora_adapter_text_names_mca", "mca: a VL model's LoRA adapter saved under a text model's keys "
            "(model.layers.*), which PEFT does not find in transformers' VL model", "backends/mca/lora/export.py",
