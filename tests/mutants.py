@@ -598,6 +598,17 @@ MUTANTS: list[Mutant] = [
            "holds the wrong bytes", "backends/mca/models/safetensors_io.py",
            'if entry["torch_dtype"] != dtype or entry["data_offsets"][0] != end:', 'if entry["torch_dtype"] != dtype:',
            ("tests/unit/test_convert_streaming.py::test_safetensors_spans_are_mapped_copy_on_write",)),
+    Mutant("mapped_checkpoint_tensor_at_its_archive", "roll-convert mca2hf: a parameter mapped over the .distcp file "
+           "from its archive's start, not its bytes' (off by the zip header and data.pkl), so the HF export holds "
+           "the wrong bytes", "backends/mca/checkpoint_io.py",
+           "if whole and take is not None and take(info.offset + data_offset, target):",
+           "if whole and take is not None and take(info.offset, target):",
+           ("tests/unit/test_convert_streaming.py::test_roll_convert_writes_from_its_own_process_with_progress",)),
+    Mutant("mapped_checkpoint_silently_read", "roll-convert mca2hf: the map of the .distcp files never taken (a "
+           "check too strict), every parameter read into fresh memory and written from it again: right bytes, "
+           "3x the page faults", "backends/mca/checkpoint_map.py",
+           "or position % target.element_size()):", "or True):",
+           ("tests/unit/test_convert_streaming.py::test_roll_convert_writes_from_its_own_process_with_progress",)),
     Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",

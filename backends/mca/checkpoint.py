@@ -72,13 +72,17 @@ def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, sync_files
               ckpt_dir, elapsed, size / 1e9 / elapsed, "" if sync_files else ", not fsync'ed")
 
 
-def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
-    """Load weights saved by ``save_checkpoint`` (at any TP/PP/VPP/EP layout) into ``model_chunks``.
+def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, map_files: bool = False) -> None:
+    """Load weights saved by ``save_checkpoint`` (at any TP/PP/VPP/EP layout) into ``model_chunks``. ``map_files``:
+    the parameters stored whole become views of private maps of the checkpoint's files (``checkpoint_map``), for a
+    model that is only written out again (``roll-convert mca2hf``).
 
     Raises ``ModelError`` when ``ckpt_dir`` is not a distributed checkpoint or lacks tensors the
     model needs (another architecture, or a model built with different options).
     """
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from backends.mca.checkpoint_map import MappedParams
 
     _require_model_chunks(model_chunks)
     if not is_dist_checkpoint(ckpt_dir):
@@ -86,7 +90,8 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
                          "dist_checkpointing); point to the directory save_checkpoint wrote.")
     start = time.perf_counter()
     sharded = sharded_model_state_dict(model_chunks)
-    (state, _, not_in_checkpoint), nbytes = load_sharded(sharded, ckpt_dir, "Megatron weights",
+    mapped = MappedParams(model_chunks) if map_files else None
+    (state, _, not_in_checkpoint), nbytes = load_sharded(sharded, ckpt_dir, "Megatron weights", mapped=mapped,
                                                          strict=StrictHandling.RETURN_ALL)
     if not_in_checkpoint:
         raise ModelError(f"checkpoint {ckpt_dir} lacks {len(not_in_checkpoint)} tensor(s) this model needs, e.g. "
@@ -98,26 +103,30 @@ def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str) -> None:
         if missing or result.unexpected_keys:
             raise ModelError(f"checkpoint {ckpt_dir} does not fit model chunk {name}: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}.")
+    if mapped is not None:  # after load_state_dict, which would copy the taken parameters' unread memory
+        mapped.apply()
     elapsed = time.perf_counter() - start
-    log_rank0(logger, "loaded model checkpoint %s (%.2f GB on this rank) in %.1fs (%.2f GB/s)", ckpt_dir, nbytes / 1e9,
-              elapsed, nbytes / 1e9 / max(elapsed, 1e-9))
+    log_rank0(logger, "loaded model checkpoint %s (%.2f GB on this rank%s) in %.1fs (%.2f GB/s)", ckpt_dir, nbytes / 1e9,
+              "" if mapped is None else f", {mapped.nbytes / 1e9:.2f} GB of it mapped, not copied", elapsed,
+              nbytes / 1e9 / max(elapsed, 1e-9))
 
 
-def load_sharded(sharded: dict, ckpt_dir: str, what: str, **kwargs) -> tuple[object, int]:
+def load_sharded(sharded: dict, ckpt_dir: str, what: str, mapped=None, **kwargs) -> tuple[object, int]:
     """``dist_checkpointing.load(sharded, ckpt_dir, **kwargs)`` through roll's reader, and the bytes this rank
     read. Every stored tensor (at another layout, the part of it this rank needs) is read with positioned reads
     straight into its destination (``checkpoint_io.direct_load_strategy``; anything else through PyTorch's reader), the
     halves of a fused gate/up tensor merge into that tensor itself (``checkpoint_io.merge_in_place``), a byte
     bar ``read <what>`` counts it, and a refusal of roll's inside PyTorch's reader comes out alone
     (``user_errors_of``). Model weights (``load_checkpoint``), a run's resume (weights or LoRA adapters, and
-    the optimizer state: ``trainer.checkpointing.load``) and adapter checkpoints all load through here."""
+    the optimizer state: ``trainer.checkpointing.load``) and adapter checkpoints all load through here. ``mapped``:
+    a ``checkpoint_map.MappedParams`` (``load_checkpoint(map_files=True)``)."""
     from megatron.core import dist_checkpointing
 
     from backends.mca.checkpoint_io import direct_load_strategy, merge_in_place
 
     merge_in_place(sharded)
     with user_errors_of(ckpt_dir), byte_progress(0, f"read {what}") as bar:
-        strategy = direct_load_strategy(bar)
+        strategy = direct_load_strategy(bar, mapped)
         loaded = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=strategy, **kwargs)
     return loaded, strategy.bytes_read
 

@@ -21,6 +21,7 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import itertools
 import math
@@ -54,6 +55,7 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    from backends.mca.checkpoint_map import aligning_archives
     from backends.mca.models.safetensors_io import copying_from_maps
 
     def item_bytes(item) -> int:
@@ -78,9 +80,9 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=sync_files)
-            # every file is written with the CRC-32 off, in whichever thread writes it; hf2mca's mapped tensors
-            # are copied file to file
-            writer.fs.create_stream = _without_crc32(copying_from_maps(writer.fs.create_stream))
+            # every file is written with the CRC-32 off, in whichever thread writes it, each tensor's archive at a
+            # multiple of 64 bytes (mca2hf can map it); hf2mca's mapped tensors are copied file to file
+            writer.fs.create_stream = _without_crc32(aligning_archives(copying_from_maps(writer.fs.create_stream)))
             planner = Planner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
             dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
 
@@ -119,10 +121,11 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     return raw.view(tensor.dtype).view(tensor.shape)
 
 
-def direct_load_strategy(progress=None):
+def direct_load_strategy(progress=None, mapped=None):
     """Megatron's ``torch_dist`` load strategy reading tensors through ``DirectReader`` (same planner, same
     checks, same result). ``progress``: a byte counter (``roll.logging.byte_progress``); the strategy's
-    ``bytes_read`` counts this rank's bytes too (a bar is disabled off rank 0)."""
+    ``bytes_read`` counts this rank's bytes too (a bar is disabled off rank 0). ``mapped``: a
+    ``checkpoint_map.MappedParams`` that takes the whole parameters it can serve from the files' maps, unread."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
     class DirectLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
@@ -134,15 +137,33 @@ def direct_load_strategy(progress=None):
                 progress.update(nbytes)
 
         def load(self, sharded_state_dict, checkpoint_dir):
+            _exact_shapes_exactly(self, sharded_state_dict, checkpoint_dir)
             # Megatron builds its reader inside ``load`` through this module-level name (0.16.1).
             previous = mcore_torch.CachedMetadataFileSystemReader
-            mcore_torch.CachedMetadataFileSystemReader = _direct_reader_class(progress, self.count)
+            mcore_torch.CachedMetadataFileSystemReader = _direct_reader_class(progress, self.count, mapped)
             try:
                 return super().load(sharded_state_dict, checkpoint_dir)
             finally:
                 mcore_torch.CachedMetadataFileSystemReader = previous
 
     return DirectLoadStrategy()
+
+
+def _exact_shapes_exactly(strategy, sharded_state_dict, checkpoint_dir) -> None:
+    """Clear ``allow_shape_mismatch`` (the vocab-padded embedding and output layer) where the stored tensor has the
+    model's shape: Megatron zero-fills such a tensor before reading into it, in case part of it is not stored (0.14 s
+    of the bench model's 0.31 GB embedding, every page of it faulted in, though every element is then read); with
+    the shapes equal every element is read, and Megatron checks the shapes instead."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    flexible = [tensor for tensor in nested_values(sharded_state_dict)
+                if isinstance(tensor, ShardedTensor) and tensor.allow_shape_mismatch]
+    if flexible:
+        stored = strategy.load_tensors_metadata(checkpoint_dir)
+        for tensor in flexible:
+            if tensor.key in stored and tuple(stored[tensor.key].global_shape) == tuple(tensor.global_shape):
+                tensor.allow_shape_mismatch = False
 
 
 def merge_in_place(sharded_state_dict) -> None:
@@ -179,7 +200,7 @@ def _tiles(parts, data: torch.Tensor) -> bool:
     return at == data.data_ptr() + data.nbytes
 
 
-def _direct_reader_class(progress, count):
+def _direct_reader_class(progress, count, mapped=None):
     from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
         CachedMetadataFileSystemReader)
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -200,10 +221,12 @@ def _direct_reader_class(progress, count):
                 progress.total = sum(self.storage_data[r.storage_index].length for r in plan.items)
                 progress.refresh()
             for relative_path, reqs in per_file.items():
-                fd = os.open(self.fs.concat_path(self.path, relative_path), os.O_RDONLY)
+                path = str(self.fs.concat_path(self.path, relative_path))
+                fd = os.open(path, os.O_RDONLY)
                 try:
                     for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                        if not _read_in_place(fd, self.storage_data[req.storage_index], req, planner):
+                        take = None if mapped is None else functools.partial(mapped.take, fd, path)
+                        if not _read_in_place(fd, self.storage_data[req.storage_index], req, planner, take):
                             rest.append(req)
                         else:
                             count(self.storage_data[req.storage_index].length)
@@ -216,9 +239,10 @@ def _direct_reader_class(progress, count):
     return DirectReader
 
 
-def _read_in_place(fd: int, info, req, planner) -> bool:
+def _read_in_place(fd: int, info, req, planner, take=None) -> bool:
     """Read ``req``'s part of the tensor archived at ``info.offset`` into the planner's destination; False (nothing
-    read) when the fast path does not apply."""
+    read) when the fast path does not apply. ``take(position, target)``: asked first, when the destination is the
+    whole stored tensor (``MappedParams.take``); True leaves it unread, to be served from the file's map."""
     found = stored_tensor(fd, info.offset, info.length)
     if found is None:
         return False
@@ -236,6 +260,10 @@ def _read_in_place(fd: int, info, req, planner) -> bool:
     runs = box_runs(size, list(req.storage_offsets), target)
     if runs is None:
         return False
+    whole = len(runs) == 1 and runs[0][0] == 0 and target.numel() == math.prod(size)
+    if whole and take is not None and take(info.offset + data_offset, target):
+        planner.commit_tensor(req, target)
+        return True
     for at, dest in runs:
         if dest.numel():
             _preadv_exact(fd, memoryview(dest.reshape(-1).view(torch.uint8).numpy()),

@@ -40,19 +40,19 @@ def megatron_settings(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int 
 
 
 def load_chunks(path: str, megatron: MegatronArguments, layout: ParallelLayout,
-                map_hf_files: bool = False) -> list[torch.nn.Module]:
+                map_files: bool = False) -> list[torch.nn.Module]:
     """Initialise Megatron for ``layout`` (idempotent) and load ``path`` (HF or Megatron) at it."""
     from backends.mca.initialize import initialize_megatron
 
     initialize_megatron(layout)
-    return AutoModel.from_pretrained(path, megatron, map_hf_files=map_hf_files)
+    return AutoModel.from_pretrained(path, megatron, map_files=map_files)
 
 
 def hf_to_mca(hf_dir: str, out_dir: str, megatron: MegatronArguments, layout: ParallelLayout) -> McaModelConfig:
     """Convert an HF checkpoint to a Megatron (torch_dist) checkpoint with ``mca_config.json``."""
     # Only saved again: the parameters stored whole in the HF files stay the page cache's pages (no fresh memory
     # to fault in, no copy), and the writer copies them to the new files once.
-    chunks = load_chunks(hf_dir, megatron, layout, map_hf_files=True)
+    chunks = load_chunks(hf_dir, megatron, layout, map_files=True)
     config = chunks[0].config
     save_mca(chunks, config, out_dir, tokenizer_dir=hf_dir)
     log_rank0(logger, "wrote Megatron checkpoint to %s", out_dir)
@@ -62,7 +62,9 @@ def hf_to_mca(hf_dir: str, out_dir: str, megatron: MegatronArguments, layout: Pa
 def mca_to_hf(mca_dir: str, out_dir: str, megatron: MegatronArguments, layout: ParallelLayout,
               max_shard_bytes: int = 2 * 1024**3) -> None:
     """Export a Megatron checkpoint (any saved layout, loaded at ``layout``) as a standard HF checkpoint."""
-    chunks = load_chunks(mca_dir, megatron, layout)
+    # Only written out again: the parameters stored whole in the checkpoint's files stay the page cache's pages
+    # (no read into fresh memory), and the HF writer copies them to the new files once.
+    chunks = load_chunks(mca_dir, megatron, layout, map_files=True)
     save_hf(chunks, out_dir, max_shard_bytes=max_shard_bytes, tokenizer_dir=mca_dir)
 
 

@@ -11,6 +11,10 @@ and ``roll-convert`` writes Megatron checkpoints from its own process with a pro
   default writer spawns a manager and forks writers), bit-exact round trip, a byte progress bar on stderr
   for each of the four phases, and every tensor of the Megatron checkpoint read straight into the model
   (``backends.mca.checkpoint_io``: one positioned read, not PyTorch's three copies);
+- ``roll-convert mca2hf`` maps what it writes unchanged: every stored tensor 64-byte aligned in its ``.distcp`` file
+  (``checkpoint_map``), the parameters stored whole served from the files' private maps and copied file to file
+  into the HF files (counted, so a silent fallback to reading fails), and a checkpoint of the layout before that
+  (archives 1-byte aligned) still converts bit-exactly; its safetensors writer writes safetensors' own bytes;
 - ``checkpoint_io.stored_tensor`` on ``torch.save`` archives: it finds the bytes of a whole contiguous tensor
   (checked against ``torch.load``) and declines every other layout, which must go through PyTorch's reader.
 """
@@ -137,6 +141,46 @@ def test_safetensors_spans_are_mapped_copy_on_write(tmp_path):
     assert torch.equal(span, torch.full((10,), -1.0)) and open(path, "rb").read() == before
 
 
+def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tensors(tmp_path):
+    """``safetensors_io.write_file`` (mca2hf's writer): the same bytes as ``safetensors.torch.save_file`` for every
+    dtype roll reads (its own order: by dtype, then name; header padded to 8), and a tensor over a live
+    ``private_map`` copied from its file by the kernel: exactly those bytes, and only when the map lives."""
+    from safetensors.torch import save_file
+
+    from backends.mca.models.safetensors_io import private_map, write_file
+
+    tensors = {"b.weight": torch.randn(3, 5), "a.bias": torch.randn(7).to(torch.bfloat16), "ids": torch.arange(5),
+               "mask": torch.ones(2, dtype=torch.bool), "h": torch.randn(2, 2).half(), "scalar": torch.tensor(3.0),
+               "empty": torch.empty(0, 3), "i8": torch.ones(3, dtype=torch.int8), "f64": torch.randn(2).double(),
+               "i32": torch.ones(1, dtype=torch.int32), "u8": torch.ones(1, dtype=torch.uint8),
+               "i16": torch.ones(2, dtype=torch.int16), "f8": torch.ones(4).to(torch.float8_e4m3fn)}
+    for metadata in ({"format": "pt"}, None):
+        save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata=metadata)
+        assert write_file(str(tmp_path / "ours.safetensors"), tensors, metadata) == 0
+        assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(3 * 4096 + 100))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        mapping = private_map(fd)
+    finally:
+        os.close(fd)  # the map keeps a descriptor of its own
+    over_map = {"big": torch.frombuffer(mapping, dtype=torch.int32, count=2048, offset=100),  # 2 pages: copied
+                "small": torch.frombuffer(mapping, dtype=torch.int32, count=16, offset=8)}  # under a page: written
+    copied = write_file(str(tmp_path / "copied.safetensors"), over_map)
+    assert copied == over_map["big"].nbytes
+    assert _weights_of(str(tmp_path / "copied.safetensors")) == {n: t.tolist() for n, t in over_map.items()}
+    expected = {n: t.clone() for n, t in over_map.items()}
+    del over_map, mapping
+    assert write_file(str(tmp_path / "written.safetensors"), expected) == 0  # no live map: written from memory
+
+
+def _weights_of(path: str) -> dict[str, list]:
+    from safetensors.torch import load_file
+
+    return {name: tensor.tolist() for name, tensor in load_file(path).items()}
+
+
 def test_loader_maps_whole_parameters_for_a_conversion(tiny_model_factory, tmp_path):
     """``load_hf_weights(map_files=True)`` (``roll-convert hf2mca``): every parameter stored whole in the file (1:1
     renames, gate then up) becomes a view of the file's map, nothing copied; q/k/v, interleaved per query group, is
@@ -193,18 +237,43 @@ def copy_counted(*args):
     copied[0] += done
     return done
 os.copy_file_range = copy_counted
-hf, mca, back = sys.argv[1:4]
+hf, mca, back, old, old_back = sys.argv[1:6]
 assert convert_cli.run(["hf2mca", "--input", hf, "--output", mca]) == 0
 print("bytes copied file to file", copied[0])
+copied[0] = 0
 assert convert_cli.run(["mca2hf", "--input", mca, "--output", back, "--max-shard-gb", "0.00005"]) == 0
 print("tensors read in place", reads[True], "through PyTorch's reader", reads[False])
+print("mca2hf bytes copied file to file", copied[0])
+from backends.mca import checkpoint_map
+checkpoint_map.aligning_archives = lambda create_stream: create_stream  # the layout before session 42
+assert convert_cli.run(["hf2mca", "--input", hf, "--output", old]) == 0
+assert convert_cli.run(["mca2hf", "--input", old, "--output", old_back]) == 0
 """
+
+
+def _archive_alignments(mca: str) -> list[int]:
+    """Where each stored tensor's bytes begin in its ``.distcp`` file, modulo 64 (``checkpoint_io.stored_tensor``
+    on every item PyTorch's own ``.metadata`` lists)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from backends.mca.checkpoint_io import stored_tensor
+
+    alignments = []
+    for info in FileSystemReader(mca).read_metadata().storage_data.values():
+        fd = os.open(os.path.join(mca, info.relative_path), os.O_RDONLY)
+        try:
+            found = stored_tensor(fd, info.offset, info.length)
+        finally:
+            os.close(fd)
+        if found is not None:
+            alignments.append((info.offset + found[0]) % 64)
+    return alignments
 
 
 def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_factory, tmp_path):
     hf = _sharded_copy(tiny_model_factory("llama", tie_word_embeddings=False), str(tmp_path / "hf"))
-    mca, back = str(tmp_path / "mca"), str(tmp_path / "back")
-    proc = run([sys.executable, "-c", _NO_PROCESSES, hf, mca, back], timeout=240)
+    mca, back, old, old_back = (str(tmp_path / name) for name in ("mca", "back", "old", "old_back"))
+    proc = run([sys.executable, "-c", _NO_PROCESSES, hf, mca, back, old, old_back], timeout=240)
     assert proc.returncode == 0, output_of(proc)
     assert os.path.isfile(os.path.join(mca, "metadata.json")) and glob.glob(os.path.join(mca, "*.distcp"))
     a, b = _weights(hf), _weights(back)
@@ -221,6 +290,19 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
     copied = int(proc.stdout.split("bytes copied file to file")[1].split()[0])
     mapped = [line for line in proc.stderr.splitlines() if "mapped, not copied" in line]
     assert copied > 0 and mapped, proc.stdout  # the mapped parameters went from the HF files to the .distcp by the kernel
+    # mca2hf: every stored tensor's bytes 64-byte aligned in its file, so the parameters stored whole (all but the
+    # gate/up halves, two archives of one parameter) are views of the .distcp files' maps, copied file to file into
+    # the safetensors files; a silent fallback to reading and writing them copies nothing
+    assert _archive_alignments(mca) and set(_archive_alignments(mca)) == {0}
+    mca2hf_copied = int(proc.stdout.split("mca2hf bytes copied file to file")[1].split()[0])
+    assert mca2hf_copied >= sum(t.nbytes for n, t in a.items() if "gate_proj" not in n and "up_proj" not in n and
+                                "_proj" in n and not any(q in n for q in ("q_proj", "k_proj", "v_proj"))), proc.stdout
+    loaded = [line for line in proc.stderr.splitlines() if "loaded model checkpoint" in line][0]
+    assert "mapped, not copied" in loaded, loaded
+    # a checkpoint written before the archives were aligned (most tensors at odd offsets) still converts exactly
+    assert set(_archive_alignments(old)) - {0}, "the old layout's archives are 1-byte aligned"
+    c = _weights(old_back)
+    assert sorted(a) == sorted(c) and all(torch.equal(a[n], c[n]) for n in a)
 
 
 def _archive(tmp_path, value, name: str) -> tuple[str, int, int]:

@@ -64,10 +64,10 @@ class AutoConfig:
 class AutoModel:
     @staticmethod
     def from_pretrained(path: str, megatron_args: MegatronArguments | None, *, bf16: bool = False,
-                        fp16: bool = False, map_hf_files: bool = False, **overrides: Any) -> list[torch.nn.Module]:
-        """This rank's model chunks for ``path`` (see the module docstring), weights loaded. ``map_hf_files``:
-        from an HF checkpoint, the parameters stored whole become views of the files' memory maps
-        (``loader.load_hf_weights``' ``map_files``), for a model that is only saved again."""
+                        fp16: bool = False, map_files: bool = False, **overrides: Any) -> list[torch.nn.Module]:
+        """This rank's model chunks for ``path`` (see the module docstring), weights loaded. ``map_files``: the
+        parameters stored whole become views of the files' private memory maps (``loader.load_hf_weights``' and
+        ``checkpoint.load_checkpoint``'s ``map_files``), for a model that is only saved again."""
         _check_dir(path)
         config = AutoConfig.from_pretrained(path, megatron_args, bf16=bf16, fp16=fp16, **overrides)
         chunks = _build_uninitialised(config)
@@ -77,13 +77,13 @@ class AutoModel:
             log_rank0(logger, "loading Megatron checkpoint %s %s", path, how)
             from backends.mca.checkpoint import load_checkpoint
 
-            load_checkpoint(chunks, path)
+            load_checkpoint(chunks, path, map_files=map_files)
         elif has_hf_config(path):
             from roll.preflight import check_weight_files
 
             check_weight_files(path, use_mca=True)  # missing, .bin-only or truncated: a ModelError naming it
             log_rank0(logger, "converting HF checkpoint %s to Megatron on the fly", path)
-            load_hf_weights(chunks, config, path, map_files=map_hf_files)
+            load_hf_weights(chunks, config, path, map_files=map_files)
         else:
             raise ModelError(f"{path!r} has {MCA_CONFIG_NAME} but no Megatron weights and no HF "
                              f"{HF_CONFIG_FILE} "

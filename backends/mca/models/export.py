@@ -21,6 +21,7 @@ import torch.distributed as dist
 from backends.mca.models import sharding
 from backends.mca.models.gpt import canonical_tensors, model_device
 from backends.mca.models.loader import INDEX_NAME
+from backends.mca.models.safetensors_io import write_file
 from backends.mca.models.template import template_for
 from backends.mca.models.unwrap import unwrap_model
 from roll.logging import byte_progress, log_rank0
@@ -70,8 +71,9 @@ def save_hf(chunks: list[torch.nn.Module], out_dir: str, *, max_shard_bytes: int
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, out_dir)
         elapsed = time.perf_counter() - start
-        log_rank0(logger, "wrote HF checkpoint to %s (%d shard files, %.2f GB) in %.1fs (%.2f GB/s)", out_dir,
-                  len(writer.files), writer.bytes_written / 1e9, elapsed, writer.bytes_written / 1e9 / elapsed)
+        log_rank0(logger, "wrote HF checkpoint to %s (%d shard files, %.2f GB, %.2f GB of it copied file to file) in "
+                  "%.1fs (%.2f GB/s)", out_dir, len(writer.files), writer.bytes_written / 1e9, writer.bytes_copied / 1e9,
+                  elapsed, writer.bytes_written / 1e9 / elapsed)
     dist.barrier()
 
 
@@ -156,6 +158,7 @@ class _ShardWriter:
         self.pending_bytes = 0
         self.files: list[tuple[str, list[str]]] = []
         self.bytes_written = 0
+        self.bytes_copied = 0  # of bytes_written: copied file to file by the kernel (``safetensors_io.write_file``)
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -166,10 +169,8 @@ class _ShardWriter:
             self.pending_bytes += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         tmp = f"part-{len(self.files):05d}.safetensors.tmp"
-        save_file(self.pending, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
+        self.bytes_copied += write_file(os.path.join(self.out_dir, tmp), self.pending, metadata={"format": "pt"})
         self.bytes_written += self.pending_bytes
         if self.progress is not None:
             self.progress.update(self.pending_bytes)

@@ -40,12 +40,25 @@ _MAPS: dict[int, tuple[int, int]] = {}  # start address of a live map of ``mappe
 
 def mapped_source(address: int, nbytes: int) -> tuple[int, int] | None:
     """(a descriptor of the file, the offset in it) of the ``nbytes`` bytes at ``address`` when they lie in one live
-    map of ``SafetensorsFile.mapped``, else None: a writer can then have the kernel copy them file to file
-    (``os.copy_file_range``) instead of faulting the map's pages in to copy them from memory."""
+    map of ``private_map`` (``SafetensorsFile.mapped``, a Megatron checkpoint's files in ``roll-convert mca2hf``),
+    else None: a writer can then have the kernel copy them file to file (``os.copy_file_range``) instead of faulting
+    the map's pages in to copy them from memory."""
     for start, (length, fd) in list(_MAPS.items()):
         if start <= address and address + nbytes <= start + length:
             return fd, address - start
     return None
+
+
+def private_map(fd: int) -> mmap.mmap:
+    """A private (copy-on-write) map of the whole file ``fd``, known to ``mapped_source`` while it lives (it keeps a
+    descriptor of its own, closed with the map's last user). A write to a tensor over it copies the page it
+    touches, never the file, and is not seen by a writer that copies the file's bytes: map only tensors that are
+    written out unchanged."""
+    mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    start, own = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr(), os.dup(fd)
+    _MAPS[start] = (len(mapping), own)
+    weakref.finalize(mapping, _forget, start, own)  # with the last tensor over the map
+    return mapping
 
 
 def _forget(start: int, fd: int) -> None:
@@ -153,10 +166,7 @@ class SafetensorsFile:
         if end == begin or (self._base + begin) % dtype.itemsize:
             return None
         if self._map is None:
-            self._map = mmap.mmap(self._fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            start, fd = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr(), os.dup(self._fd)
-            _MAPS[start] = (len(self._map), fd)
-            weakref.finalize(self._map, _forget, start, fd)  # with the last tensor over the map
+            self._map = private_map(self._fd)
         return torch.frombuffer(self._map, dtype=dtype, count=(end - begin) // dtype.itemsize,
                                 offset=self._base + begin)
 
@@ -219,18 +229,78 @@ class _MapCopyingStream:
 
     def _copy(self, fd: int, offset: int, nbytes: int) -> bool:
         self._stream.flush()
-        at, done = self._stream.tell(), 0
-        try:
-            while done < nbytes:
-                got = os.copy_file_range(fd, self._stream.fileno(), nbytes - done, offset + done, at + done)
-                if got <= 0:
-                    raise OSError("copy_file_range copied nothing")
-                done += got
-        except OSError:  # another file system (EXDEV on older kernels), or none that supports it: write instead
-            self._stream.seek(at)
+        at = self._stream.tell()
+        if not copy_range(fd, offset, self._stream.fileno(), at, nbytes):
             return False
         self._stream.seek(at + nbytes)
         return True
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> bool:
+    """``nbytes`` of file ``src`` from ``src_offset`` to ``dst_offset`` of file ``dst`` by ``os.copy_file_range`` (the
+    kernel copies page cache to page cache); False when the file systems refuse it (EXDEV on older kernels, or no
+    support), the caller then writes the bytes itself."""
+    done = 0
+    try:
+        while done < nbytes:
+            got = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
+            if got <= 0:
+                raise OSError("copy_file_range copied nothing")
+            done += got
+    except OSError:
+        return False
+    return True
+
+
+# safetensors' own order of the data: by dtype, the largest first (the Rust crate's Dtype order), then by name
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_DTYPE_ORDER = {name: rank for rank, name in enumerate(
+    ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64"))}
+
+
+def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """Write ``tensors`` (contiguous, CPU) to a new ``.safetensors`` file ``path``, the same bytes as
+    ``safetensors.torch.save_file`` writes; returns the bytes the kernel copied file to file. A tensor over a live
+    ``private_map`` is copied from its file by ``copy_range`` (``roll-convert mca2hf``: the parameters over the
+    Megatron checkpoint's files), any other written from its memory in one positioned write; nothing is copied
+    into a buffer first (safetensors' own writer does not either, but it cannot copy file to file)."""
+    import numpy as np
+
+    order = sorted(tensors, key=lambda name: (-_DTYPE_ORDER[_DTYPE_NAMES[tensors[name].dtype]], name))
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    at = 0
+    for name in order:
+        tensor = tensors[name]
+        assert tensor.device.type == "cpu" and tensor.is_contiguous(), f"{name}: write a contiguous CPU tensor"
+        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [at, at + tensor.nbytes]}
+        at += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    copied, fd = 0, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _pwrite_all(fd, memoryview(struct.pack("<Q", len(encoded)) + encoded), 0)
+        position = 8 + len(encoded)
+        for name in order:
+            tensor = tensors[name]
+            if not tensor.nbytes:
+                continue
+            data = tensor.reshape(-1).view(torch.uint8).numpy()
+            source = mapped_source(int(data.ctypes.data), tensor.nbytes) if tensor.nbytes >= mmap.PAGESIZE else None
+            if source is not None and copy_range(*source, fd, position, tensor.nbytes):
+                copied += tensor.nbytes
+            else:
+                _pwrite_all(fd, memoryview(np.ascontiguousarray(data)), position)
+            position += tensor.nbytes
+    finally:
+        os.close(fd)
+    return copied
+
+
+def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
+    while len(view):  # a write stops at ~2 GiB on Linux
+        done = os.pwrite(fd, view, position)
+        view, position = view[done:], position + done
