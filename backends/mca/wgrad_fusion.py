@@ -93,7 +93,8 @@ def accumulate_linear_wgrad(weight, grad_output, input) -> None:
     else:
         wgrad = grad_output.t().matmul(input)
         if getattr(weight, SHARED, False):
-            assert PENDING not in weight.__dict__, "the embedding did not take the head's last gradient"
+            if PENDING in weight.__dict__:  # the head used twice in one backward: both wait for the rows
+                wgrad = weight.__dict__[PENDING].add_(wgrad)
             weight.__dict__[PENDING] = wgrad  # the embedding adds its rows, then the sum goes in
         else:
             main_grad.add_(wgrad)
