@@ -24,8 +24,10 @@ overlap its all-reduce with the backward):
 
 Both return no weight gradient, so nothing reaches ``param.grad`` and Megatron's DDP hook has nothing to
 add. The results are the same bits as without the fusion (a GEMM into a zeroed buffer equals the plain
-GEMM; IEEE addition commutes; bf16 weights take the second path throughout), checked in
-tests/unit/test_mca_wgrad_fusion.py.
+GEMM; IEEE addition commutes; bf16 weights take the second path throughout), checked on CPU by
+tests/distributed/_mca_workers/wgrad_checks.py (run by tests/unit/test_mca_platform.py); on a GPU without Apex
+(cuBLAS) that equality is not yet measured. Not fused: sequence parallelism's linears, ``overlap_grad_reduce``,
+frozen weights, ``deterministic_mode``'s lookup.
 ``backends.mca.platform`` applies the patch; ``backends.mca.trainer.optim.wrap_ddp`` tags the parameters.
 """
 
