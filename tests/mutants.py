@@ -669,6 +669,10 @@ MUTANTS: list[Mutant] = [
            "allowed = (sequence[:, :, None] == sequence[:, None, :]) & causal",
            "allowed = causal.expand(len(windows), size, size)",
            ("tests/unit/test_mca_platform.py::test_packed_windows_hold_whole_sequences_and_equal_per_sequence_attention",)),
+    Mutant("wgrad_fusion_drops_the_tied_head_under_ga", "mca with gradient accumulation, tied embedding: from the "
+           "second micro-batch on, the head's weight gradient never reaches main_grad (only the embedding's rows do)",
+           "backends/mca/wgrad_fusion.py", "            weight.__dict__[PENDING] = wgrad", "            pass",
+           ("tests/unit/test_mca_platform.py::test_initialize_megatron_single_process_idempotent_and_reproducible",)),
     Mutant("stop_poll_reads_the_device_every_step", "a GPU run (NCCL) all-reduces its stop flag on the default "
            "group: a device tensor whose read waits for the device after every step",
            "roll/reliability.py", "op=dist.ReduceOp.MAX, group=host_group())", "op=dist.ReduceOp.MAX)",

@@ -10,6 +10,8 @@ checkpoint reader PyTorch and megatron use would unpickle anything a checkpoint 
 (``restricted_checkpoint_reads``, applied everywhere; docs/reliability.md, "What roll trusts"). The CUDA
 ones (a CPU-only torch build) are written in ``backends.mca.cpu_build``, the patches to checkpoint reads (that one and ``distopt_step_on_load``) are written in ``backends.mca.checkpoint_reads``,
 the multi-tensor scale without extra copies (``foreach_multi_tensor_scale``) in ``backends.mca.multi_tensor``,
+the weight gradients written into ``main_grad`` in the backward (``wgrad_into_main_grad``, Megatron's
+gradient accumulation fusion without Apex) in ``backends.mca.wgrad_fusion``,
 and one about the objective, the router z-loss's scale under TP / CP (``moe_z_loss_scale_per_token``), in
 ``backends.mca.moe_loss_scale``; this module's table and ``apply_patches`` are the one entry point for all but one:
 ``lazy_jit_fuser`` (``backends.mca.lazy_jit``: megatron's ``jit_fuser`` builds ``torch.compile`` on a
@@ -43,6 +45,7 @@ from backends.mca.cpu_build import (patch_cuda_streams, patch_current_device, pa
 from backends.mca.mla_rope_key_grad import patch_mla_rope_key_grad
 from backends.mca.moe_loss_scale import patch_moe_z_loss_scale_per_token
 from backends.mca.multi_tensor import patch_local_multi_tensor_scale, uses_local_multi_tensor_scale
+from backends.mca.wgrad_fusion import fused_kernel_absent, patch_wgrad_into_main_grad
 from roll.logging import log_rank0, warn_once
 from roll.platform import current_platform
 
@@ -270,6 +273,9 @@ _PATCHES: tuple[_Patch, ...] = (
            _torch_adam_fallback),
     _Patch("foreach_multi_tensor_scale", patch_local_multi_tensor_scale,
            "megatron-core's local multi_tensor_scale scales in place (not as of 0.16.1)", uses_local_multi_tensor_scale),
+    _Patch("wgrad_into_main_grad", patch_wgrad_into_main_grad,
+           "megatron-core's gradient_accumulation_fusion runs without Apex's CUDA kernel and adds a tied embedding's "
+           "rows without a dense [vocab, hidden] gradient (not as of 0.16.1)", fused_kernel_absent),
     _Patch("expert_bias_padding_mask", _patch_expert_bias_padding_mask,
            "TopKRouter._apply_expert_bias broadcasts the padding mask per token (not as of 0.16.1)", _always),
     _Patch("mla_without_te", _patch_mla_without_te,

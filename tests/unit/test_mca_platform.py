@@ -210,17 +210,19 @@ def test_real_patch_conditions_on_this_machine(monkeypatch):
                            "moe_router_without_te", "cuda_streams", "moe_split_sizes",
                            "torch_norm_sequence_parallel", "gloo_uneven_first_dim", "distopt_step_on_load",
                            "foreach_multi_tensor_scale", "expert_bias_padding_mask", "mla_without_te",
-                           "mla_rope_key_grad", "restricted_checkpoint_reads", "moe_z_loss_scale_per_token"}
+                           "mla_rope_key_grad", "restricted_checkpoint_reads", "moe_z_loss_scale_per_token",
+                           "wgrad_into_main_grad"}
     # this CPU machine has no accelerator, no TE and no Apex, and its collectives run on gloo
     assert all(condition() for condition in needed.values())
     monkeypatch.setattr(platform, "current_platform", lambda: Platform("cuda", "nccl"))
     on_gpu = {name for name, condition in needed.items() if condition()}
-    # a GPU without TE/Apex still needs the MoE-router, torch-norm, torch-AdamW and multi-tensor fixes, none of
+    # a GPU without TE/Apex still needs the MoE-router, torch-norm, torch-AdamW, multi-tensor and wgrad fixes, none of
     # the CPU ones; checkpoint reads are restricted, the expert-bias count fixed and the z-loss's scale (megatron's
     # bug) corrected on any device, and so is multi-latent attention's RoPE-key gradient under TP (megatron's bug)
     assert on_gpu == {"moe_router_without_te", "torch_norm_sequence_parallel", "distopt_step_on_load",
                       "foreach_multi_tensor_scale", "expert_bias_padding_mask", "mla_without_te",
-                      "mla_rope_key_grad", "restricted_checkpoint_reads", "moe_z_loss_scale_per_token"}
+                      "mla_rope_key_grad", "restricted_checkpoint_reads", "moe_z_loss_scale_per_token",
+                      "wgrad_into_main_grad"}
 
 
 # -- initialize_megatron (one process, no launcher) ---------------------------------------------------
@@ -238,6 +240,15 @@ def test_initialize_megatron_single_process_idempotent_and_reproducible():
     assert result["first"]["tp_tracker"][:2] != result["first"]["torch"]
     assert "cannot re-initialise with tp(2)" in result["conflict_error"]
     assert "expects world_size 2" in result["world_error"] and "has 1 processes" in result["world_error"]
+    # wgrad_into_main_grad (tests/distributed/_mca_workers/wgrad_checks.py): every main_grad equals the unfused
+    # backward's bit for bit (tied and untied, fp32 and bf16 weights, 1 and 3 micro-batches, 2 steps), and an
+    # fp32 step with one micro-batch makes no fresh [vocab, hidden] tensor (the unfused one makes 3 tied, 2 untied)
+    wgrad = result["wgrad"]
+    assert len(wgrad) == 8 and all(case["unequal"] == [] and case["nonzero"] for case in wgrad.values()), wgrad
+    assert (wgrad["tied_fp32_ga1"]["vocab_hidden_fused"], wgrad["tied_fp32_ga1"]["vocab_hidden_plain"]) == (0, 6)
+    assert (wgrad["untied_fp32_ga1"]["vocab_hidden_fused"], wgrad["untied_fp32_ga1"]["vocab_hidden_plain"]) == (0, 4)
+    # later micro-batches keep today's order: the head's gradient is made and added as before
+    assert wgrad["tied_fp32_ga3"]["vocab_hidden_fused"] == 4 and wgrad["untied_fp32_ga3"]["vocab_hidden_fused"] == 4
 
 
 def test_foreach_multi_tensor_scale_gives_the_local_fallbacks_bits():

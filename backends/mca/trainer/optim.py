@@ -160,9 +160,12 @@ def overlap_grad_reduce_default() -> bool:
 def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: bool) -> list[torch.nn.Module]:
     """Megatron's DDP around each chunk (``ddp_config``; buckets only for the first chunk, as Megatron-LM
     does under the virtual pipeline), after ``Float16Module`` when training in bf16/fp16. Parameters are
-    broadcast from data-parallel rank 0 so replicas start equal."""
+    broadcast from data-parallel rank 0 so replicas start equal. The linear and embedding weights are tagged
+    to add their gradients into ``main_grad`` in the backward (``backends.mca.wgrad_fusion``)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
+
+    from backends.mca.wgrad_fusion import mark_params
 
     config = chunks[0].config
     if fp16 or bf16:
@@ -178,6 +181,7 @@ def wrap_ddp(chunks: list[torch.nn.Module], megatron_args, *, fp16: bool, bf16: 
                                        disable_bucketing=index > 0) for index, chunk in enumerate(chunks)]
     for chunk in wrapped:
         chunk.broadcast_params()
+    mark_params(wrapped)
     return wrapped
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from platform_common import build_gpt, batch, emit, tiny_config  # noqa: E402 (sets sys.path)
+from wgrad_checks import wgrad_fusion_checks  # noqa: E402
 
 from backends.mca.initialize import destroy_megatron, initialize_megatron
 from backends.mca.platform import applied_patches, apply_patches
@@ -56,8 +57,11 @@ def single() -> None:
     except ConfigError as err:
         world_error = str(err)
     assert not dist.is_initialized(), "a failed initialize_megatron left its process group behind"
+    initialize_megatron(layout, seed=5)
+    wgrad = wgrad_fusion_checks()
+    destroy_megatron()
     emit(info=info.__dict__, patches=list(patches), first=first, again=again, conflict_error=conflict_error,
-         world_error=world_error)
+         world_error=world_error, wgrad=wgrad)
 
 
 def multi() -> None:
