@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import json
+import mmap
 import os
 import sys
 import weakref
@@ -141,7 +142,7 @@ def test_safetensors_spans_are_mapped_copy_on_write(tmp_path):
     assert torch.equal(span, torch.full((10,), -1.0)) and open(path, "rb").read() == before
 
 
-def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tensors(tmp_path):
+def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tensors(tmp_path, monkeypatch):
     """``safetensors_io.write_file`` (mca2hf's writer): the same bytes as ``safetensors.torch.save_file`` for every
     dtype roll reads (its own order: by dtype, then name; header padded to 8), and a tensor over a live
     ``private_map`` copied from its file by the kernel: exactly those bytes, and only when the map lives."""
@@ -171,8 +172,37 @@ def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tenso
     assert copied == over_map["big"].nbytes
     assert _weights_of(str(tmp_path / "copied.safetensors")) == {n: t.tolist() for n, t in over_map.items()}
     expected = {n: t.clone() for n, t in over_map.items()}
+    _unread_halves_come_from_their_files(tmp_path, mapping, monkeypatch)
     del over_map, mapping
     assert write_file(str(tmp_path / "written.safetensors"), expected) == 0  # no live map: written from memory
+
+
+def _unread_halves_come_from_their_files(tmp_path, mapping, monkeypatch) -> None:
+    """A tensor over ``unread_memory`` (mca2hf's gate/up weight) whose halves two file spans back, in the other
+    order: each half written is its own span's bytes (copied, or read from the file where the kernel refuses),
+    whatever its size, and a tensor across both spans is refused, not written from memory it never held."""
+    import warnings
+
+    from backends.mca.models import safetensors_io
+
+    memory = safetensors_io.unread_memory(2 * 4096)
+    safetensors_io.file_backed(memory, 4096, 4096, mapping, 8)
+    safetensors_io.file_backed(memory, 0, 4096, mapping, 100 + 4096)
+    with warnings.catch_warnings():  # no access at all: a read-only buffer to Python
+        warnings.simplefilter("ignore", UserWarning)
+        gate, up = torch.frombuffer(memory, dtype=torch.int32).view(2, 1024).chunk(2)
+        across = torch.frombuffer(memory, dtype=torch.int32, count=1024, offset=2048)
+    want = {"gate": torch.frombuffer(mapping, dtype=torch.int32, count=1024, offset=100 + 4096).tolist(),
+            "up": torch.frombuffer(mapping, dtype=torch.int32, count=1024, offset=8).tolist()}
+    tensors = {"gate": gate.reshape(-1), "up": up.reshape(-1), "up.row": up[0, :16]}
+    want["up.row"] = want["up"][:16]
+    assert safetensors_io.write_file(str(tmp_path / "halves.safetensors"), tensors) == 2 * 4096 + 64
+    assert _weights_of(str(tmp_path / "halves.safetensors")) == want
+    monkeypatch.setattr(safetensors_io, "copy_range", lambda *args: False)
+    assert safetensors_io.write_file(str(tmp_path / "read.safetensors"), tensors) == 0
+    assert _weights_of(str(tmp_path / "read.safetensors")) == want
+    with pytest.raises(AssertionError, match="no one file span"):
+        safetensors_io.write_file(str(tmp_path / "across.safetensors"), {"across": across})
 
 
 def _weights_of(path: str) -> dict[str, list]:
@@ -290,13 +320,14 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
     copied = int(proc.stdout.split("bytes copied file to file")[1].split()[0])
     mapped = [line for line in proc.stderr.splitlines() if "mapped, not copied" in line]
     assert copied > 0 and mapped, proc.stdout  # the mapped parameters went from the HF files to the .distcp by the kernel
-    # mca2hf: every stored tensor's bytes 64-byte aligned in its file, so the parameters stored whole (all but the
-    # gate/up halves, two archives of one parameter) are views of the .distcp files' maps, copied file to file into
-    # the safetensors files; a silent fallback to reading and writing them copies nothing
+    # mca2hf: every stored tensor's bytes 64-byte aligned in its file, so the parameters stored whole are views of
+    # the .distcp files' maps and the gate/up halves (two archives of one parameter, each one HF tensor) lie only in
+    # their archives, all copied file to file into the safetensors files; a silent fallback to reading and writing
+    # them copies less. Written from memory: q/k/v (split per query group) and what a page does not hold (norms).
     assert _archive_alignments(mca) and set(_archive_alignments(mca)) == {0}
     mca2hf_copied = int(proc.stdout.split("mca2hf bytes copied file to file")[1].split()[0])
-    assert mca2hf_copied >= sum(t.nbytes for n, t in a.items() if "gate_proj" not in n and "up_proj" not in n and
-                                "_proj" in n and not any(q in n for q in ("q_proj", "k_proj", "v_proj"))), proc.stdout
+    assert mca2hf_copied == sum(t.nbytes for n, t in a.items() if not any(q in n for q in ("q_proj", "k_proj", "v_proj"))
+                                and (t.nbytes >= mmap.PAGESIZE or "gate_proj" in n or "up_proj" in n)), proc.stdout
     loaded = [line for line in proc.stderr.splitlines() if "loaded model checkpoint" in line][0]
     assert "mapped, not copied" in loaded, loaded
     # a checkpoint written before the archives were aligned (most tensors at odd offsets) still converts exactly
