@@ -6,7 +6,9 @@ Each stored tensor of a ``torch_dist`` checkpoint is a ``torch.save`` archive at
 when the archive itself starts at a multiple of 64 (``aligning_archives``: roll's writer pads before each one;
 PyTorch's and Megatron's readers never read between archives), every stored tensor is aligned in its file and a
 parameter stored whole can be a view of a private map of the file instead of a read into fresh memory
-(``MappedParams``). Then ``safetensors_io.write_file`` copies its bytes file to file. A checkpoint written before
+(``MappedParams``). Then ``safetensors_io.write_file`` copies its bytes file to file. The fused gate/up weight,
+stored as two archives (one per half), cannot be one view; in a process of its own it is left unread, each half
+recorded as a span of its archive, and copied from there (each half is one HF tensor). A checkpoint written before
 (archives 1-byte aligned) maps the tensors that happen to be aligned and reads the others, as before.
 """
 
