@@ -13,7 +13,8 @@ and ``roll-convert`` writes Megatron checkpoints from its own process with a pro
   (``backends.mca.checkpoint_io``: one positioned read, not PyTorch's three copies);
 - ``roll-convert mca2hf`` maps what it writes unchanged: every stored tensor 64-byte aligned in its ``.distcp`` file
   (``checkpoint_map``), the parameters stored whole served from the files' private maps and copied file to file
-  into the HF files (counted, so a silent fallback to reading fails), and a checkpoint of the layout before that
+  into the HF files (counted, so a silent fallback to reading fails), the fused gate/up weight's halves (two
+  archives) left unread and copied from their own file spans, and a checkpoint of the layout before that
   (archives 1-byte aligned) still converts bit-exactly; its safetensors writer writes safetensors' own bytes;
 - ``checkpoint_io.stored_tensor`` on ``torch.save`` archives: it finds the bytes of a whole contiguous tensor
   (checked against ``torch.load``) and declines every other layout, which must go through PyTorch's reader.
@@ -209,6 +210,40 @@ def _weights_of(path: str) -> dict[str, list]:
     from safetensors.torch import load_file
 
     return {name: tensor.tolist() for name, tensor in load_file(path).items()}
+
+
+def test_mapped_params_take_row_blocks_whole_or_partly(tmp_path):
+    """``checkpoint_map.MappedParams`` on a parameter stored as two archives (the fused gate/up weight): both halves
+    taken, the parameter is unread memory whose halves ``write_file`` copies from their own file spans (stored in the
+    other order here); one half taken, that half is copied into the parameter from the map, the other kept."""
+    from backends.mca.checkpoint_map import MappedParams
+    from backends.mca.models.safetensors_io import write_file
+
+    source = tmp_path / "archives.bin"
+    source.write_bytes(torch.randn(5 * 1024).numpy().tobytes())
+    stored = torch.frombuffer(bytearray(source.read_bytes()), dtype=torch.float32)
+    up_at, gate_at = 64, 2 * 4096 + 128  # byte offsets of each half's bytes in the file
+    gate, up = stored[gate_at // 4:gate_at // 4 + 1024].view(2, 512), stored[up_at // 4:up_at // 4 + 1024].view(2, 512)
+    for taken in ("both", "up"):
+        fc1 = torch.nn.Linear(512, 4, bias=False)
+        before = fc1.weight.detach().clone()
+        mapped = MappedParams([fc1])
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            halves = fc1.weight.data.chunk(2)
+            assert mapped.take(fd, str(source), up_at, halves[1])
+            assert taken == "up" or mapped.take(fd, str(source), gate_at, halves[0])
+        finally:
+            os.close(fd)
+        mapped.apply()
+        if taken == "up":
+            assert torch.equal(fc1.weight[:2], before[:2]) and torch.equal(fc1.weight[2:], up)
+            continue
+        assert mapped.nbytes == fc1.weight.nbytes
+        out = str(tmp_path / "fc1.safetensors")
+        halves = fc1.weight.data.chunk(2)
+        assert write_file(out, {"gate_proj": halves[0], "up_proj": halves[1]}) == fc1.weight.nbytes
+        assert _weights_of(out) == {"gate_proj": gate.tolist(), "up_proj": up.tolist()}
 
 
 def test_loader_maps_whole_parameters_for_a_conversion(tiny_model_factory, tmp_path):
