@@ -607,8 +607,20 @@ MUTANTS: list[Mutant] = [
     Mutant("mapped_checkpoint_silently_read", "roll-convert mca2hf: the map of the .distcp files never taken (a "
            "check too strict), every parameter read into fresh memory and written from it again: right bytes, "
            "3x the page faults", "backends/mca/checkpoint_map.py",
-           "or position % target.element_size()):", "or True):",
+           "if param.dtype != target.dtype or position % target.element_size():", "if True:",
            ("tests/unit/test_convert_streaming.py::test_roll_convert_writes_from_its_own_process_with_progress",)),
+    Mutant("mapped_gate_up_halves_swapped", "roll-convert mca2hf: the fused gate/up weight's halves recorded at each "
+           "other's rows in its file spans, so the HF export's gate_proj holds up_proj's bytes and the other way round",
+           "backends/mca/checkpoint_map.py", "file_backed(memory, begin, nbytes, source, position)",
+           "file_backed(memory, param.nbytes - begin - nbytes, nbytes, source, position)",
+           ("tests/unit/test_convert_streaming.py::test_mapped_params_take_row_blocks_whole_or_partly",
+            "tests/unit/test_convert_streaming.py::test_roll_convert_writes_from_its_own_process_with_progress")),
+    Mutant("mapped_gate_up_halves_read", "roll-convert mca2hf: the gate/up halves (two archives of one parameter) "
+           "never taken, read into fresh memory and written from it: right bytes, the page faults of 15 GB at a 7B "
+           "shape in fp32", "backends/mca/checkpoint_map.py",
+           "self._alone = not dist.is_initialized() or dist.get_world_size() == 1", "self._alone = False",
+           ("tests/unit/test_convert_streaming.py::test_mapped_params_take_row_blocks_whole_or_partly",
+            "tests/unit/test_convert_streaming.py::test_roll_convert_writes_from_its_own_process_with_progress")),
     Mutant("gate_up_merged_into_a_copy", "mca checkpoint loads: every layer's fused gate/up weight concatenated "
            "into a new tensor and held until the whole state dict is applied (+15 GB at a 7B shape in fp32)",
            "backends/mca/checkpoint_io.py", "factory.merge_fn = _merge_into(factory.data, factory.merge_fn)", "pass",

@@ -74,8 +74,9 @@ def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, sync_files
 
 def load_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, map_files: bool = False) -> None:
     """Load weights saved by ``save_checkpoint`` (at any TP/PP/VPP/EP layout) into ``model_chunks``. ``map_files``:
-    the parameters stored whole become views of private maps of the checkpoint's files (``checkpoint_map``), for a
-    model that is only written out again (``roll-convert mca2hf``).
+    the parameters stored whole become views of private maps of the checkpoint's files, and (in a process of its own)
+    the fused gate/up weights unread memory whose halves their archives back (``checkpoint_map``), for a model that
+    is only written out again (``roll-convert mca2hf``).
 
     Raises ``ModelError`` when ``ckpt_dir`` is not a distributed checkpoint or lacks tensors the
     model needs (another architecture, or a model built with different options).

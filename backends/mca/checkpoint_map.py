@@ -6,17 +6,21 @@ Each stored tensor of a ``torch_dist`` checkpoint is a ``torch.save`` archive at
 when the archive itself starts at a multiple of 64 (``aligning_archives``: roll's writer pads before each one;
 PyTorch's and Megatron's readers never read between archives), every stored tensor is aligned in its file and a
 parameter stored whole can be a view of a private map of the file instead of a read into fresh memory
-(``MappedParams``). Then ``safetensors_io.write_file`` copies its bytes file to file. A checkpoint written before
+(``MappedParams``). Then ``safetensors_io.write_file`` copies its bytes file to file. The fused gate/up weight,
+stored as two archives (one per half), cannot be one view; in a process of its own it is left unread, each half
+recorded as a span of its archive, and copied from there (each half is one HF tensor). A checkpoint written before
 (archives 1-byte aligned) maps the tensors that happen to be aligned and reads the others, as before.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import warnings
 
 import torch
 
-from backends.mca.models.safetensors_io import private_map
+from backends.mca.models.safetensors_io import file_backed, private_map, unread_memory
 
 ALIGNMENT = 64  # torch.save's own alignment of a tensor's bytes inside its archive
 
@@ -56,36 +60,79 @@ class _AligningStream:
 
 
 class MappedParams:
-    """The parameters of ``chunks`` a checkpoint load may serve from private maps of the checkpoint's files: in
-    ``checkpoint_io``'s reader, a request whose destination is a whole parameter and whose source the whole stored
-    tensor, aligned in its file, is ``take``n (nothing read); ``apply``, after Megatron's ``load_state_dict``, makes
-    each taken parameter a view of its map. Until then a taken parameter holds no data: only for a model that is
-    loaded to be written out again (``roll-convert mca2hf``). A write to a mapped parameter copies the page it
-    touches (private map), never the file; the writer copies the file's bytes, so it must not be written to."""
+    """The parameters of ``chunks`` a checkpoint load may serve from the checkpoint's files: in ``checkpoint_io``'s
+    reader, a request whose destination is the whole stored tensor, aligned in its file, is ``take``n (nothing
+    read) when that destination is a whole parameter, or (in a process of its own: nothing is gathered from its
+    memory) a block of one (the fused gate/up weight, stored as its two halves); ``apply``, after Megatron's
+    ``load_state_dict``, makes each whole one a view of its file's private map, and each parameter its blocks tile
+    a view of ``unread_memory`` whose spans ``file_backed`` records: ``write_file`` copies each half (one HF
+    tensor, gate_proj or up_proj) from its archive, and any other read of that memory is a crash, never wrong
+    bytes. Until ``apply`` a taken parameter holds no data: only for a model that is loaded to be written out
+    again (``roll-convert mca2hf``). A write to a mapped parameter copies the page it touches (private map), never
+    the file; the writer copies the file's bytes, so it must not be written to."""
 
     def __init__(self, chunks) -> None:
+        import torch.distributed as dist
+
         self._params = {param.data_ptr(): param for chunk in chunks for param in chunk.parameters()
                         if param.device.type == "cpu" and param.is_contiguous() and param.numel()}
+        self._starts = sorted(self._params)
+        self._alone = not dist.is_initialized() or dist.get_world_size() == 1
         self._maps: dict[str, object] = {}
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._blocks: dict[int, tuple[torch.nn.Parameter, list[tuple[int, int, object, int]]]] = {}
         self.nbytes = 0
 
     def take(self, fd: int, path: str, position: int, target: torch.Tensor) -> bool:
         """Whether ``target`` (the whole stored tensor's destination, its bytes at ``position`` of file ``fd``, named
-        ``path``) is a whole parameter that will be served from the file's map."""
+        ``path``) is a whole parameter, or a block of one, that will be served from the file."""
         param = self._params.get(target.data_ptr())
-        if (param is None or param.dtype != target.dtype or param.nbytes != target.nbytes
-                or position % target.element_size()):
-            return False
-        if path not in self._maps:
-            self._maps[path] = private_map(fd)
-        view = torch.frombuffer(self._maps[path], dtype=param.dtype, count=param.numel(), offset=position)
-        self._views.append((param, view.view(param.shape)))
-        self.nbytes += param.nbytes
+        if param is not None and param.nbytes == target.nbytes:
+            if param.dtype != target.dtype or position % target.element_size():
+                return False
+            view = torch.frombuffer(self._map(fd, path), dtype=param.dtype, count=param.numel(), offset=position)
+            self._views.append((param, view.view(param.shape)))
+        else:
+            param = self._containing(target)
+            if param is None or not self._alone or param.dtype != target.dtype or not target.is_contiguous():
+                return False
+            begin = target.data_ptr() - param.data_ptr()
+            self._blocks.setdefault(id(param), (param, []))[1].append((begin, target.nbytes, self._map(fd, path),
+                                                                       position))
+        self.nbytes += target.nbytes
         return True
 
+    def _map(self, fd: int, path: str):
+        if path not in self._maps:
+            self._maps[path] = private_map(fd)
+        return self._maps[path]
+
+    def _containing(self, target: torch.Tensor) -> torch.nn.Parameter | None:
+        at = bisect.bisect_right(self._starts, target.data_ptr()) - 1
+        param = self._params[self._starts[at]] if at >= 0 else None
+        if param is None or target.data_ptr() + target.nbytes > param.data_ptr() + param.nbytes:
+            return None
+        return param
+
     def apply(self) -> None:
-        """Point every taken parameter at its file's map (its own, never-touched memory is freed)."""
+        """Point every taken parameter at its file's map, or at unread memory its blocks' files back (its own,
+        never-touched memory is freed); a parameter only partly taken gets its taken blocks copied from the maps."""
         for param, view in self._views:
             param.data = view
         self._views.clear()
+        for param, blocks in self._blocks.values():
+            blocks.sort(key=lambda block: block[0])
+            ends = [0] + [begin + nbytes for begin, nbytes, *_ in blocks]
+            if [begin for begin, *_ in blocks] == ends[:-1] and ends[-1] == param.nbytes:  # they tile it
+                memory = unread_memory(param.nbytes)
+                for begin, nbytes, source, position in blocks:
+                    file_backed(memory, begin, nbytes, source, position)
+                with warnings.catch_warnings():  # no access at all: a read-only buffer to Python
+                    warnings.simplefilter("ignore", UserWarning)
+                    param.data = torch.frombuffer(memory, dtype=param.dtype, count=param.numel()).view(param.shape)
+            else:
+                flat = param.data.view(-1).view(torch.uint8)
+                for begin, nbytes, source, position in blocks:
+                    flat[begin:begin + nbytes].copy_(torch.frombuffer(source, dtype=torch.uint8, count=nbytes,
+                                                                      offset=position))
+        self._blocks.clear()

@@ -13,7 +13,8 @@ and ``roll-convert`` writes Megatron checkpoints from its own process with a pro
   (``backends.mca.checkpoint_io``: one positioned read, not PyTorch's three copies);
 - ``roll-convert mca2hf`` maps what it writes unchanged: every stored tensor 64-byte aligned in its ``.distcp`` file
   (``checkpoint_map``), the parameters stored whole served from the files' private maps and copied file to file
-  into the HF files (counted, so a silent fallback to reading fails), and a checkpoint of the layout before that
+  into the HF files (counted, so a silent fallback to reading fails), the fused gate/up weight's halves (two
+  archives) left unread and copied from their own file spans, and a checkpoint of the layout before that
   (archives 1-byte aligned) still converts bit-exactly; its safetensors writer writes safetensors' own bytes;
 - ``checkpoint_io.stored_tensor`` on ``torch.save`` archives: it finds the bytes of a whole contiguous tensor
   (checked against ``torch.load``) and declines every other layout, which must go through PyTorch's reader.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import json
+import mmap
 import os
 import sys
 import weakref
@@ -141,7 +143,7 @@ def test_safetensors_spans_are_mapped_copy_on_write(tmp_path):
     assert torch.equal(span, torch.full((10,), -1.0)) and open(path, "rb").read() == before
 
 
-def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tensors(tmp_path):
+def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tensors(tmp_path, monkeypatch):
     """``safetensors_io.write_file`` (mca2hf's writer): the same bytes as ``safetensors.torch.save_file`` for every
     dtype roll reads (its own order: by dtype, then name; header padded to 8), and a tensor over a live
     ``private_map`` copied from its file by the kernel: exactly those bytes, and only when the map lives."""
@@ -171,14 +173,77 @@ def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tenso
     assert copied == over_map["big"].nbytes
     assert _weights_of(str(tmp_path / "copied.safetensors")) == {n: t.tolist() for n, t in over_map.items()}
     expected = {n: t.clone() for n, t in over_map.items()}
+    _unread_halves_come_from_their_files(tmp_path, mapping, monkeypatch)
     del over_map, mapping
     assert write_file(str(tmp_path / "written.safetensors"), expected) == 0  # no live map: written from memory
+
+
+def _unread_halves_come_from_their_files(tmp_path, mapping, monkeypatch) -> None:
+    """A tensor over ``unread_memory`` (mca2hf's gate/up weight) whose halves two file spans back, in the other
+    order: each half written is its own span's bytes (copied, or read from the file where the kernel refuses),
+    whatever its size, and a tensor across both spans is refused, not written from memory it never held."""
+    import warnings
+
+    from backends.mca.models import safetensors_io
+
+    memory = safetensors_io.unread_memory(2 * 4096)
+    safetensors_io.file_backed(memory, 4096, 4096, mapping, 8)
+    safetensors_io.file_backed(memory, 0, 4096, mapping, 100 + 4096)
+    with warnings.catch_warnings():  # no access at all: a read-only buffer to Python
+        warnings.simplefilter("ignore", UserWarning)
+        gate, up = torch.frombuffer(memory, dtype=torch.int32).view(2, 1024).chunk(2)
+        across = torch.frombuffer(memory, dtype=torch.int32, count=1024, offset=2048)
+    want = {"gate": torch.frombuffer(mapping, dtype=torch.int32, count=1024, offset=100 + 4096).tolist(),
+            "up": torch.frombuffer(mapping, dtype=torch.int32, count=1024, offset=8).tolist()}
+    tensors = {"gate": gate.reshape(-1), "up": up.reshape(-1), "up.row": up[0, :16]}
+    want["up.row"] = want["up"][:16]
+    assert safetensors_io.write_file(str(tmp_path / "halves.safetensors"), tensors) == 2 * 4096 + 64
+    assert _weights_of(str(tmp_path / "halves.safetensors")) == want
+    monkeypatch.setattr(safetensors_io, "copy_range", lambda *args: False)
+    assert safetensors_io.write_file(str(tmp_path / "read.safetensors"), tensors) == 0
+    assert _weights_of(str(tmp_path / "read.safetensors")) == want
+    with pytest.raises(AssertionError, match="no one file span"):
+        safetensors_io.write_file(str(tmp_path / "across.safetensors"), {"across": across})
 
 
 def _weights_of(path: str) -> dict[str, list]:
     from safetensors.torch import load_file
 
     return {name: tensor.tolist() for name, tensor in load_file(path).items()}
+
+
+def test_mapped_params_take_row_blocks_whole_or_partly(tmp_path):
+    """``checkpoint_map.MappedParams`` on a parameter stored as two archives (the fused gate/up weight): both halves
+    taken, the parameter is unread memory whose halves ``write_file`` copies from their own file spans (stored in the
+    other order here); one half taken, that half is copied into the parameter from the map, the other kept."""
+    from backends.mca.checkpoint_map import MappedParams
+    from backends.mca.models.safetensors_io import write_file
+
+    source = tmp_path / "archives.bin"
+    source.write_bytes(torch.randn(5 * 1024).numpy().tobytes())
+    stored = torch.frombuffer(bytearray(source.read_bytes()), dtype=torch.float32)
+    up_at, gate_at = 64, 2 * 4096 + 128  # byte offsets of each half's bytes in the file
+    gate, up = stored[gate_at // 4:gate_at // 4 + 1024].view(2, 512), stored[up_at // 4:up_at // 4 + 1024].view(2, 512)
+    for taken in ("both", "up"):
+        fc1 = torch.nn.Linear(512, 4, bias=False)
+        before = fc1.weight.detach().clone()
+        mapped = MappedParams([fc1])
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            halves = fc1.weight.data.chunk(2)
+            assert mapped.take(fd, str(source), up_at, halves[1])
+            assert taken == "up" or mapped.take(fd, str(source), gate_at, halves[0])
+        finally:
+            os.close(fd)
+        mapped.apply()
+        if taken == "up":
+            assert torch.equal(fc1.weight[:2], before[:2]) and torch.equal(fc1.weight[2:], up)
+            continue
+        assert mapped.nbytes == fc1.weight.nbytes
+        out = str(tmp_path / "fc1.safetensors")
+        halves = fc1.weight.data.chunk(2)
+        assert write_file(out, {"gate_proj": halves[0], "up_proj": halves[1]}) == fc1.weight.nbytes
+        assert _weights_of(out) == {"gate_proj": gate.tolist(), "up_proj": up.tolist()}
 
 
 def test_loader_maps_whole_parameters_for_a_conversion(tiny_model_factory, tmp_path):
@@ -290,13 +355,14 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
     copied = int(proc.stdout.split("bytes copied file to file")[1].split()[0])
     mapped = [line for line in proc.stderr.splitlines() if "mapped, not copied" in line]
     assert copied > 0 and mapped, proc.stdout  # the mapped parameters went from the HF files to the .distcp by the kernel
-    # mca2hf: every stored tensor's bytes 64-byte aligned in its file, so the parameters stored whole (all but the
-    # gate/up halves, two archives of one parameter) are views of the .distcp files' maps, copied file to file into
-    # the safetensors files; a silent fallback to reading and writing them copies nothing
+    # mca2hf: every stored tensor's bytes 64-byte aligned in its file, so the parameters stored whole are views of
+    # the .distcp files' maps and the gate/up halves (two archives of one parameter, each one HF tensor) lie only in
+    # their archives, all copied file to file into the safetensors files; a silent fallback to reading and writing
+    # them copies less. Written from memory: q/k/v (split per query group) and what a page does not hold (norms).
     assert _archive_alignments(mca) and set(_archive_alignments(mca)) == {0}
     mca2hf_copied = int(proc.stdout.split("mca2hf bytes copied file to file")[1].split()[0])
-    assert mca2hf_copied >= sum(t.nbytes for n, t in a.items() if "gate_proj" not in n and "up_proj" not in n and
-                                "_proj" in n and not any(q in n for q in ("q_proj", "k_proj", "v_proj"))), proc.stdout
+    assert mca2hf_copied == sum(t.nbytes for n, t in a.items() if not any(q in n for q in ("q_proj", "k_proj", "v_proj"))
+                                and (t.nbytes >= mmap.PAGESIZE or "gate_proj" in n or "up_proj" in n)), proc.stdout
     loaded = [line for line in proc.stderr.splitlines() if "loaded model checkpoint" in line][0]
     assert "mapped, not copied" in loaded, loaded
     # a checkpoint written before the archives were aligned (most tensors at odd offsets) still converts exactly

@@ -36,6 +36,9 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 _MAX_HEADER = 100 * 1024**2  # the format's own limit
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 _MAPS: dict[int, tuple[int, int]] = {}  # start address of a live map of ``mapped`` -> (its length, its file's descriptor)
+# start address of a live ``unread_memory`` -> (its length, its ``file_backed`` spans: begin, end, a descriptor of the
+# file, the offset in it, the map that keeps that descriptor open)
+_UNREAD: dict[int, tuple[int, list[tuple[int, int, int, int, mmap.mmap]]]] = {}
 
 
 def mapped_source(address: int, nbytes: int) -> tuple[int, int] | None:
@@ -55,7 +58,7 @@ def private_map(fd: int) -> mmap.mmap:
     touches, never the file, and is not seen by a writer that copies the file's bytes: map only tensors that are
     written out unchanged."""
     mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    start, own = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr(), os.dup(fd)
+    start, own = _address(mapping), os.dup(fd)
     _MAPS[start] = (len(mapping), own)
     weakref.finalize(mapping, _forget, start, own)  # with the last tensor over the map
     return mapping
@@ -64,6 +67,45 @@ def private_map(fd: int) -> mmap.mmap:
 def _forget(start: int, fd: int) -> None:
     _MAPS.pop(start, None)
     os.close(fd)
+
+
+def unread_memory(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of address space that may not be touched at all, for a tensor whose bytes lie only in files
+    (``file_backed`` records where): ``write_file`` copies them from there, and any read of the memory is a crash,
+    never wrong bytes. ``roll-convert mca2hf``'s fused gate/up weights, stored as two archives that no one map
+    view covers (``checkpoint_map.MappedParams``), so no fresh memory is faulted in for them."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)
+    start = _address(mapping)
+    _UNREAD[start] = (nbytes, [])
+    weakref.finalize(mapping, _UNREAD.pop, start, None)  # with the last tensor over it
+    return mapping
+
+
+def file_backed(memory: mmap.mmap, begin: int, nbytes: int, source: mmap.mmap, offset: int) -> None:
+    """Record that bytes ``[begin, begin + nbytes)`` of ``unread_memory`` ``memory`` are those at ``offset`` of the
+    file that ``source`` (a ``private_map``) maps; the record keeps ``source``, and so its descriptor, open."""
+    _UNREAD[_address(memory)][1].append((begin, begin + nbytes, _MAPS[_address(source)][1], offset, source))
+
+
+def file_span(address: int, nbytes: int) -> tuple[int, int] | None:
+    """(a descriptor of the file, the offset in it) of the ``nbytes`` bytes at ``address`` when they lie in
+    ``unread_memory``, else None; bytes there that no one ``file_backed`` span holds are a bug (they were never
+    read), refused."""
+    for start, (length, spans) in list(_UNREAD.items()):
+        if start < address + nbytes and address < start + length:
+            for begin, end, fd, offset, _ in spans:
+                if start + begin <= address and address + nbytes <= start + end:
+                    return fd, offset + address - start - begin
+            raise AssertionError(f"{nbytes} bytes at {address:#x} of unread memory lie in no one file span")
+    return None
+
+
+def _address(mapping: mmap.mmap) -> int:
+    import warnings
+
+    with warnings.catch_warnings():  # a map with no access is a read-only buffer to Python; its address is read only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
 
 
 class SafetensorsFile:
@@ -289,6 +331,14 @@ def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, 
             if not tensor.nbytes:
                 continue
             data = tensor.reshape(-1).view(torch.uint8).numpy()
+            only_in_file = file_span(int(data.ctypes.data), tensor.nbytes)
+            if only_in_file is not None:  # its memory may not be read: copied, or read from the file
+                if copy_range(*only_in_file, fd, position, tensor.nbytes):
+                    copied += tensor.nbytes
+                else:
+                    _copy_by_reading(*only_in_file, fd, position, tensor.nbytes)
+                position += tensor.nbytes
+                continue
             source = mapped_source(int(data.ctypes.data), tensor.nbytes) if tensor.nbytes >= mmap.PAGESIZE else None
             if source is not None and copy_range(*source, fd, position, tensor.nbytes):
                 copied += tensor.nbytes
@@ -298,6 +348,17 @@ def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, 
     finally:
         os.close(fd)
     return copied
+
+
+def _copy_by_reading(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
+    """``copy_range``'s fallback: 64 MiB at a time through a buffer."""
+    done = 0
+    while done < nbytes:
+        chunk = os.pread(src, min(64 * 1024**2, nbytes - done), src_offset + done)
+        if not chunk:
+            raise ModelError(f"file descriptor {src} ended {nbytes - done} bytes before a tensor's end (truncated?).")
+        _pwrite_all(dst, memoryview(chunk), dst_offset + done)
+        done += len(chunk)
 
 
 def _pwrite_all(fd: int, view: memoryview, position: int) -> None:
