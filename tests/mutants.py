@@ -689,4 +689,15 @@ MUTANTS: list[Mutant] = [
            "group: a device tensor whose read waits for the device after every step",
            "roll/reliability.py", "op=dist.ReduceOp.MAX, group=host_group())", "op=dist.ReduceOp.MAX)",
            ("tests/distributed/test_stop_poll_dist.py::test_the_stop_poll_all_reduces_a_host_tensor_over_one_gloo_group",)),
+    Mutant("direct_write_tail_not_cut", "a checkpoint file written past the page cache keeps the zero padding "
+           "of its last block (the ftruncate to its length missing; test_mca_checkpoint's byte check catches it too)",
+           "roll/direct_write.py",
+           "            os.ftruncate(self._fd, self._base + self._fill)", "            pass",
+           ("tests/unit/test_direct_write.py::test_the_file_holds_exactly_the_bytes_written",), fast=True),
+    Mutant("direct_write_silently_buffered", "checkpoint files said to be written past the page cache go through "
+           "it (O_DIRECT left out of the open): the background writer takes training's CPU again",
+           "roll/direct_write.py", "self._fd = os.open(self.path, flags | direct, 0o666)",
+           "self._fd = os.open(self.path, flags, 0o666)",
+           ("tests/unit/test_direct_write.py::test_a_file_system_that_takes_o_direct_gets_it",), fast=True),
+
 ]

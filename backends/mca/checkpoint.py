@@ -48,12 +48,14 @@ def sharded_model_state_dict(model_chunks: Sequence[nn.Module]) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(bare)}
 
 
-def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, sync_files: bool = True) -> None:
+def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, sync_files: bool = True,
+                    direct: bool = False) -> None:
     """Write the model chunks' weights to ``ckpt_dir``; a collective call on every rank.
 
     Written in this process by ``in_process_save_strategy`` (I/O threads, no helper processes), in the
     same ``torch_dist`` format Megatron's default writer produces, so any layout loads it. ``sync_files``
     False leaves flushing the files to the OS (as ``save_pretrained`` does): a conversion can be rerun.
+    ``direct``: the ``.distcp`` files are written past the page cache (``roll.direct_write``; the same bytes).
     """
     from megatron.core import dist_checkpointing
 
@@ -65,7 +67,8 @@ def save_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str, sync_files
     start = time.perf_counter()
     with byte_progress(0, "write Megatron weights") as bar:
         dist_checkpointing.save(sharded_model_state_dict(model_chunks), ckpt_dir,
-                                sharded_strategy=in_process_save_strategy(sync_files=sync_files, progress=bar))
+                                sharded_strategy=in_process_save_strategy(sync_files=sync_files, progress=bar,
+                                                                          direct=direct))
     elapsed = time.perf_counter() - start
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(ckpt_dir, "*.distcp")))  # every rank's files
     log_rank0(logger, "saved model checkpoint (torch_dist, %.2f GB) to %s in %.1fs (%.2f GB/s%s)", size / 1e9,

@@ -20,6 +20,7 @@ unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import io
@@ -33,10 +34,12 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
+from roll.direct_write import DirectFile
+
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then name and extra-field lengths at offset 26
 
 
-def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, progress=None):
+def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, progress=None, direct: bool = False):
     """A synchronous ``torch_dist`` save strategy that writes from this process.
 
     Megatron 0.16's default (``TorchDistSaveShardedStrategy``) is built for asynchronous saves: even a
@@ -48,6 +51,9 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
     The files, ``.metadata`` and Megatron's ``metadata.json`` / ``common.pt`` are the same format, so
     ``load_checkpoint`` (Megatron's loader) reads them at any layout. ``progress``: a byte counter
     (``roll.logging.byte_progress``) told this rank's total once planned and each tensor as it is written.
+    ``direct``: each ``.distcp`` file is written past the page cache (``roll.direct_write``, the same bytes),
+    which takes a fraction of a buffered write's CPU (training checkpoints; a conversion copying from
+    safetensors maps keeps the kernel's file-to-file copy).
     """
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
@@ -81,12 +87,25 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=sync_files)
             # every file is written with the CRC-32 off, in whichever thread writes it, each tensor's archive at a
-            # multiple of 64 bytes (mca2hf can map it); hf2mca's mapped tensors are copied file to file
-            writer.fs.create_stream = _without_crc32(aligning_archives(copying_from_maps(writer.fs.create_stream)))
+            # multiple of 64 bytes (mca2hf can map it); a training save's files past the page cache (``direct``),
+            # a conversion's: hf2mca's mapped tensors copied file to file
+            create_stream = (functools.partial(_direct_stream, fsync=sync_files) if direct
+                             else copying_from_maps(writer.fs.create_stream))
+            writer.fs.create_stream = _without_crc32(aligning_archives(create_stream))
             planner = Planner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
             dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
 
     return InProcessSaveStrategy("torch_dist", 1, thread_count=thread_count)
+
+
+@contextlib.contextmanager
+def _direct_stream(path, mode: str, fsync: bool):
+    """``FileSystem.create_stream`` for the ``.distcp`` files: a ``roll.direct_write.DirectFile``, fsync'ed when
+    it closes (PyTorch's writer fsyncs the stream before it closes it, without a flush: bytes still in the
+    aligned buffer then are written at the close, hence the fsync there)."""
+    assert "w" in mode, mode
+    with DirectFile(path, fsync=fsync) as stream:
+        yield stream
 
 
 def _without_crc32(create_stream):
@@ -94,8 +113,6 @@ def _without_crc32(create_stream):
     (``torch.serialization.set_crc32_options``) holds for one thread only, and PyTorch's ``FileSystemWriter`` writes
     from its own threads too: set once around ``dcp.save`` it left the CRC-32 of every file but the calling thread's
     computed (reading every byte: 0.3 s of CPU per 0.5 GB). ``torch.load`` never checks it; roll's reader neither."""
-    import contextlib
-
     @contextlib.contextmanager
     def create(path, mode: str):
         previous = torch.serialization.get_crc32_options()

@@ -18,7 +18,8 @@ def test_dist_checkpoint_reshards_tp1_tp2_pp2_vpp(tmp_path):
     """Chain TP1 -> TP2 -> PP2 -> PP2xVPP2 -> TP1, each phase built from another seed.
 
     Tolerance 1e-5 on fp32 logits (observed: 1.5e-7 at TP2, from the split row-parallel reduction;
-    0.0 at PP/VPP/TP1, which compute in the same order as TP1).
+    0.0 at PP/VPP/TP1, which compute in the same order as TP1). The TP2 checkpoint, written past the page
+    cache (``direct``; the later phases load it), has the ``.distcp`` bytes of the same save written buffered.
     """
     proc = torchrun(os.path.join(WORKERS, "platform_checkpoint.py"), str(tmp_path), timeout=240)
     assert proc.returncode == 0, output_of(proc)
@@ -33,6 +34,7 @@ def test_dist_checkpoint_reshards_tp1_tp2_pp2_vpp(tmp_path):
         assert 0 <= diff <= 1e-5, (where, diff)
     for phase in ("tp2", "pp2", "vpp2", "back_to_tp1"):
         assert res[phase]["before_load"] > 0.1, phase  # freshly built models differ: loading did the work
+    assert res["tp2"]["direct_differs"] == []  # roll.direct_write's files equal PyTorch's buffered ones
     assert res["is_dist_checkpoint"] == [True, False]
     not_a_checkpoint, wrong_model = res["load_errors"]
     assert "is not a Megatron distributed checkpoint" in not_a_checkpoint

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from backends.mca.checkpoint import load_sharded, sharded_model_state_dict
+from backends.mca.checkpoint_io import in_process_save_strategy
 from backends.mca.models.config import MCA_CONFIG_NAME
 from backends.mca.models.unwrap import unwrap_model
 from backends.mca.trainer.optim import use_fast_adam
@@ -79,7 +80,8 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
     sharded = _sharded_state(chunks, optimizer, state.lora, is_loading=False)
     if background is None:
         with checkpoints.publishing(output_dir, state.global_step, is_writer=is_writer, keep=keep) as tmp:
-            dist_checkpointing.save(sharded, tmp)
+            # in this process (no spawned manager, no forked writers), the files past the page cache
+            dist_checkpointing.save(sharded, tmp, sharded_strategy=in_process_save_strategy(direct=True))
             _write_small_files(tmp, chunks, state, model_config, arguments, dataset)
         final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
         log_rank0(logger, "saved checkpoint %s in %.1fs", final, time.perf_counter() - start)

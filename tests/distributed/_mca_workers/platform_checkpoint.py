@@ -69,9 +69,21 @@ def phase(layout: ParallelLayout, seed: int, reference: torch.Tensor | None, loa
     for name in load_from:
         load_checkpoint(chunks, os.path.join(out, name))
         result[f"from_{name}"] = _max_diff(pipeline_logits(chunks, tokens, positions), reference)
-    save_checkpoint(chunks, os.path.join(out, save_to))
+    # TP2: both ranks write shards, past the page cache (later phases load it), and again buffered: the same bytes
+    save_checkpoint(chunks, os.path.join(out, save_to), direct=save_to == "tp2")
+    if save_to == "tp2":
+        save_checkpoint(chunks, os.path.join(out, "tp2-buffered"))
+        result["direct_differs"] = _differing_files(os.path.join(out, "tp2-buffered"), os.path.join(out, save_to))
     destroy_megatron()
     return result, reference
+
+
+def _differing_files(a: str, b: str) -> list[str]:
+    """The ``.distcp`` files of ``a`` whose bytes ``b`` lacks (``.metadata`` names the save, so it differs)."""
+    names = sorted(n for n in os.listdir(a) if n.endswith(".distcp"))
+    if not names or sorted(n for n in os.listdir(b) if n.endswith(".distcp")) != names:
+        return ["<file lists differ>"]
+    return [n for n in names if open(os.path.join(a, n), "rb").read() != open(os.path.join(b, n), "rb").read()]
 
 
 def _max_diff(logits: torch.Tensor | None, reference: torch.Tensor) -> float:

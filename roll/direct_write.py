@@ -1,0 +1,150 @@
+"""Checkpoint bytes written past the page cache (``O_DIRECT``), for writers that must not stall training.
+
+Why: on a VM's ext4 a buffered write costs the kernel about a CPU second per GB (page-cache copy, then
+writeback), measured with ``dd`` on the 2-core dev machine: 1 GiB buffered + fsync 1.3-3.5 s wall of which
+1.07-3.05 s kernel CPU, the same with ``oflag=direct`` 0.86-0.91 s wall and 0.19-0.25 s kernel CPU. A
+background checkpoint writer's CPU is taken from training; with ``O_DIRECT`` the device reads the bytes from
+user memory instead (DMA), and only the copy into an aligned buffer is left.
+
+The API is one stream (``DirectFile``, a write-only binary file object: ``write``, ``tell``, ``flush``,
+``fileno``, ``close``) and one helper (``write_bytes``). Bytes go through a page-aligned buffer of
+``CHUNK`` bytes kept per thread and reused (no allocation per file); each full buffer is one aligned
+``pwrite``. The unaligned tail is written padded to the block size, then the file is cut to its length
+(``ftruncate``). ``flush`` makes everything written so far reach the file (so that ``os.fsync(fileno())``
+after it covers every byte, as it does for a buffered file); ``close(fsync=True)`` fsyncs. Where
+``O_DIRECT`` is refused (tmpfs, some network file systems: ``EINVAL`` at open or at the first write; other
+OSes have no ``O_DIRECT``) the same stream writes buffered, with the same bytes: ``direct`` says which.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+CHUNK = 16 << 20
+"""Bytes per aligned write (and the per-thread buffer's size)."""
+_ALIGN = 4096
+"""At least the logical block size of any disk we know (512 or 4096); the file system's ``st_blksize`` when
+larger. O_DIRECT needs the buffer's address, each write's offset and its length aligned to it."""
+
+_local = threading.local()
+_lock = threading.Lock()
+stats = {"direct_files": 0, "buffered_files": 0}
+"""How many files ``DirectFile`` wrote each way in this process (tests check the direct path was taken)."""
+
+
+def _buffer() -> mmap.mmap:
+    """This thread's aligned buffer (an anonymous mapping: page-aligned), made once and reused."""
+    buf = getattr(_local, "buffer", None)
+    if buf is None or len(buf) != CHUNK:
+        buf = _local.buffer = mmap.mmap(-1, CHUNK)
+    return buf
+
+
+class DirectFile:
+    """A new file at ``path`` (truncated if it exists), written with ``O_DIRECT`` when the file system takes it.
+
+    Use as ``with DirectFile(path) as out: out.write(...)``; ``fsync=True`` fsyncs it on close."""
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = False) -> None:
+        self.path, self._fsync = os.fspath(path), fsync
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        self.direct = bool(direct)
+        try:
+            self._fd = os.open(self.path, flags | direct, 0o666)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self._fd, self.direct = os.open(self.path, flags, 0o666), False
+        blksize = os.fstat(self._fd).st_blksize
+        self._align = blksize if blksize > _ALIGN and blksize & (blksize - 1) == 0 else _ALIGN
+        self._buf = memoryview(_buffer())
+        self._base = 0  # file offset of the buffer's first byte (aligned)
+        self._fill = 0  # bytes in the buffer
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        while view:
+            take = min(len(view), CHUNK - self._fill)
+            self._buf[self._fill:self._fill + take] = view[:take]
+            self._fill += take
+            view = view[take:]
+            if self._fill == CHUNK:
+                self._pwrite(self._buf, self._base)
+                self._base += CHUNK
+                self._fill = 0
+        return n
+
+    def tell(self) -> int:
+        return self._base + self._fill
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def flush(self) -> None:
+        """Write what the buffer holds (padded to the block size, the file then cut to its length). The
+        partial last block stays in the buffer, so later writes rewrite it whole at an aligned offset."""
+        if self.closed or not self._fill:
+            return
+        whole = self._fill - self._fill % self._align
+        padded = whole if whole == self._fill else whole + self._align
+        if padded > self._fill:
+            self._buf[self._fill:padded] = bytes(padded - self._fill)
+        self._pwrite(self._buf[:padded], self._base)
+        if padded > self._fill:
+            os.ftruncate(self._fd, self._base + self._fill)
+        tail = self._fill - whole
+        self._buf[:tail] = self._buf[whole:self._fill]
+        self._base += whole
+        self._fill = tail
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+            if self._fsync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self.closed = True
+            with _lock:
+                stats["direct_files" if self.direct else "buffered_files"] += 1
+
+    def __enter__(self) -> DirectFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        while view:
+            try:
+                done = os.pwrite(self._fd, view, offset)
+            except OSError as exc:
+                if not self.direct or exc.errno != errno.EINVAL:
+                    raise
+                self._buffered()  # the file system took O_DIRECT at open but refuses its writes
+                continue
+            view, offset = view[done:], offset + done
+
+    def _buffered(self) -> None:
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self.direct = False
+
+
+def write_bytes(path: str | os.PathLike, data, fsync: bool = False) -> bool:
+    """Write ``data`` (any buffer) as the file ``path``; True when it went past the page cache."""
+    with DirectFile(path, fsync=fsync) as out:
+        out.write(data)
+    return out.direct
