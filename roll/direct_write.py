@@ -36,12 +36,16 @@ stats = {"direct_files": 0, "buffered_files": 0}
 """How many files ``DirectFile`` wrote each way in this process (tests check the direct path was taken)."""
 
 
-def _buffer() -> mmap.mmap:
-    """This thread's aligned buffer (an anonymous mapping: page-aligned), made once and reused."""
+def _buffer() -> tuple[mmap.mmap, bool]:
+    """This thread's aligned buffer (an anonymous mapping: page-aligned), made once and reused, and whether it is
+    the shared one; a second file open at once in the same thread gets a buffer of its own."""
+    if getattr(_local, "busy", False):
+        return mmap.mmap(-1, CHUNK), False
     buf = getattr(_local, "buffer", None)
     if buf is None or len(buf) != CHUNK:
         buf = _local.buffer = mmap.mmap(-1, CHUNK)
-    return buf
+    _local.busy = True
+    return buf, True
 
 
 class DirectFile:
@@ -62,7 +66,8 @@ class DirectFile:
             self._fd, self.direct = os.open(self.path, flags, 0o666), False
         blksize = os.fstat(self._fd).st_blksize
         self._align = blksize if blksize > _ALIGN and blksize & (blksize - 1) == 0 else _ALIGN
-        self._buf = memoryview(_buffer())
+        buf, self._shared = _buffer()
+        self._buf = memoryview(buf)
         self._base = 0  # file offset of the buffer's first byte (aligned)
         self._fill = 0  # bytes in the buffer
         self.closed = False
@@ -117,6 +122,9 @@ class DirectFile:
         finally:
             os.close(self._fd)
             self.closed = True
+            self._buf.release()
+            if self._shared:
+                _local.busy = False
             with _lock:
                 stats["direct_files" if self.direct else "buffered_files"] += 1
 

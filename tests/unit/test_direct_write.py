@@ -98,3 +98,17 @@ def test_a_refused_o_direct_falls_back_to_the_same_bytes_buffered(tmp_path, smal
     data = os.urandom(4 * 4096 + 100)
     assert direct_write.write_bytes(tmp_path / "b.bin", data, fsync=True) is False
     assert (tmp_path / "b.bin").read_bytes() == data
+
+
+def test_two_files_open_at_once_in_one_thread_keep_their_own_bytes(tmp_path, small_chunks):
+    """The thread's reused buffer goes to one open file at a time; a second one open beside it gets its own."""
+    first, second = os.urandom(5 * 4096 + 7), os.urandom(4 * 4096 + 3)
+    with direct_write.DirectFile(tmp_path / "a") as a, direct_write.DirectFile(tmp_path / "b") as b:
+        for i in range(0, max(len(first), len(second)), 1000):
+            a.write(first[i:i + 1000])
+            b.write(second[i:i + 1000])
+    assert (tmp_path / "a").read_bytes() == first
+    assert (tmp_path / "b").read_bytes() == second
+    with direct_write.DirectFile(tmp_path / "c") as c:  # the shared buffer is free again
+        c.write(first)
+    assert (tmp_path / "c").read_bytes() == first
