@@ -76,6 +76,12 @@ class MappedParams:
 
         self._params = {param.data_ptr(): param for chunk in chunks for param in chunk.parameters()
                         if param.device.type == "cpu" and param.is_contiguous() and param.numel()}
+        # the fused gate/up weights: the only parameters whose two stored halves (a checkpoint saved at TP1) are
+        # each one HF tensor the exporter takes whole; any other tiling (saved at TP2: four blocks, or a non-gated
+        # weight's halves) is copied from the maps, since the export reads it (splits, concatenations)
+        self._gate_up = {id(param) for chunk in chunks for name, param in chunk.named_parameters()
+                         if name.endswith("linear_fc1.weight")
+                         and getattr(getattr(chunk, "config", None), "gated_linear_unit", False)}
         self._starts = sorted(self._params)
         self._alone = not dist.is_initialized() or dist.get_world_size() == 1
         self._maps: dict[str, object] = {}
@@ -123,7 +129,8 @@ class MappedParams:
         for param, blocks in self._blocks.values():
             blocks.sort(key=lambda block: block[0])
             ends = [0] + [begin + nbytes for begin, nbytes, *_ in blocks]
-            if [begin for begin, *_ in blocks] == ends[:-1] and ends[-1] == param.nbytes:  # they tile it
+            halves = len(blocks) == 2 and blocks[0][1] == blocks[1][1] and id(param) in self._gate_up
+            if halves and [begin for begin, *_ in blocks] == ends[:-1] and ends[-1] == param.nbytes:  # gate, up
                 memory = unread_memory(param.nbytes)
                 for begin, nbytes, source, position in blocks:
                     file_backed(memory, begin, nbytes, source, position)

@@ -28,6 +28,7 @@ import mmap
 import os
 import sys
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -224,10 +225,12 @@ def test_mapped_params_take_row_blocks_whole_or_partly(tmp_path):
     stored = torch.frombuffer(bytearray(source.read_bytes()), dtype=torch.float32)
     up_at, gate_at = 64, 2 * 4096 + 128  # byte offsets of each half's bytes in the file
     gate, up = stored[gate_at // 4:gate_at // 4 + 1024].view(2, 512), stored[up_at // 4:up_at // 4 + 1024].view(2, 512)
-    for taken in ("both", "up"):
-        fc1 = torch.nn.Linear(512, 4, bias=False)
+    for taken in ("both", "up", "both, not gated"):
+        chunk = torch.nn.Module()
+        chunk.config = SimpleNamespace(gated_linear_unit=taken != "both, not gated")
+        chunk.linear_fc1 = fc1 = torch.nn.Linear(512, 4, bias=False)
         before = fc1.weight.detach().clone()
-        mapped = MappedParams([fc1])
+        mapped = MappedParams([chunk])
         fd = os.open(source, os.O_RDONLY)
         try:
             halves = fc1.weight.data.chunk(2)
@@ -238,6 +241,9 @@ def test_mapped_params_take_row_blocks_whole_or_partly(tmp_path):
         mapped.apply()
         if taken == "up":
             assert torch.equal(fc1.weight[:2], before[:2]) and torch.equal(fc1.weight[2:], up)
+            continue
+        if taken == "both, not gated":  # halves of another weight (a TP2 save's): copied in, read as memory
+            assert torch.equal(fc1.weight, torch.cat([gate, up]))
             continue
         assert mapped.nbytes == fc1.weight.nbytes
         out = str(tmp_path / "fc1.safetensors")
