@@ -15,25 +15,18 @@ recorded as a span of its archive, and copied from there (each half is one HF te
 from __future__ import annotations
 
 import bisect
-import contextlib
 import warnings
 
 import torch
 
-from backends.mca.models.safetensors_io import file_backed, private_map, unread_memory
+from backends.mca.models.safetensors_io import file_backed, private_map, unread_memory, wrapping_write_streams
 
 ALIGNMENT = 64  # torch.save's own alignment of a tensor's bytes inside its archive
 
 
 def aligning_archives(create_stream):
     """PyTorch's ``FileSystem.create_stream`` whose write streams start each item at a multiple of ``ALIGNMENT``."""
-
-    @contextlib.contextmanager
-    def create(path, mode: str):
-        with create_stream(path, mode) as stream:
-            yield _AligningStream(stream) if "w" in mode else stream
-
-    return create
+    return wrapping_write_streams(create_stream, _AligningStream)
 
 
 class _AligningStream:

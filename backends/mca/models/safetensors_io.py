@@ -238,16 +238,21 @@ class SafetensorsFile:
         self.close()
 
 
-def copying_from_maps(create_stream):
-    """PyTorch's ``FileSystem.create_stream`` whose write streams hand each write of bytes lying in a map of
-    ``SafetensorsFile.mapped`` (``roll-convert hf2mca``'s parameters) to the kernel, file to file."""
+def wrapping_write_streams(create_stream, wrap):
+    """PyTorch's ``FileSystem.create_stream`` whose write streams are ``wrap(stream)`` (read streams unchanged)."""
 
     @contextlib.contextmanager
     def create(path, mode: str):
         with create_stream(path, mode) as stream:
-            yield _MapCopyingStream(stream) if "w" in mode else stream
+            yield wrap(stream) if "w" in mode else stream
 
     return create
+
+
+def copying_from_maps(create_stream):
+    """PyTorch's ``FileSystem.create_stream`` whose write streams hand each write of bytes lying in a map of
+    ``SafetensorsFile.mapped`` (``roll-convert hf2mca``'s parameters) to the kernel, file to file."""
+    return wrapping_write_streams(create_stream, _MapCopyingStream)
 
 
 class _MapCopyingStream:
