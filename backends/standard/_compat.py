@@ -1,7 +1,7 @@
 """Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
-research notes (W1-W11), so users and tests need no tricks of their own. Each says what it fixes
+research notes (W1-W11; W12 is roll's own), so users and tests need no tricks of their own. Each says what it fixes
 and when it can go, and checks (``_verified``) that the installed packages are the versions it was
 verified with: outside that range it still runs, with one warning per package.
 """
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 VERIFIED_VERSIONS = {
     "torch": ("2.13", "2.14"),          # W2
-    "transformers": ("5.23", "5.24"),   # W3, W4
+    "transformers": ("5.23", "5.24"),   # W3, W4, W12
     "accelerate": ("1.15", "1.16"),     # W1, W6
     "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8, W9, W10
     "trl": ("1.16", "1.17"),            # W11
@@ -344,3 +344,25 @@ def kto_trainer_accepts_one_row(args):
         yield
     finally:
         args.loss_type = loss_type
+
+
+@contextmanager
+def safetensors_written_past_the_gil():
+    """W12: transformers 5.23's ``save_pretrained`` writes each shard with ``safetensors.torch.save_file``, which
+    holds the GIL for the whole write (transformers says so beside the call) and writes through the page cache:
+    from a background checkpoint thread (``save_async``) it stops the training thread's every operation for the
+    write's duration. While this context is open the shards are written by ``roll.safetensors_file.write_direct``
+    instead (the same bytes, past the page cache, copies and writes without the GIL). Opened only by the
+    background writer around its ``save_pretrained``, one save at a time, while the main thread saves nothing.
+    Can go when safetensors releases the GIL while it writes (not as of 0.8.0)."""
+    _verified("W12", "transformers")
+    from transformers import modeling_utils
+
+    from roll.safetensors_file import write_direct
+
+    original = modeling_utils.safe_save_file
+    modeling_utils.safe_save_file = write_direct
+    try:
+        yield
+    finally:
+        modeling_utils.safe_save_file = original

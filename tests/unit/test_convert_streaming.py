@@ -145,22 +145,28 @@ def test_safetensors_spans_are_mapped_copy_on_write(tmp_path):
 
 
 def test_safetensors_writer_writes_safetensors_own_bytes_and_copies_mapped_tensors(tmp_path, monkeypatch):
-    """``safetensors_io.write_file`` (mca2hf's writer): the same bytes as ``safetensors.torch.save_file`` for every
-    dtype roll reads (its own order: by dtype, then name; header padded to 8), and a tensor over a live
-    ``private_map`` copied from its file by the kernel: exactly those bytes, and only when the map lives."""
+    """``safetensors_io.write_file`` (mca2hf's writer) and ``roll.safetensors_file.write_direct`` (a background
+    save's): the same bytes as ``safetensors.torch.save_file`` for every dtype roll reads (its own order: by dtype,
+    then name; header padded to 8), and a tensor over a live ``private_map`` copied from its file by the kernel:
+    exactly those bytes, and only when the map lives."""
     from safetensors.torch import save_file
 
     from backends.mca.models.safetensors_io import private_map, write_file
+    from roll.safetensors_file import write_direct
 
     tensors = {"b.weight": torch.randn(3, 5), "a.bias": torch.randn(7).to(torch.bfloat16), "ids": torch.arange(5),
                "mask": torch.ones(2, dtype=torch.bool), "h": torch.randn(2, 2).half(), "scalar": torch.tensor(3.0),
                "empty": torch.empty(0, 3), "i8": torch.ones(3, dtype=torch.int8), "f64": torch.randn(2).double(),
                "i32": torch.ones(1, dtype=torch.int32), "u8": torch.ones(1, dtype=torch.uint8),
-               "i16": torch.ones(2, dtype=torch.int16), "f8": torch.ones(4).to(torch.float8_e4m3fn)}
+               "i16": torch.ones(2, dtype=torch.int16), "f8": torch.ones(4).to(torch.float8_e4m3fn),
+               "large": torch.randn(300_000)}  # over DirectFile's small-copy size
     for metadata in ({"format": "pt"}, None):
         save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata=metadata)
         assert write_file(str(tmp_path / "ours.safetensors"), tensors, metadata) == 0
-        assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+        write_direct(tensors, str(tmp_path / "direct.safetensors"), metadata=metadata)
+        theirs = (tmp_path / "theirs.safetensors").read_bytes()
+        assert (tmp_path / "ours.safetensors").read_bytes() == theirs
+        assert (tmp_path / "direct.safetensors").read_bytes() == theirs
     source = tmp_path / "source.bin"
     source.write_bytes(os.urandom(3 * 4096 + 100))
     fd = os.open(source, os.O_RDONLY)

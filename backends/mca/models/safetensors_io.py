@@ -29,10 +29,8 @@ from typing import Callable
 import torch
 
 from roll.errors import ModelError
+from roll.safetensors_file import DTYPES, encode_header
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _MAX_HEADER = 100 * 1024**2  # the format's own limit
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 _MAPS: dict[int, tuple[int, int]] = {}  # start address of a live map of ``mapped`` -> (its length, its file's descriptor)
@@ -302,12 +300,6 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int
     return True
 
 
-# safetensors' own order of the data: by dtype, the largest first (the Rust crate's Dtype order), then by name
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_DTYPE_ORDER = {name: rank for rank, name in enumerate(
-    ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64"))}
-
-
 def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
     """Write ``tensors`` (contiguous, CPU) to a new ``.safetensors`` file ``path``, the same bytes as
     ``safetensors.torch.save_file`` writes; returns the bytes the kernel copied file to file. A tensor over a live
@@ -316,21 +308,11 @@ def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, 
     into a buffer first (safetensors' own writer does not either, but it cannot copy file to file)."""
     import numpy as np
 
-    order = sorted(tensors, key=lambda name: (-_DTYPE_ORDER[_DTYPE_NAMES[tensors[name].dtype]], name))
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    at = 0
-    for name in order:
-        tensor = tensors[name]
-        assert tensor.device.type == "cpu" and tensor.is_contiguous(), f"{name}: write a contiguous CPU tensor"
-        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [at, at + tensor.nbytes]}
-        at += tensor.nbytes
-    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    header, order = encode_header(tensors, metadata)
     copied, fd = 0, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _pwrite_all(fd, memoryview(struct.pack("<Q", len(encoded)) + encoded), 0)
-        position = 8 + len(encoded)
+        _pwrite_all(fd, memoryview(header), 0)
+        position = len(header)
         for name in order:
             tensor = tensors[name]
             if not tensor.nbytes:
