@@ -404,6 +404,18 @@ MUTANTS: list[Mutant] = [
            'copies[key] = value.detach().to("cpu", copy=True)', "copies[key] = value.detach()",
            (f"{BACKGROUND}::test_host_copy_is_a_snapshot_that_keeps_ties_and_frozen_tensors",),
            fast=True),
+    Mutant("async_save_update_not_fenced", "save_async on a CPU run: the optimizer step does not wait while the "
+           "background writer reads the live weights (the checkpoint then holds a later step's)",
+           "roll/background_save.py", "        pending.written.wait()\n", "        pass\n",
+           (f"{BACKGROUND}::test_a_live_save_holds_the_update_until_written_and_is_finalized_before_the_publish",),
+           fast=True),
+    Mutant("async_save_no_fence_in_the_mca_loop", "mca, save_async on CPU: the loop updates the weights while the "
+           "checkpoint's writer still reads them", LOOP, "            self._background.fence()  # a checkpoint's",
+           "            pass  # a checkpoint's", (ASYNC_KILL_MCA,)),
+    Mutant("async_save_no_fence_on_the_standard_optimizer", "standard, save_async on CPU: the torch optimizer "
+           "steps while the checkpoint's writer still reads its state and the weights",
+           "backends/standard/reliability.py", "            inner.register_step_pre_hook(lambda *_: saves.fence())\n",
+           "", (f"{ASYNC_KILL}[standard]",)),
     Mutant("async_save_published_while_writing", "save_async: checkpoint-N published before every rank's "
            "writer finished (a kill then leaves an incomplete latest checkpoint)", "roll/background_save.py",
            "if any_rank(not pending.done.is_set()):", "if False:",
@@ -699,5 +711,16 @@ MUTANTS: list[Mutant] = [
            "roll/direct_write.py", "self._fd = os.open(self.path, flags | direct, 0o666)",
            "self._fd = os.open(self.path, flags, 0o666)",
            ("tests/unit/test_direct_write.py::test_a_file_system_that_takes_o_direct_gets_it",), fast=True),
+    Mutant("direct_write_in_place_head_lost", "a write handed to the device from the caller's memory loses the bytes "
+           "before its first whole block (a checkpoint tensor's first bytes missing, every later one shifted)",
+           "roll/direct_write.py", "        self.write(view[:head])\n", "",
+           ("tests/unit/test_direct_write.py::test_a_source_in_memory_order_goes_to_the_device_uncopied_with_the_same_bytes",),
+           fast=True),
+    Mutant("mca_background_archive_off_its_alignment", "save_async on the mca backend pads an archive to its tensor's "
+           "address without keeping its start at a multiple of 64 bytes (mca2hf's maps then read the wrong bytes)",
+           "backends/mca/checkpoint_background.py", "if locator.found is None or (tensor.data_ptr() - locator.found) % ALIGNMENT:",
+           "if locator.found is None:",
+           ("tests/unit/test_direct_write.py::test_mca_background_archives_are_placed_so_their_tensors_are_written_in_place",),
+           fast=True),
 
 ]

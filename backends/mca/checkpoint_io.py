@@ -89,13 +89,21 @@ def in_process_save_strategy(thread_count: int = 2, sync_files: bool = True, pro
             # every file is written with the CRC-32 off, in whichever thread writes it, each tensor's archive at a
             # multiple of 64 bytes (mca2hf can map it); a training save's files past the page cache (``direct``),
             # a conversion's: hf2mca's mapped tensors copied file to file
-            create_stream = (functools.partial(_direct_stream, fsync=sync_files) if direct
-                             else copying_from_maps(writer.fs.create_stream))
-            writer.fs.create_stream = _without_crc32(aligning_archives(create_stream))
+            writer.fs.create_stream = (direct_streams(sync_files) if direct else
+                                       _without_crc32(aligning_archives(copying_from_maps(writer.fs.create_stream))))
             planner = Planner(flatten_state_dict=False, can_run_decentralized_global_plan=False)
             dcp.save(mcore_to_pyt_state_dict(state, False), storage_writer=writer, planner=planner)
 
     return InProcessSaveStrategy("torch_dist", 1, thread_count=thread_count)
+
+
+def direct_streams(sync_files: bool = True):
+    """``FileSystem.create_stream`` for a training save's ``.distcp`` files: each written past the page cache
+    (``roll.direct_write``; fsync'ed unless ``sync_files`` is off), each archive at a multiple of 64 bytes
+    (``checkpoint_map.aligning_archives``: mca2hf can map it), without CRC-32."""
+    from backends.mca.checkpoint_map import aligning_archives
+
+    return _without_crc32(aligning_archives(functools.partial(_direct_stream, fsync=sync_files)))
 
 
 @contextlib.contextmanager

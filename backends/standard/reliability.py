@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
+from backends.standard import _compat
 from roll import checkpoints, reliability, resume_record
 from roll.background_save import BackgroundSaves, host_copy
 from roll.direct_write import DirectFile
@@ -68,12 +69,18 @@ class SafeStepMixin:
 
 class SafeCheckpointMixin:
     """Write ``checkpoint-N`` under a temporary name and publish it once every rank finished; with
-    ``roll_saves`` (``save_async``) the weights and optimizer state are copied to host memory and written by
-    a thread (``roll.background_save``) while training goes on."""
+    ``roll_saves`` (``save_async``) the weights and optimizer state are written by a thread
+    (``roll.background_save``) while training goes on: tensors on an accelerator from a host copy, tensors in
+    host memory (a CPU run) as they are, the optimizer's next step waiting until the thread has read them
+    (``BackgroundSaves.fence``, a step pre-hook on the torch optimizer)."""
 
     _roll_staging: str | None = None
     _roll_deferred: list[Callable[[], None]] | None = None
     """While a background save is being prepared: the writes its thread will do."""
+    _roll_live = False
+    """While a background save is being prepared: its writes read host tensors as they are (fenced)."""
+    _roll_fenced = None
+    """The torch optimizer whose steps wait for the background writer (its pre-hook is registered once)."""
     roll_saves: BackgroundSaves | None = None
     """Set by the backend when ``save_async`` is on."""
     roll_dataset = None
@@ -96,14 +103,14 @@ class SafeCheckpointMixin:
         started = time.perf_counter()
         self.roll_saves.wait()  # one host copy at a time
         staging = checkpoints.open_staging(run_dir, step, is_writer=args.should_save)
-        self._roll_deferred = []
+        self._roll_deferred, self._roll_live = [], self._roll_fence_optimizer()
         try:
             self._roll_write_checkpoint(model, trial, staging)
-            writes = self._roll_deferred
+            writes, live = self._roll_deferred, self._roll_live
         finally:
-            self._roll_deferred = None
+            self._roll_deferred, self._roll_live = None, False
         self.roll_saves.start(run_dir, step, writes, is_writer=args.should_save, keep=args.save_total_limit,
-                              nested=True, started=started)
+                              nested=True, started=started, live=live)
         log_rank0(logger, "writing checkpoint-%d in the background (training waited %.1fs)", step,
                   time.perf_counter() - started)
 
@@ -125,6 +132,23 @@ class SafeCheckpointMixin:
                                     global_batch_size=args.per_device_train_batch_size
                                     * args.gradient_accumulation_steps * args.world_size)
 
+    def _roll_fence_optimizer(self) -> bool:
+        """Make every step of the torch optimizer first wait for the background writer (once per optimizer);
+        False when the optimizer is no ``torch.optim.Optimizer`` (the save then copies every tensor)."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds torch's
+        if not isinstance(inner, torch.optim.Optimizer):
+            return False
+        if self._roll_fenced is not inner:
+            saves = self.roll_saves
+            inner.register_step_pre_hook(lambda *_: saves.fence())
+            self._roll_fenced = inner
+        return True
+
+    def _roll_keeps(self, tensor: torch.Tensor) -> bool:
+        """Whether a background save writes ``tensor`` as it is, not from a host copy: with the fence, any tensor
+        in host memory."""
+        return self._roll_live and tensor.device.type == "cpu"
+
     def _roll_saves_in_background(self) -> bool:
         if self.roll_saves is None:
             return False
@@ -136,7 +160,8 @@ class SafeCheckpointMixin:
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """HF's, but while a background save is prepared the model's ``save_pretrained`` only records a
-        write of a host copy of the weights (frozen ones are not copied: they do not change)."""
+        write of the weights: a host copy of those on an accelerator (frozen ones are not copied: they do not
+        change; nor, with the fence, those in host memory)."""
         if self._roll_deferred is None or not self.args.should_save:
             return super()._save(output_dir, state_dict)
         model, deferred = self.model, self._roll_deferred
@@ -145,8 +170,8 @@ class SafeCheckpointMixin:
 
         def save_later(save_directory, state_dict=None, **kwargs):
             weights = host_copy(model.state_dict() if state_dict is None else state_dict,
-                                keep=lambda tensor: tensor.data_ptr() in frozen)
-            deferred.append(functools.partial(write_weights, save_directory, state_dict=weights, **kwargs))
+                                keep=lambda tensor: tensor.data_ptr() in frozen or self._roll_keeps(tensor))
+            deferred.append(functools.partial(_write_weights, write_weights, save_directory, weights, kwargs))
 
         model.save_pretrained = save_later  # on this instance, for this call: HF's _save writes through it
         try:
@@ -156,8 +181,8 @@ class SafeCheckpointMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """HF's for plain / DDP training (``optimizer.pt``, ``scheduler.pt`` by the writer), with ``optimizer.pt``
-        written past the page cache (``save_direct``); while a background save is prepared, from a host copy of
-        the optimizer state by the background thread. DeepSpeed / FSDP write their own files (HF's)."""
+        written past the page cache (``save_direct``); while a background save is prepared, by the background
+        thread (from a host copy of what is on an accelerator). DeepSpeed / FSDP write their own files (HF's)."""
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
         if not self.args.should_save:
@@ -166,11 +191,19 @@ class SafeCheckpointMixin:
         if self._roll_deferred is None:
             save_direct(self.optimizer.state_dict(), path)
         else:
-            self._roll_deferred.append(functools.partial(save_direct, host_copy(self.optimizer.state_dict()), path))
+            state = host_copy(self.optimizer.state_dict(), keep=self._roll_keeps)
+            self._roll_deferred.append(functools.partial(save_direct, state, path))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's reminder to save the optimizer too: it is, above
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         return None
+
+
+def _write_weights(save_pretrained, save_directory: str, weights: dict, kwargs: dict) -> None:
+    """The model's ``save_pretrained`` of ``weights`` in the background thread: its shards through roll's writer
+    (``_compat.safetensors_written_past_the_gil``)."""
+    with _compat.safetensors_written_past_the_gil():
+        save_pretrained(save_directory, state_dict=weights, **kwargs)
 
 
 def save_direct(obj, path: str) -> None:

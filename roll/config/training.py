@@ -123,12 +123,13 @@ class TrainingArguments(HFTrainingFields):
     (SLURM_RESTART_COUNT >= 1 makes resume_from_checkpoint default to auto)."""
 
     save_async: bool = True
-    """Write checkpoints in the background: the state is copied to host memory and training goes on while
-    the files are written (the mca backend: Megatron's asynchronous dist-checkpointing; the standard backend:
-    a writer thread). checkpoint-N becomes the latest only once complete, so a kill mid-write resumes from the
-    previous one. One copy at a time: a save, the final export and the end of training first finish the
-    pending one. Under DeepSpeed or FSDP (which write their own checkpoint files) saves stay synchronous.
-    False: every save blocks training until it is on disk."""
+    """Write checkpoints in the background: a writer thread writes the files while training goes on (the mca
+    backend: Megatron's asynchronous dist-checkpointing plan, written by the thread). State on a GPU is copied
+    to host memory first; state in host memory (a CPU run) is written as it is, and the next optimizer step
+    waits until the writer has read it. checkpoint-N becomes the latest only once complete, so a kill mid-write
+    resumes from the previous one. One save at a time: a save, the final export and the end of training first
+    finish the pending one. Under DeepSpeed or FSDP (which write their own checkpoint files) saves stay
+    synchronous. False: every save blocks training until it is on disk."""
 
     max_consecutive_skipped_steps: int = 10
     """A step whose loss or grad norm is not finite is skipped (no update) and counted; after this many skips in

@@ -234,15 +234,20 @@ def _kill_inside_the_first_save(start, out: str, log: str, attempts: int = 5) ->
 
 
 WRITE_DELAY = "4"
-"""Seconds every background checkpoint write is held (``roll.background_save``'s test hook) in the async test:
-longer than the tiny model's few steps between two saves, so the kill lands inside a write every time."""
+"""Seconds every background checkpoint write is held after its files are written (``roll.background_save``'s test
+hook) in the async test: longer than the tiny model's few steps between two saves, so the kill lands inside a
+write every time."""
+READ_DELAY = "1"
+"""Seconds every background writer waits before it writes (the other hook): longer than a tiny step, so a save
+that let the next optimizer step change the weights it reads (no ``fence``) would write a later step's."""
 
 
 @pytest.mark.parametrize("use_mca", [False, True], ids=["standard", "mca"])
 def test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does(tiny_model_dir, tmp_path, use_mca,
                                                                    reference):
-    """``save_async`` (on by default), each background write held WRITE_DELAY s after its files are written:
-    training goes on while checkpoint-4.tmp is written (step 5 is logged before checkpoint-4 exists; a save
+    """``save_async`` (on by default), each background write held READ_DELAY s before and WRITE_DELAY s after
+    its files are written: the update after a save waits while the writer reads the live weights (CPU), then
+    training goes on while checkpoint-4.tmp is finished (step 5 is logged before checkpoint-4 exists; a save
     that blocked training could not do that), and a SIGKILL then leaves checkpoint-2 the latest. A chain of
     the same command with ``resume_from_checkpoint: auto``: run 2 resumes from the background-written
     checkpoint-2 and saves synchronously (``save_async: false``) at steps 4 and 6; run 3 resumes from that
@@ -260,7 +265,8 @@ def test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does(tiny_model_dir
     def inside_the_second_save() -> bool:
         return ckpt("checkpoint-4.tmp") and not ckpt("checkpoint-4") and _steps_logged(out) >= 5
 
-    proc = _start(args(10_000), log, ROLL_TEST_CHECKPOINT_WRITE_DELAY=WRITE_DELAY)
+    proc = _start(args(10_000), log, ROLL_TEST_CHECKPOINT_WRITE_DELAY=WRITE_DELAY,
+                  ROLL_TEST_CHECKPOINT_READ_DELAY=READ_DELAY)
     try:
         assert wait_until(inside_the_second_save, TIMEOUT, 0.02), open(log).read()[-4000:]
         for p in _tree(proc):

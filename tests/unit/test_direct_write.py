@@ -112,3 +112,57 @@ def test_two_files_open_at_once_in_one_thread_keep_their_own_bytes(tmp_path, sma
     with direct_write.DirectFile(tmp_path / "c") as c:  # the shared buffer is free again
         c.write(first)
     assert (tmp_path / "c").read_bytes() == first
+
+
+@pytest.mark.parametrize("lead", [100, 4096 + 64, 0])
+def test_a_source_in_memory_order_goes_to_the_device_uncopied_with_the_same_bytes(tmp_path, small_chunks, lead):
+    """A write of at least ``_ZERO_COPY`` bytes whose address agrees with its file offset modulo the block size is
+    written from the caller's memory (the aligned middle; the partial blocks around it through the buffer); one
+    that does not agree is copied. The file's bytes are the same either way."""
+    if not _supports_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    source = mmap.mmap(-1, 3 << 20)  # page-aligned
+    source[:] = os.urandom(3 << 20)
+    view = memoryview(source)[lead:]
+    header = os.urandom(lead + 4096 * 7)  # the source's offset in the file agrees with its address
+    before = direct_write.stats["in_place_bytes"]
+    with direct_write.DirectFile(tmp_path / "in_place.bin") as out:
+        out.write(header[:lead])
+        out.write(view)  # lead + len(view) = 3 MiB: the middle is all of it but nothing
+        out.write(header)
+    moved = direct_write.stats["in_place_bytes"] - before
+    assert moved == (len(view) // 4096 * 4096 if lead % 4096 == 0 else (len(view) - (-lead % 4096)) // 4096 * 4096)
+    assert (tmp_path / "in_place.bin").read_bytes() == header[:lead] + bytes(view) + header
+    with direct_write.DirectFile(tmp_path / "copied.bin") as out:
+        out.write(header[:lead + 8])  # 8 bytes off: copied
+        out.write(view)
+    assert direct_write.stats["in_place_bytes"] - before == moved
+    assert (tmp_path / "copied.bin").read_bytes() == header[:lead + 8] + bytes(view)
+    del view
+    source.close()
+
+
+def test_mca_background_archives_are_placed_so_their_tensors_are_written_in_place(tmp_path):
+    """``checkpoint_background._place_in_memory_order``: each large tensor's ``torch.save`` archive starts at a
+    multiple of 64 bytes (mca2hf maps it) where its data lands at a file offset congruent to the tensor's address,
+    so ``DirectFile`` writes the tensor from its own memory; every archive reads back as its tensor."""
+    if not _supports_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    from backends.mca.checkpoint_background import _place_in_memory_order
+    from backends.mca.checkpoint_io import direct_streams, exact_storage
+
+    odd = exact_storage(torch.randn(400_001)[1:])  # 4 bytes past a 64-byte boundary: cannot agree, not placed
+    tensors = [torch.randn(300_000), torch.randn(5), odd, torch.randn(1000, 700)[:, :512].contiguous(),
+               torch.randn(2 << 18)]
+    spans, before = [], direct_write.stats["in_place_bytes"]
+    with direct_streams()(str(tmp_path / "__0_0.distcp"), "wb") as stream:
+        for tensor in tensors:
+            _place_in_memory_order(stream, tensor)
+            start = stream.tell()
+            torch.save(tensor, stream)
+            spans.append((start, stream.tell()))
+    large = sum(t.nbytes for t in tensors if t.nbytes >= 1 << 20 and t is not odd)
+    assert large - 3 * 2 * 4096 <= direct_write.stats["in_place_bytes"] - before <= large  # 2 partial blocks each
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    for tensor, (start, end) in zip(tensors, spans):
+        assert start % 64 == 0 and torch.equal(torch.load(io.BytesIO(data[start:end])), tensor)

@@ -21,11 +21,11 @@ complete checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import random
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from backends.mca.checkpoint import load_sharded, sharded_model_state_dict
+from backends.mca.checkpoint_background import background_save_strategy
 from backends.mca.checkpoint_io import in_process_save_strategy
 from backends.mca.models.config import MCA_CONFIG_NAME
 from backends.mca.models.unwrap import unwrap_model
@@ -70,9 +71,10 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
     """Write ``output_dir/checkpoint-<step>`` (collective); delete the oldest beyond ``keep``.
     ``arguments``: the run's, written as training_args.json with secrets redacted (``roll.redact``);
     ``dataset``: the training set, recorded with the position for the resume check (``roll.resume_record``).
-    ``background`` (``save_async``): the weights and optimizer state are written by Megatron's forked writer
-    while training goes on, and the checkpoint is published by ``background.poll`` / ``wait`` once every
-    rank's writer finished; the returned path exists from then on."""
+    ``background`` (``save_async``): the weights and optimizer state are written by a thread while training goes
+    on (``checkpoint_background``; on a CPU run from the live tensors, which ``background.fence`` guards), and
+    the checkpoint is published by ``background.poll`` / ``wait`` once every rank's writer finished; the
+    returned path exists from then on."""
     from megatron.core import dist_checkpointing
 
     start = time.perf_counter()
@@ -86,12 +88,13 @@ def save(output_dir: str, chunks: list[torch.nn.Module], optimizer, state: Train
         final = os.path.join(output_dir, f"{checkpoints.PREFIX}{state.global_step}")
         log_rank0(logger, "saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
         return final
-    background.wait()  # one host copy at a time
+    background.wait()  # one save at a time
     tmp = checkpoints.open_staging(output_dir, state.global_step, is_writer=is_writer)
-    _start_results_queue()  # before Megatron spawns it (at its first async save)
-    request = dist_checkpointing.save(sharded, tmp, async_sharded_save=True)
+    strategy = background_save_strategy()
+    request = dist_checkpointing.save(sharded, tmp, sharded_strategy=strategy, async_sharded_save=True)
     _write_small_files(tmp, chunks, state, model_config, arguments, dataset)
-    final = background.schedule(request, output_dir, state.global_step, keep=keep, started=start)
+    final = background.schedule(request, output_dir, state.global_step, keep=keep, started=start,
+                                live=strategy.live)
     log_rank0(logger, "writing checkpoint %s in the background (training waited %.1fs)", final,
               time.perf_counter() - start)
     return final
@@ -119,70 +122,40 @@ def _write_small_files(tmp: str, chunks, state: TrainerState, model_config, argu
 
 
 class AsyncSaves:
-    """``save_async`` on the mca backend: Megatron's ``AsyncCallsQueue`` (megatron.core 0.16.1) runs each
-    save's write in a forked process (the fork is the host snapshot on CPU; on a GPU the tensors are copied
-    to host memory first) and, once every rank's writer finished, its finalize steps on the main thread:
-    Megatron's metadata, then roll's publish (``roll.checkpoints.complete``). At most one save is pending."""
+    """``save_async`` on the mca backend: each save's ``AsyncRequest`` (``checkpoint_background``) is written by a
+    thread (``roll.background_save.BackgroundSaves``) and, once every rank's writer finished, finalized on the main
+    thread: Megatron's metadata, then roll's publish (``roll.checkpoints.complete``). At most one save is pending;
+    ``fence`` before every optimizer step (the writer may read the live weights and optimizer state)."""
 
     def __init__(self) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        self._saves = background_save.BackgroundSaves()
 
-        self._queue = AsyncCallsQueue(persistent=False)
-
-
-    def schedule(self, request, output_dir: str, step: int, keep: int | None, started: float) -> str:
-        """Start ``request`` (``dist_checkpointing.save(..., async_sharded_save=True)``'s); returns the path
+    def schedule(self, request, output_dir: str, step: int, keep: int | None, started: float, live: bool) -> str:
+        """Start writing ``request`` (``dist_checkpointing.save(..., async_sharded_save=True)``'s); returns the path
         the checkpoint will have once published."""
-        if request.async_fn is not None and os.environ.get(background_save.TEST_WRITE_DELAY_ENV):
-            request = request._replace(async_fn=_after_test_delay(request.async_fn))
         tmp = os.path.join(output_dir, f"{checkpoints.PREFIX}{step}.tmp")
+        writes = [] if request.async_fn is None else [functools.partial(request.async_fn, *request.async_fn_args)]
 
-        def publish() -> None:
-            checkpoints.fsync_tree(tmp)  # the writer fsynced its files; these are the main thread's
-            final = checkpoints.complete(output_dir, step, is_writer=dist.get_rank() == 0, keep=keep,
-                                         flush=False)
-            log_rank0(logger, "saved checkpoint %s in the background in %.1fs", final,
-                      time.perf_counter() - started)
+        def finalize() -> None:
+            for fn in request.finalize_fns:
+                fn()
+            checkpoints.fsync_tree(tmp)  # the metadata Megatron's finalize wrote
 
-        request.add_finalize_fn(publish)
-        self._queue.schedule_async_request(request)
+        self._saves.start(output_dir, step, writes, is_writer=dist.get_rank() == 0, keep=keep, started=started,
+                          live=live, finalize=finalize)
         return os.path.join(output_dir, f"{checkpoints.PREFIX}{step}")
+
+    def fence(self) -> None:
+        """Before the optimizer changes the weights and its state in place: wait while the writer reads them."""
+        self._saves.fence()
 
     def poll(self) -> None:
         """Collective, after every step: publish the pending checkpoint if every rank's writer finished."""
-        self._queue.maybe_finalize_async_calls(blocking=False)
+        self._saves.poll()
 
     def wait(self) -> None:
         """Collective: finish and publish the pending checkpoint (before a save, the export, the end)."""
-        self._queue.maybe_finalize_async_calls(blocking=True)
-
-
-def _start_results_queue() -> None:
-    """Start the multiprocessing manager through which Megatron's async writers report (megatron.core 0.16.1
-    spawns it at the first save, ``filesystem_async._get_write_results_queue``) with SIGTERM ignored: a spawned
-    interpreter starts with default handlers, and SLURM sends SIGTERM to every process of a job step, which
-    killed it mid-save and failed the very save the signal asked for (an ignored signal stays ignored across
-    exec; the manager still ends with the rank, by multiprocessing's shutdown). SIGTERM is blocked meanwhile,
-    so one sent to the rank while the manager starts is held, then handled, not lost (Linux keeps a blocked
-    signal pending even while it is ignored)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        if filesystem_async._results_queue is None:
-            filesystem_async._get_write_results_queue()
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def _after_test_delay(write):
-    def delayed(*args, **kwargs):
-        background_save.delay_writes_for_tests()
-        write(*args, **kwargs)
-
-    return delayed
+        self._saves.wait()
 
 
 def load(ckpt_dir: str, chunks: list[torch.nn.Module], optimizer, expected: TrainerState) -> TrainerState:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -69,13 +70,36 @@ def phase(layout: ParallelLayout, seed: int, reference: torch.Tensor | None, loa
     for name in load_from:
         load_checkpoint(chunks, os.path.join(out, name))
         result[f"from_{name}"] = _max_diff(pipeline_logits(chunks, tokens, positions), reference)
-    # TP2: both ranks write shards, past the page cache (later phases load it), and again buffered: the same bytes
+    # TP2: both ranks write shards, past the page cache (later phases load it), and again buffered: the same bytes;
+    # and as a training run's background save writes them (PP2 loads that one)
     save_checkpoint(chunks, os.path.join(out, save_to), direct=save_to == "tp2")
     if save_to == "tp2":
         save_checkpoint(chunks, os.path.join(out, "tp2-buffered"))
         result["direct_differs"] = _differing_files(os.path.join(out, "tp2-buffered"), os.path.join(out, save_to))
+        result["background_live"] = _background_save(chunks, os.path.join(out, "tp2-background"))
     destroy_megatron()
     return result, reference
+
+
+def _background_save(chunks: list, ckpt_dir: str) -> bool:
+    """``save_async``'s write of the model (``checkpoint_background``): planned here, written by a thread, finalized
+    here; whether it read the model's own tensors (on CPU it must: no copy)."""
+    from megatron.core import dist_checkpointing
+
+    from backends.mca.checkpoint import sharded_model_state_dict
+    from backends.mca.checkpoint_background import background_save_strategy
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist.barrier()
+    strategy = background_save_strategy()
+    request = dist_checkpointing.save(sharded_model_state_dict(chunks), ckpt_dir, sharded_strategy=strategy,
+                                      async_sharded_save=True)
+    writer = threading.Thread(target=request.async_fn, args=request.async_fn_args)
+    writer.start()
+    writer.join()
+    for finalize in request.finalize_fns:
+        finalize()
+    return strategy.live
 
 
 def _differing_files(a: str, b: str) -> list[str]:
@@ -98,7 +122,7 @@ def main(out: str) -> None:
     results = {}
     results["tp1"], ref = phase(ParallelLayout(world_size=2), 1, None, [], "tp1", out)
     results["tp2"], _ = phase(ParallelLayout(world_size=2, tp=2), 2, ref, ["tp1"], "tp2", out)
-    results["pp2"], _ = phase(ParallelLayout(world_size=2, pp=2), 3, ref, ["tp1", "tp2"], "pp2", out)
+    results["pp2"], _ = phase(ParallelLayout(world_size=2, pp=2), 3, ref, ["tp1", "tp2-background"], "pp2", out)
     results["vpp2"], _ = phase(ParallelLayout(world_size=2, pp=2, vpp=2), 4, ref, ["pp2"], "vpp2", out, vpp=2)
     results["back_to_tp1"], _ = phase(ParallelLayout(world_size=2), 5, ref, ["vpp2", "tp2"], "final", out)
     results["is_dist_checkpoint"] = [is_dist_checkpoint(os.path.join(out, "tp1")), is_dist_checkpoint(out)]
