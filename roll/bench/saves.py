@@ -2,7 +2,9 @@
 against asynchronous (``save_async: true``, the default), on both backends (1 process, fp32, the bench model).
 
 Per backend three runs of STEPS steps, interleaved so that a change of the machine's load hits them alike: no
-saves, synchronous saves, asynchronous saves, every SAVE_EVERY steps. A run's training time is the sum of
+saves, synchronous saves, asynchronous saves, every SAVE_EVERY steps; all of it ROUNDS times, each figure the
+mean of its rounds (a run's training time moves by a few tenths of a second between runs even on an idle
+machine, as much as an asynchronous save costs). A run's training time is the sum of
 ``train_log.jsonl``'s ``step_time`` over steps 2..STEPS (each record's window runs from the previous log to
 this one, so the save after step k is inside step k+1's record; the first step's start-up and the save at
 the last step, which both backends make after their last log, are outside). Time lost per save = (the run's
@@ -20,6 +22,7 @@ import statistics
 from roll.bench.cli import Case, case_recipe, read_log, run_process
 
 STEPS = 9
+ROUNDS = 2
 SAVE_EVERY = 3
 """Saves after steps 3 and 6 are inside the timed span; the one after step 9 is not (see the module doc)."""
 MODES = ("none", "sync", "async")
@@ -75,20 +78,30 @@ def lost_per_save(rows: list[dict]) -> list[dict]:
 
 
 def time_saves(options, model_dir: str, data_path: str, root: str) -> list[dict]:
-    """One row per backend and mode: status, training seconds, time lost per save."""
+    """One row per backend and mode: status, training seconds, time lost per save (means over ROUNDS rounds;
+    ``train_s_rounds`` keeps each round's)."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(ROUNDS):
+        for runner in ("standard", "mca"):
+            case = Case(runner, "1p", "fp32", options.seqs[0], False)
+            for mode in MODES:
+                name = f"saves-{runner}-{mode}"
+                out = os.path.join(root, name)
+                base = case_recipe(case, options, model_dir, data_path, out)
+                status, wall, _ = run_process(case, options, save_recipe(base, mode), root, name)
+                records = read_log(out) if status == "ok" else []
+                runs.setdefault((runner, mode), []).append(
+                    {"status": status, "wall": wall, "train": training_seconds(records),
+                     "excess": save_step_excess(records)})
     rows = []
-    for runner in ("standard", "mca"):
-        case = Case(runner, "1p", "fp32", options.seqs[0], False)
-        for mode in MODES:
-            name = f"saves-{runner}-{mode}"
-            out = os.path.join(root, name)
-            base = case_recipe(case, options, model_dir, data_path, out)
-            status, wall, _ = run_process(case, options, save_recipe(base, mode), root, name)
-            records = read_log(out) if status == "ok" else []
-            train_s, excess = training_seconds(records), save_step_excess(records)
-            rows.append({"runner": runner, "mode": mode, "status": status, "wall_s": round(wall, 1),
-                         "saves": 0 if mode == "none" else saves_in_span(),
-                         "train_s": None if train_s is None else round(train_s, 2),
-                         "save_step_excess_s": None if excess is None or mode == "none"
-                         else round(excess, 2)})
+    for (runner, mode), done in runs.items():
+        train, excess = [r["train"] for r in done], [r["excess"] for r in done]
+        failed = next((r["status"] for r in done if r["status"] != "ok"), "ok")
+        rows.append({"runner": runner, "mode": mode, "status": failed,
+                     "wall_s": round(statistics.mean(r["wall"] for r in done), 1),
+                     "saves": 0 if mode == "none" else saves_in_span(),
+                     "train_s": None if None in train else round(statistics.mean(train), 2),
+                     "train_s_rounds": [None if t is None else round(t, 2) for t in train],
+                     "save_step_excess_s": None if None in excess or mode == "none"
+                     else round(statistics.mean(excess), 2)})
     return lost_per_save(rows)

@@ -191,3 +191,31 @@ def test_data_bench_rows_memory_probe_and_targets(tmp_path):
     lines = corpus.read_text().splitlines()
     assert corpus.stat().st_size >= 1 << 20 and len(lines) == docs == len(set(lines))
     assert json.loads(lines[5])["text"].startswith("document 5. ")
+
+
+def test_save_timings_are_the_means_of_interleaved_rounds(monkeypatch, tmp_path):
+    """``time_saves`` runs no-save / sync / async per backend, ROUNDS times in that order, and reports each figure
+    as the mean of its rounds (each round's training time kept): a load that changes between rounds cancels."""
+    from types import SimpleNamespace
+
+    from roll.bench import saves
+
+    order, extra = [], {"none": 0.0, "sync": 4.0, "async": 1.0}
+
+    def run_process(case, options, recipe, root, name):
+        order.append(name)
+        return "ok", 10.0, None
+
+    def read_log(out):  # round 2 runs 1 s slower per step (the machine's load changed)
+        slow = order.count(f"saves-{os.path.basename(out).split('-')[1]}-none") - 1
+        mode = os.path.basename(out).split("-")[2]
+        return [{"step": s, "loss": 1.0, "step_time": 1.0 + slow + (s in (4, 7)) * extra[mode]} for s in range(1, 10)]
+
+    monkeypatch.setattr(saves, "run_process", run_process)
+    monkeypatch.setattr(saves, "read_log", read_log)
+    monkeypatch.setattr(saves, "case_recipe", lambda *args: {"max_steps": 3})
+    rows = {(r["runner"], r["mode"]): r for r in saves.time_saves(SimpleNamespace(seqs=[64]), "m", "d", str(tmp_path))}
+    assert order == [f"saves-{b}-{m}" for _ in range(saves.ROUNDS) for b in ("standard", "mca") for m in saves.MODES]
+    mca = rows[("mca", "async")]
+    assert mca["train_s_rounds"] == [10.0, 18.0] and mca["train_s"] == 14.0
+    assert mca["lost_per_save_s"] == 1.0 and mca["vs_sync"] == 0.25 and mca["save_step_excess_s"] == 1.0
