@@ -78,7 +78,9 @@ class SafeCheckpointMixin:
     _roll_deferred: list[Callable[[], None]] | None = None
     """While a background save is being prepared: the writes its thread will do."""
     _roll_live = False
-    """While a background save is being prepared: its writes read host tensors as they are (fenced)."""
+    """While a background save is being prepared: its writes may read host tensors as they are (fenced)."""
+    _roll_kept = False
+    """... and some do: the optimizer's next step must wait for the writer."""
     _roll_fenced = None
     """The torch optimizer whose steps wait for the background writer (its pre-hook is registered once)."""
     roll_saves: BackgroundSaves | None = None
@@ -103,12 +105,12 @@ class SafeCheckpointMixin:
         started = time.perf_counter()
         self.roll_saves.wait()  # one host copy at a time
         staging = checkpoints.open_staging(run_dir, step, is_writer=args.should_save)
-        self._roll_deferred, self._roll_live = [], self._roll_fence_optimizer()
+        self._roll_deferred, self._roll_live, self._roll_kept = [], self._roll_fence_optimizer(), False
         try:
             self._roll_write_checkpoint(model, trial, staging)
-            writes, live = self._roll_deferred, self._roll_live
+            writes, live = self._roll_deferred, self._roll_kept
         finally:
-            self._roll_deferred, self._roll_live = None, False
+            self._roll_deferred, self._roll_live, self._roll_kept = None, False, False
         self.roll_saves.start(run_dir, step, writes, is_writer=args.should_save, keep=args.save_total_limit,
                               nested=True, started=started, live=live)
         log_rank0(logger, "writing checkpoint-%d in the background (training waited %.1fs)", step,
@@ -147,7 +149,9 @@ class SafeCheckpointMixin:
     def _roll_keeps(self, tensor: torch.Tensor) -> bool:
         """Whether a background save writes ``tensor`` as it is, not from a host copy: with the fence, any tensor
         in host memory."""
-        return self._roll_live and tensor.device.type == "cpu"
+        keep = self._roll_live and tensor.device.type == "cpu"
+        self._roll_kept |= keep
+        return keep
 
     def _roll_saves_in_background(self) -> bool:
         if self.roll_saves is None:
