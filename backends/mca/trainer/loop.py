@@ -202,6 +202,8 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         lr = schedule.apply(self.optimizer, self.state.global_step)
         outputs = self._forward_backward(batches, forward_only=False)
+        if self._background is not None:
+            self._background.fence()  # a checkpoint's writer may still read the weights the update changes
         numbers = self._update(self._local_sums(outputs, batches))
         moe = moe_losses(self.model_config, len(batches))
         self.state.consumed_samples += self.plan.samples_in_step(self.state.global_step, len(dataset))
@@ -214,8 +216,6 @@ class MegatronTrainer:
         """All-reduce this rank's report sums (collective), then clip and update unless the loss sum or the grad
         norm is not finite (all-reduced, so every rank decides alike), or fp16's grad scaler found inf/nan;
         ``PendingStep.numbers``."""
-        if self._background is not None:
-            self._background.fence()  # a checkpoint's writer may still read the weights the update changes
         dist.all_reduce(sums)
         if self.optimizer.prepare_grads():  # fp16 only: the grad scaler reads its own inf check
             return torch.cat([sums, sums.new_tensor([math.nan, SCALER_SKIPPED])])
