@@ -17,6 +17,7 @@ holds under a changing load: the step after each save against the median of the 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 
 from roll.bench.cli import Case, case_recipe, read_log, run_process
@@ -63,6 +64,22 @@ def save_step_excess(records: list[dict]) -> float | None:
     return sum(times[step] - median for step in after) / len(after)
 
 
+_BACKGROUND_LOG = re.compile(r"in the background in [0-9.]+s \((?:the update after it waited ([0-9.]+)s for the "
+                             r"writer)?(?:; )?(?:the writer used ([0-9.]+) CPU s)?\)")
+
+
+def background_costs(log_text: str) -> tuple[float | None, float | None]:
+    """(seconds the update after a save waited for its writer, the writer's CPU seconds), each the mean over the
+    background saves the run logged (``roll.background_save``'s line); None where no save logged it."""
+    waits, cpus = [], []
+    for wait, cpu in _BACKGROUND_LOG.findall(log_text):
+        if wait:
+            waits.append(float(wait))
+        if cpu:
+            cpus.append(float(cpu))
+    return (statistics.mean(waits) if waits else None), (statistics.mean(cpus) if cpus else None)
+
+
 def lost_per_save(rows: list[dict]) -> list[dict]:
     """Fill ``lost_per_save_s`` (and, for async, ``vs_sync``: its share of the sync loss) per backend."""
     by = {(r["runner"], r["mode"]): r for r in rows}
@@ -90,9 +107,10 @@ def time_saves(options, model_dir: str, data_path: str, root: str) -> list[dict]
                 base = case_recipe(case, options, model_dir, data_path, out)
                 status, wall, _ = run_process(case, options, save_recipe(base, mode), root, name)
                 records = read_log(out) if status == "ok" else []
+                wait, cpu = background_costs(_text(os.path.join(root, f"{name}.log")))
                 runs.setdefault((runner, mode), []).append(
                     {"status": status, "wall": wall, "train": training_seconds(records),
-                     "excess": save_step_excess(records)})
+                     "excess": save_step_excess(records), "wait": wait, "cpu": cpu})
     rows = []
     for (runner, mode), done in runs.items():
         train, excess = [r["train"] for r in done], [r["excess"] for r in done]
@@ -103,5 +121,20 @@ def time_saves(options, model_dir: str, data_path: str, root: str) -> list[dict]
                      "train_s": None if None in train else round(statistics.mean(train), 2),
                      "train_s_rounds": [None if t is None else round(t, 2) for t in train],
                      "save_step_excess_s": None if None in excess or mode == "none"
-                     else round(statistics.mean(excess), 2)})
+                     else round(statistics.mean(excess), 2),
+                     "update_waited_s": _mean_of(r["wait"] for r in done),
+                     "writer_cpu_s": _mean_of(r["cpu"] for r in done)})
     return lost_per_save(rows)
+
+
+def _mean_of(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.mean(known), 2) if known else None
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""

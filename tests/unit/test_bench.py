@@ -219,3 +219,17 @@ def test_save_timings_are_the_means_of_interleaved_rounds(monkeypatch, tmp_path)
     mca = rows[("mca", "async")]
     assert mca["train_s_rounds"] == [10.0, 18.0] and mca["train_s"] == 14.0
     assert mca["lost_per_save_s"] == 1.0 and mca["vs_sync"] == 0.25 and mca["save_step_excess_s"] == 1.0
+
+
+def test_background_save_costs_are_read_from_the_runs_log():
+    """The saves table's last figures come from ``roll.background_save``'s log line: means over the saves."""
+    from roll.bench.saves import background_costs
+
+    log = ("[rank0] roll.background_save: saved checkpoint /o/checkpoint-3 in the background in 3.7s (the update after "
+           "it waited 0.20s for the writer; the writer used 0.30 CPU s)\n"
+           "[rank0] roll.background_save: saved checkpoint /o/checkpoint-6 in the background in 4.1s (the update after "
+           "it waited 0.00s for the writer; the writer used 0.50 CPU s)\n"
+           "[rank0] roll.background_save: saved checkpoint /o/checkpoint-9 in the background in 1.1s (the writer used "
+           "0.70 CPU s)\n")
+    assert background_costs(log) == (0.1, 0.5)
+    assert background_costs("saved checkpoint /o/checkpoint-3 in 1.2s") == (None, None)
