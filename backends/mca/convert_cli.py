@@ -38,12 +38,10 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _parser() -> argparse.ArgumentParser:
-    from roll.plan.convert import conversion_memory_line
-
-    memory = (f"{conversion_memory_line()} The HF side streams shard by shard; the Megatron checkpoint is "
-              "written from this process with I/O threads; a progress bar with GB/s goes to stderr "
-              "(docs/mca-models.md, 'The converter').")
+def _parser(epilog: bool = True) -> argparse.ArgumentParser:
+    """``epilog`` False: without the memory arithmetic that only ``--help`` shows (``roll.plan``'s import, which a
+    conversion does not need)."""
+    memory = _memory_epilog() if epilog else None
     parser = argparse.ArgumentParser(prog="roll-convert", description=__doc__.split("\n")[0], epilog=memory)
     sub = parser.add_subparsers(dest="command", required=True)
     specs = {"hf2mca": "HF checkpoint -> Megatron checkpoint (torch_dist + mca_config.json)",
@@ -72,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _memory_epilog() -> str:
+    from roll.plan.convert import conversion_memory_line
+
+    return (f"{conversion_memory_line()} The HF side streams shard by shard; the Megatron checkpoint is "
+            "written from this process with I/O threads; a progress bar with GB/s goes to stderr "
+            "(docs/mca-models.md, 'The converter').")
+
+
 def processes_needed(args: argparse.Namespace) -> int:
     """The fewest ranks the layout runs on: tp * pp * dp, with dp the smallest that lets etp * ep divide
     tp * dp (Megatron folds the expert layout into the same ranks; cp is 1 here)."""
@@ -82,8 +88,8 @@ def processes_needed(args: argparse.Namespace) -> int:
 def run(argv: list[str] | None = None) -> int:
     """Parse and run one command; returns the process exit code (1: check failed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    from roll.preflight import check_model_exists
+    args = _parser(epilog=bool({"-h", "--help"} & set(argv))).parse_args(argv)
+    from roll.model_dir import check_model_exists
 
     check_model_exists(args.input, "--input")  # before torchrun, torch or megatron start
     nproc = processes_needed(args)

@@ -41,3 +41,12 @@ def test_subcommand_help_shows_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "tensor parallel size (default: 1)" in text and "(default: 2.0)" in text
     assert "source model directory (default" not in text  # required: no default to show
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["hf2mca", "-h"]])
+def test_help_through_run_keeps_the_memory_epilog(argv, capsys):
+    # run() builds the parser without the epilog (roll.plan's import) unless help is asked for
+    with pytest.raises(SystemExit):
+        convert_cli.run(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "hf2mca 31.6 GB" in text and "streams shard by shard" in text

@@ -79,7 +79,7 @@ class AutoModel:
 
             load_checkpoint(chunks, path, map_files=map_files)
         elif has_hf_config(path):
-            from roll.preflight import check_weight_files
+            from roll.model_dir import check_weight_files
 
             check_weight_files(path, use_mca=True)  # missing, .bin-only or truncated: a ModelError naming it
             log_rank0(logger, "converting HF checkpoint %s to Megatron on the fly", path)
