@@ -9,8 +9,10 @@ another second per GB; on that VM the asynchronous save cost training more than 
 Here the same plan and the same finalize (``save_state_dict_async_plan`` / ``save_state_dict_async_finalize``:
 the write results gathered, the metadata written once every rank finished) frame a write that
 ``roll.background_save.BackgroundSaves`` runs in a thread of this process. Each ``__<rank>_<i>.distcp`` file is
-written as the synchronous save writes it (``checkpoint_io.in_process_save_strategy(direct=True)``: the same
-files, the same bytes): past the page cache, each archive 64-byte aligned, no CRC-32. Tensors on an
+written as the synchronous save writes its files (``checkpoint_io.direct_streams``: past the page cache, each
+archive 64-byte aligned, no CRC-32; the same format, though not the same bytes: Megatron's buckets order the
+items their own way, and each large tensor's archive is placed so its data is written from the tensor's own
+memory, ``_place_in_memory_order``). Tensors on an
 accelerator are copied to host memory on the main thread first (Megatron's device-to-host copy); tensors
 already in host memory are written from training's own memory, no copy, and the request is ``live``: the
 loop calls ``BackgroundSaves.fence`` before each optimizer step, which waits until the writer has read them.
