@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,9 +100,17 @@ def _watch_hwm(pid: int, hwm: list[int]) -> None:
         time.sleep(0.02)
 
 
+CONVERT_ROUNDS = 3
+"""Runs of each conversion. Its net time is a difference of two process times, each of about 3-4 s of start-up
+that moves by +-0.5 s between samples even on the idle machine, more than a conversion of the bench model takes:
+so each run is paired with an import-only sample taken just before it, and the row gives the median of the
+pairs' differences (each in ``net_s_rounds``)."""
+
+
 def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
-    """Rows: raw read, hf2mca, mca2hf; each with bytes, wall_s, GB/s, the same net of start-up, and the
-    process's peak RSS next to that of the start-up process (imports only)."""
+    """Rows: raw read, hf2mca, mca2hf; each with bytes, wall_s, GB/s, the same net of start-up (the conversions:
+    medians over CONVERT_ROUNDS runs, each net of its own start-up sample), and the process's peak RSS next to
+    that of the start-up process (imports only)."""
     size = safetensors_bytes(model_dir)
     mca_dir, back_dir = os.path.join(root, "convert", "mca"), os.path.join(root, "convert", "hf")
     py = sys.executable
@@ -116,12 +125,22 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
     rows.append(_row("raw copy (read into new memory + write a new file)", size, wall, status,
                      net=copied.get("read_s"), rss=rss))
     rows[-1]["net_cpu_s"] = round(copied["cpu_s"], 2) if copied else None
-    for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
-        cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
-        wall, status, _, rss, cpu = _timed(cmd, timeout)
-        net = wall - startup if wall > startup else None  # under heavy load start-up can outlast a run
-        rows.append(_row(f"roll-convert {name} (TP1)", size, wall, status, net=net, rss=rss))
-        rows[-1]["net_cpu_s"] = round(cpu - base_cpu, 2)
+    samples: dict[str, list[tuple]] = {"hf2mca": [], "mca2hf": []}
+    for _ in range(CONVERT_ROUNDS):  # each run paired with a start-up sample of its own, taken just before it
+        for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
+            own_startup, _, _, _, own_base_cpu = _timed([py, "-c", "import backends.mca.convert"], timeout)
+            cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
+            wall, status, _, rss, cpu = _timed(cmd, timeout)
+            samples[name].append((wall, status, rss, wall - own_startup, cpu - own_base_cpu))
+    for name, runs in samples.items():
+        failed = next((run for run in runs if run[1] != "ok"), None)
+        wall, status, rss = (failed or runs[0])[:3]
+        net = statistics.median(run[3] for run in runs)
+        # under heavy load start-up can outlast a run: no number then
+        rows.append(_row(f"roll-convert {name} (TP1)", size, statistics.median(run[0] for run in runs), status,
+                         net=net if net > 0 else None, rss=max(run[2] for run in runs)))
+        rows[-1]["net_cpu_s"] = round(statistics.median(run[4] for run in runs), 2)
+        rows[-1]["net_s_rounds"] = [round(run[3], 2) for run in runs]
     for row in rows:
         row["startup_s"] = round(startup, 2)
         row["startup_rss_gb"] = round(base_rss / 1e9, 3)

@@ -143,9 +143,12 @@ def conversion_table(rows: list[dict]) -> list[str]:
                      f"| {_num(r.get('net_cpu_s'), '.2f')} | {_num(rss, '.2f')} "
                      f"| {_num(ratio, '.2f')} | {r['status'][:80]} |")
     lines.append("")
-    lines.append("net s: the raw rows' own time inside their process; for roll-convert, the wall time minus the "
-                 f"start-up of a process that only imports the converter ({rows[0]['startup_s']:.1f} s); net CPU s: "
-                 "the same for user + system CPU time, which other jobs on the machine move far less. "
+    rounds = "; ".join(f"{r['what'].split()[1]} {' / '.join(_num(n, '.2f') for n in r['net_s_rounds'])} s"
+                       for r in rows if r.get("net_s_rounds"))
+    lines.append("net s: the raw rows' own time inside their process; for roll-convert, the median over its runs of "
+                 "the wall time minus the start-up of a process that only imports the converter, sampled just "
+                 f"before each run (first sample {rows[0]['startup_s']:.1f} s; the runs: {rounds or '-'}); "
+                 "net CPU s: the same for user + system CPU time, which other jobs on the machine move far less. "
                  f"Peak RSS: the kernel's high-water mark of each process; net peak / model subtracts the "
                  f"import-only process's ({_num(base, '.2f')} GB) and divides by the model's safetensors bytes.")
     return lines
