@@ -114,7 +114,6 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
     size = safetensors_bytes(model_dir)
     mca_dir, back_dir = os.path.join(root, "convert", "mca"), os.path.join(root, "convert", "hf")
     py = sys.executable
-    startup, _, _, base_rss, base_cpu = _timed([py, "-c", "import backends.mca.convert"], timeout)
     rows = []
     wall, status, out, rss, cpu = _timed([py, "-c", _RAW_READ, model_dir], timeout)
     read_s = json.loads(out.strip().splitlines()[-1])["read_s"] if status == "ok" else None
@@ -126,24 +125,25 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
                      net=copied.get("read_s"), rss=rss))
     rows[-1]["net_cpu_s"] = round(copied["cpu_s"], 2) if copied else None
     samples: dict[str, list[tuple]] = {"hf2mca": [], "mca2hf": []}
+    startups = []  # (wall, peak RSS) of each import-only process
     for _ in range(CONVERT_ROUNDS):  # each run paired with a start-up sample of its own, taken just before it
         for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
-            own_startup, _, _, _, own_base_cpu = _timed([py, "-c", "import backends.mca.convert"], timeout)
+            startup, _, _, base_rss, base_cpu = _timed([py, "-c", "import backends.mca.convert"], timeout)
+            startups.append((startup, base_rss))
             cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
             wall, status, _, rss, cpu = _timed(cmd, timeout)
-            samples[name].append((wall, status, rss, wall - own_startup, cpu - own_base_cpu))
+            samples[name].append((wall, status, rss, wall - startup, cpu - base_cpu))
     for name, runs in samples.items():
-        failed = next((run for run in runs if run[1] != "ok"), None)
-        wall, status, rss = (failed or runs[0])[:3]
+        status = next((run[1] for run in runs if run[1] != "ok"), "ok")
         net = statistics.median(run[3] for run in runs)
         # under heavy load start-up can outlast a run: no number then
         rows.append(_row(f"roll-convert {name} (TP1)", size, statistics.median(run[0] for run in runs), status,
                          net=net if net > 0 else None, rss=max(run[2] for run in runs)))
         rows[-1]["net_cpu_s"] = round(statistics.median(run[4] for run in runs), 2)
         rows[-1]["net_s_rounds"] = [round(run[3], 2) for run in runs]
-    for row in rows:
-        row["startup_s"] = round(startup, 2)
-        row["startup_rss_gb"] = round(base_rss / 1e9, 3)
+    for row in rows:  # the first start-up sample's
+        row["startup_s"] = round(startups[0][0], 2)
+        row["startup_rss_gb"] = round(startups[0][1] / 1e9, 3)
     return rows
 
 
