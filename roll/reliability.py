@@ -23,6 +23,7 @@ import math
 import os
 import signal
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -168,15 +169,19 @@ def max_over_ranks(value: int) -> int:
     return int(tensor.item())
 
 
-_host: tuple[object, object] | None = None
-"""(the default process group, ``host_group``'s group for it)."""
+_host: tuple[weakref.ref, weakref.ref] | None = None
+"""Weak references to (the default process group, ``host_group``'s group for it)."""
 
 
 def host_group():
     """The group ``max_over_ranks`` all-reduces a CPU tensor over: None (the default group) when that has a CPU
     backend, else a gloo group of all ranks with the default group's timeout (``ddp_timeout``), made at the first
     call (collective: every rank calls it at the same point, as every caller of ``max_over_ranks`` does) and
-    kept while the default group lives."""
+    kept while the default group lives.
+
+    Only weak references are kept: ``destroy_process_group`` must drop the last ones. A group still referenced
+    here after it was destroyed went at interpreter exit instead, and its gloo threads then aborted the process
+    ("terminate called without an active exception") on one run in four."""
     global _host
     import torch
     import torch.distributed as dist
@@ -184,14 +189,16 @@ def host_group():
     world = dist.group.WORLD
     if "gloo" in dist.get_backend():  # "gloo", or a mixed "cpu:gloo,cuda:nccl"
         return None
-    if _host is None or _host[0] is not world:
+    group = _host[1]() if _host is not None and _host[0]() is world else None
+    if group is None:
         timeout = None
         try:  # the default group's collective timeout (ProcessGroupNCCL's options); torch's default otherwise
             timeout = world._get_backend(torch.device("cuda")).options._timeout
         except (AttributeError, RuntimeError):
             pass
-        _host = (world, dist.new_group(backend="gloo", timeout=timeout))
-    return _host[1]
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        _host = (weakref.ref(world), weakref.ref(group))
+    return group
 
 
 # ---- non-finite steps ---------------------------------------------------------------------------

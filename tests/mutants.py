@@ -701,6 +701,12 @@ MUTANTS: list[Mutant] = [
            "group: a device tensor whose read waits for the device after every step",
            "roll/reliability.py", "op=dist.ReduceOp.MAX, group=host_group())", "op=dist.ReduceOp.MAX)",
            ("tests/distributed/test_stop_poll_dist.py::test_the_stop_poll_all_reduces_a_host_tensor_over_one_gloo_group",)),
+    Mutant("host_group_outlives_the_default_group", "a GPU run's stop-poll group is still referenced after "
+           "destroy_process_group: it goes at interpreter exit, where gloo's threads abort a finished run (SIGABRT)",
+           "roll/reliability.py", "        _host = (weakref.ref(world), weakref.ref(group))",
+           "        _host = (weakref.ref(world), lambda kept=group: kept)",
+           ("tests/unit/test_reliability_units.py::test_the_stop_polls_host_group_goes_with_the_default_group",),
+           fast=True),
     Mutant("direct_write_tail_not_cut", "a checkpoint file written past the page cache keeps the zero padding "
            "of its last block (the ftruncate to its length missing; test_mca_checkpoint's byte check catches it too)",
            "roll/direct_write.py",

@@ -141,6 +141,28 @@ def _make_checkpoint(output_dir, step: int) -> str:
     return path
 
 
+def test_the_stop_polls_host_group_goes_with_the_default_group(tmp_path, monkeypatch):
+    """Under an NCCL default group ``host_group`` makes one gloo group and reuses it, but holds no reference
+    that outlives ``destroy_process_group``: a group still alive then was destroyed at interpreter exit, where
+    its gloo threads aborted one 2-rank run in four ("terminate called without an active exception")."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        group = reliability.host_group()
+        assert group is not None and reliability.host_group() is group
+        world, made = weakref.ref(dist.group.WORLD), weakref.ref(group)
+        del group
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert made() is None and world() is None
+
+
 def test_publish_rotate_and_clean_stale_never_leave_a_partial_checkpoint_name(tmp_path):
     out = str(tmp_path)
     for step in (1, 2):
