@@ -707,6 +707,16 @@ MUTANTS: list[Mutant] = [
            "        _host = (weakref.ref(world), lambda kept=group: kept)",
            ("tests/unit/test_reliability_units.py::test_the_stop_polls_host_group_goes_with_the_default_group",),
            fast=True),
+    Mutant("fast_exit_skips_atexit", "roll-convert ends without running the atexit handlers: logging's last lines "
+           "(the conversion's summary) and a wandb run's finish lost", "roll/fast_exit.py",
+           "    atexit._run_exitfuncs()", "    pass  #",
+           ("tests/unit/test_convert_cli.py::test_end_process_skips_the_finalization_not_atexit_nor_a_running_thread",),
+           fast=True),
+    Mutant("roll_convert_finalizes_the_interpreter", "roll-convert ends through Python's finalization again: about a "
+           "second after its files are written, in every process of a launched conversion", "backends/mca/convert_cli.py",
+           "        end_process(code)\n", "",
+           ("tests/unit/test_convert_cli.py::test_the_command_ends_through_end_process_and_main_with_argv_raises",),
+           fast=True),
     Mutant("direct_write_tail_not_cut", "a checkpoint file written past the page cache keeps the zero padding "
            "of its last block (the ftruncate to its length missing; test_mca_checkpoint's byte check catches it too)",
            "roll/direct_write.py",

@@ -14,12 +14,17 @@ Running it yourself under ``torchrun --nproc_per_node=N -m backends.mca.convert_
 from __future__ import annotations
 
 import argparse
+import glob
+import logging
 import math
 import os
 import sys
+import time
 
 from roll import launch
 from roll.errors import EXIT_USAGE, RollError
+
+logger = logging.getLogger("backends.mca.convert_cli")  # also when run as __main__ (python -m)
 
 
 def _positive_int(text: str) -> int:
@@ -100,11 +105,13 @@ def run(argv: list[str] | None = None) -> int:
         return outcome.code
     from backends.mca import convert
 
+    started = time.perf_counter()  # the imports done: what follows is the conversion itself
     # The one ParallelLayout of this command (and the settings it came from), as a training run builds it.
     megatron, layout = convert.megatron_settings(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if args.command == "hf2mca":
         convert.hf_to_mca(args.input, args.output, megatron, layout)
+        _log_converted("hf2mca", args.input, started)
         return 0
     if args.command == "mca2hf":
         from roll import unpickle
@@ -112,6 +119,7 @@ def run(argv: list[str] | None = None) -> int:
         unpickle.set_trusted(args.trust_checkpoint_pickles)
         unpickle.check_folder(args.input)  # refused before any process group or model exists
         convert.mca_to_hf(args.input, args.output, megatron, layout, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+        _log_converted("mca2hf", args.output, started)
         return 0
     diff = convert.check_parity(args.input, megatron, layout, seq_len=args.seq_len)
     ok = diff <= args.tolerance
@@ -121,7 +129,32 @@ def run(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _log_converted(command: str, hf_dir: str, started: float) -> None:
+    """One line on rank 0: the conversion's own time and speed (from after the imports to its files written and
+    closed; ``roll-bench`` reads it) and the start-up before it (the process's age when the conversion began)."""
+    from roll.logging import log_rank0
+
+    seconds = time.perf_counter() - started
+    gb = sum(os.path.getsize(path) for path in glob.glob(os.path.join(hf_dir, "*.safetensors"))) / 1e9
+    log_rank0(logger, "%s: converted %.3f GB of HF weights in %.2f s (%.2f GB/s) after %.1f s of start-up",
+              command, gb, seconds, gb / max(seconds, 1e-9), _age() - seconds)
+
+
+def _age() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere 0)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            started = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
+        with open("/proc/uptime", encoding="ascii") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return uptime - started / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> None:
+    """The ``roll-convert`` command. Run as the command (``argv`` None: this process's own arguments) it ends the
+    process without Python's finalization once done (``roll.fast_exit``); with ``argv`` it raises SystemExit."""
     from roll.logging import setup_logging
 
     setup_logging()
@@ -135,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         _shutdown()
     launch.write_status(code, message)  # a no-op unless roll-convert launched this rank
+    if argv is None:
+        from roll.fast_exit import end_process
+
+        end_process(code)
     sys.exit(code)
 
 

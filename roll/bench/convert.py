@@ -2,9 +2,11 @@
 raw read of the same safetensors files (``safetensors.torch.load_file``) and a raw copy of them (read into
 new memory, written to a new file: every conversion must do at least that, so it is this machine's floor).
 
-Each is a subprocess timed from outside (what a user waits for). A second number subtracts the start-up
-of a process that only imports the converter (Python, torch, transformers, megatron), which no
-conversion can avoid; GB/s uses the HF safetensors bytes of the model (the same bytes both ways). Each row
+Each is a subprocess timed from outside (what a user waits for). The time net of start-up is each one's own
+time inside its process (roll-convert logs it: from after its imports, Python, torch, transformers, megatron,
+which no conversion can avoid, to its files written); next to it the conversions' wall time minus that of a
+process that only imports the converter. GB/s uses the HF safetensors bytes of the model (the same bytes
+both ways). Each row
 also has the process's peak resident memory, and the table states it net of the start-up process's as a
 multiple of the model's bytes (one shard here: the bench model is a single file).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -52,8 +55,9 @@ def safetensors_bytes(model_dir: str) -> int:
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
-def _timed(command: list[str], timeout: float) -> tuple[float, str, str, int, float]:
-    """(wall seconds, status, stdout, peak RSS bytes, CPU seconds) of one subprocess (OMP threads: all cores,
+def _timed(command: list[str], timeout: float, *, stderr_too: bool = False) -> tuple[float, str, str, int, float]:
+    """(wall seconds, status, stdout (then stderr with ``stderr_too``), peak RSS bytes, CPU seconds) of one
+    subprocess (OMP threads: all cores,
     as a user would run it). The peak is the kernel's own high-water mark of the process's memory
     (``VmHWM``; file pages it maps count too), read every 20 ms while it runs: ``wait4``'s ``ru_maxrss``
     cannot be used, as Linux carries the forking parent's resident size into it (this bench process's
@@ -82,7 +86,7 @@ def _timed(command: list[str], timeout: float) -> tuple[float, str, str, int, fl
     if wall >= timeout and proc.returncode < 0:
         return wall, f"timeout ({timeout:.0f} s)", "", peak, cpu
     status_text = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {stderr[-500:]}"
-    return wall, status_text, stdout, peak, cpu
+    return wall, status_text, stdout + stderr if stderr_too else stdout, peak, cpu
 
 
 def _watch_hwm(pid: int, hwm: list[int]) -> None:
@@ -101,16 +105,22 @@ def _watch_hwm(pid: int, hwm: list[int]) -> None:
 
 
 CONVERT_ROUNDS = 3
-"""Runs of each conversion. Its net time is a difference of two process times, each of about 3-4 s of start-up
-that moves by +-0.5 s between samples even on the idle machine, more than a conversion of the bench model takes:
-so each run is paired with an import-only sample taken just before it, and the row gives the median of the
-pairs' differences (each in ``net_s_rounds``)."""
+"""Runs of each conversion; the row gives medians over them."""
+
+STARTUP = "import backends.mca.convert; from roll.fast_exit import end_process; end_process(0)"
+"""The import-only process: roll-convert's imports, ended as roll-convert ends (``roll.fast_exit``)."""
+
+_CONVERTED = re.compile(r"converted [0-9.]+ GB of HF weights in ([0-9.]+) s")
+"""roll-convert's own line (``convert_cli._log_converted``): the conversion's time after the imports."""
 
 
 def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
-    """Rows: raw read, hf2mca, mca2hf; each with bytes, wall_s, GB/s, the same net of start-up (the conversions:
-    medians over CONVERT_ROUNDS runs, each net of its own start-up sample), and the process's peak RSS next to
-    that of the start-up process (imports only)."""
+    """Rows: raw read, raw copy, hf2mca, mca2hf; each with bytes, wall_s, GB/s, and the time net of start-up: the
+    raw rows' and each conversion's own time inside its process (roll-convert logs it: from after its imports to
+    its files written; median over CONVERT_ROUNDS runs), next to the conversions' wall time minus that of an
+    import-only process sampled just before each run (``wall_minus_startup_s``, median; each pair in
+    ``net_s_rounds``: start-up moves by +-0.5 s between samples even on an idle machine, more than converting
+    the bench model takes), and the process's peak RSS next to that of the import-only process."""
     size = safetensors_bytes(model_dir)
     mca_dir, back_dir = os.path.join(root, "convert", "mca"), os.path.join(root, "convert", "hf")
     py = sys.executable
@@ -128,19 +138,24 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
     startups = []  # (wall, peak RSS) of each import-only process
     for _ in range(CONVERT_ROUNDS):  # each run paired with a start-up sample of its own, taken just before it
         for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
-            startup, _, _, base_rss, base_cpu = _timed([py, "-c", "import backends.mca.convert"], timeout)
+            startup, _, _, base_rss, base_cpu = _timed([py, "-c", STARTUP], timeout)
             startups.append((startup, base_rss))
             cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
-            wall, status, _, rss, cpu = _timed(cmd, timeout)
-            samples[name].append((wall, status, rss, wall - startup, cpu - base_cpu))
+            wall, status, out, rss, cpu = _timed(cmd, timeout, stderr_too=True)
+            own = _CONVERTED.search(out)
+            if status == "ok" and own is None:
+                status = "failed: no 'converted ... in N s' line in its output"
+            own_s = float(own.group(1)) if own else None
+            samples[name].append((wall, status, rss, wall - startup, cpu - base_cpu, own_s))
     for name, runs in samples.items():
         status = next((run[1] for run in runs if run[1] != "ok"), "ok")
-        net = statistics.median(run[3] for run in runs)
-        # under heavy load start-up can outlast a run: no number then
+        own = [run[5] for run in runs if run[5] is not None]
         rows.append(_row(f"roll-convert {name} (TP1)", size, statistics.median(run[0] for run in runs), status,
-                         net=net if net > 0 else None, rss=max(run[2] for run in runs)))
+                         net=statistics.median(own) if own else None, rss=max(run[2] for run in runs)))
         rows[-1]["net_cpu_s"] = round(statistics.median(run[4] for run in runs), 2)
+        rows[-1]["wall_minus_startup_s"] = round(statistics.median(run[3] for run in runs), 2)
         rows[-1]["net_s_rounds"] = [round(run[3], 2) for run in runs]
+        rows[-1]["own_s_rounds"] = [round(s, 2) for s in own]
     for row in rows:  # the first start-up sample's
         row["startup_s"] = round(startups[0][0], 2)
         row["startup_rss_gb"] = round(startups[0][1] / 1e9, 3)

@@ -131,8 +131,8 @@ def cases_table(rows: list[dict]) -> list[str]:
 def conversion_table(rows: list[dict]) -> list[str]:
     if not rows:
         return ["(conversion not timed: --no-convert)"]
-    lines = ["| what | GB | wall s | GB/s (wall) | net s | GB/s (net) | net CPU s | peak RSS GB | net peak / model "
-             "| status |", "|" + "---|" * 10]
+    lines = ["| what | GB | wall s | GB/s (wall) | net s | GB/s (net) | wall - start-up s | net CPU s | peak RSS GB "
+             "| net peak / model | status |", "|" + "---|" * 11]
     base = rows[0].get("startup_rss_gb")
     for r in rows:
         rss = r.get("peak_rss_gb")
@@ -140,17 +140,22 @@ def conversion_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['what']} | {r['bytes'] / 1e9:.3f} | {r['wall_s']:.1f} "
                      f"| {_num(r['gb_per_s'], '.3f')} "
                      f"| {_num(r['net_s'], '.2f')} | {_num(r['net_gb_per_s'], '.3f')} "
+                     f"| {_num(r.get('wall_minus_startup_s'), '.2f')} "
                      f"| {_num(r.get('net_cpu_s'), '.2f')} | {_num(rss, '.2f')} "
                      f"| {_num(ratio, '.2f')} | {r['status'][:80]} |")
     lines.append("")
-    rounds = "; ".join(f"{r['what'].split()[1]} {' / '.join(_num(n, '.2f') for n in r['net_s_rounds'])} s"
-                       for r in rows if r.get("net_s_rounds"))
-    lines.append("net s: the raw rows' own time inside their process; for roll-convert, the median over its runs of "
-                 "the wall time minus the start-up of a process that only imports the converter, sampled just "
-                 f"before each run (first sample {rows[0]['startup_s']:.1f} s; the runs: {rounds or '-'}); "
-                 "net CPU s: the same for user + system CPU time, which other jobs on the machine move far less. "
-                 f"Peak RSS: the kernel's high-water mark of each process; net peak / model subtracts the "
-                 f"import-only process's ({_num(base, '.2f')} GB) and divides by the model's safetensors bytes.")
+
+    def runs(key: str) -> str:
+        return "; ".join(f"{r['what'].split()[1]} {' / '.join(_num(n, '.2f') for n in r[key])} s"
+                         for r in rows if r.get(key)) or "-"
+
+    lines.append("net s: each row's own time inside its process (roll-convert's from its log line: after the imports "
+                 f"to its files written; median of its runs: {runs('own_s_rounds')}); wall - start-up s: the "
+                 "median over the runs of roll-convert's wall time minus that of a process that only imports the "
+                 f"converter, sampled just before each run (first sample {rows[0]['startup_s']:.1f} s; the runs: "
+                 f"{runs('net_s_rounds')}); net CPU s: the same difference for user + system CPU time. Peak RSS: the "
+                 f"kernel's high-water mark of each process; net peak / model subtracts the import-only process's "
+                 f"({_num(base, '.2f')} GB) and divides by the model's safetensors bytes.")
     return lines
 
 

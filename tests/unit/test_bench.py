@@ -235,28 +235,46 @@ def test_background_save_costs_are_read_from_the_runs_log():
     assert background_costs("saved checkpoint /o/checkpoint-3 in 1.2s") == (None, None)
 
 
-def test_conversion_net_is_the_median_of_runs_each_net_of_its_own_start_up(monkeypatch, tmp_path):
-    """Each conversion runs CONVERT_ROUNDS times, each right after an import-only process; its net time is the
-    median of the pairs' differences: a start-up that moves between samples (here 3.0 / 3.8 / 3.2 s) cancels
-    within each pair instead of landing whole in the one number."""
+def test_conversion_net_is_roll_converts_own_time_next_to_its_wall_net_of_each_start_up(monkeypatch, tmp_path):
+    """Each conversion runs CONVERT_ROUNDS times; net s is the median of the times roll-convert logs for its own
+    work, and wall - start-up the median of each run's wall time minus that of the import-only process sampled
+    just before it: a start-up that moves between samples (here 3.0 / 3.8 / 3.2 s) cancels within each pair.
+    A run without its log line has no time to give: the row fails instead of showing a number."""
     from roll.bench import convert
 
     startups, calls = iter([3.0, 3.0, 3.8, 3.8, 3.2, 3.2]), []
 
-    def timed(cmd, timeout):
-        if cmd[1:] == ["-c", "import backends.mca.convert"]:
+    def timed(cmd, timeout, stderr_too=False):
+        if cmd[1:] == ["-c", convert.STARTUP]:
             return next(startups), "ok", "", 300_000_000, 2.0
         if cmd[1] == "-c":  # the raw read / copy rows
             return 1.0, "ok", '{"read_s": 0.2, "cpu_s": 0.3}', 800_000_000, 1.0
+        assert stderr_too
         calls.append(cmd[3])
         start = calls.count(cmd[3]) - 1
         wall = [3.0, 3.8, 3.2][start] + (0.4 if cmd[3] == "hf2mca" else 0.5) + 0.1 * start
-        return wall, "ok", "", 350_000_000, 2.5
+        own = [0.31, 0.35, 0.33][start] + (0.0 if cmd[3] == "hf2mca" else 0.1)
+        line = f"[INFO] backends.mca.convert_cli: {cmd[3]}: converted 0.470 GB of HF weights in {own:.2f} s (1 GB/s)"
+        return wall, "ok", "progress bars\n" + line + "\n", 350_000_000, 2.5
 
     monkeypatch.setattr(convert, "_timed", timed)
     monkeypatch.setattr(convert, "safetensors_bytes", lambda model_dir: 470_000_000)
     rows = {row["what"].split()[1]: row for row in convert.time_conversion("m", str(tmp_path), 60)
             if row["what"].startswith("roll-convert")}
     assert calls == ["hf2mca", "mca2hf"] * convert.CONVERT_ROUNDS
-    assert rows["hf2mca"]["net_s_rounds"] == [0.4, 0.5, 0.6] and rows["hf2mca"]["net_s"] == 0.5
-    assert rows["mca2hf"]["net_s"] == 0.6 and rows["mca2hf"]["net_cpu_s"] == 0.5
+    assert rows["hf2mca"]["own_s_rounds"] == [0.31, 0.35, 0.33] and rows["hf2mca"]["net_s"] == 0.33
+    assert rows["hf2mca"]["net_gb_per_s"] == round(0.47 / 0.33, 3)
+    assert rows["hf2mca"]["net_s_rounds"] == [0.4, 0.5, 0.6] and rows["hf2mca"]["wall_minus_startup_s"] == 0.5
+    assert rows["mca2hf"]["net_s"] == 0.43 and rows["mca2hf"]["wall_minus_startup_s"] == 0.6
+    assert rows["mca2hf"]["net_cpu_s"] == 0.5
+
+    def silent(cmd, timeout, stderr_too=False):
+        wall, status, out, rss, cpu = timed(cmd, timeout, stderr_too)
+        return wall, status, out.replace("converted", "wrote") if cmd[1] == "-m" else out, rss, cpu
+
+    startups = iter([3.0] * 6)
+    calls.clear()
+    monkeypatch.setattr(convert, "_timed", silent)
+    rows = [row for row in convert.time_conversion("m", str(tmp_path), 60) if row["what"].startswith("roll-convert")]
+    assert all(row["net_s"] is None and row["status"].startswith("failed: no 'converted") for row in rows)
+

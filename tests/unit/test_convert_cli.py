@@ -50,3 +50,67 @@ def test_help_through_run_keeps_the_memory_epilog(argv, capsys):
         convert_cli.run(argv)
     text = " ".join(capsys.readouterr().out.split())
     assert "hf2mca 31.6 GB" in text and "streams shard by shard" in text
+
+
+_ENDING = """
+import atexit, os, sys, threading, time
+from roll.fast_exit import end_process
+folder = sys.argv[1]
+class Finalized:
+    def __init__(self, path):
+        self.path = path
+    def __del__(self, open=open):  # runs in the interpreter finalization (builtins may be gone by then)
+        open(self.path, "w").close()
+kept = Finalized(os.path.join(folder, "finalized"))
+atexit.register(lambda: open(os.path.join(folder, "atexit"), "w").close())
+if sys.argv[2] == "thread":
+    def late():
+        time.sleep(0.3)
+        open(os.path.join(folder, "thread"), "w").close()
+    threading.Thread(target=late).start()
+print("buffered", end="")
+end_process(3)
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_end_process_skips_the_finalization_not_atexit_nor_a_running_thread(tmp_path, thread):
+    """``roll.fast_exit.end_process`` (how roll-convert ends): the exit code, the atexit handlers (logging's flush)
+    and buffered output kept, Python's finalization skipped (a module object's ``__del__`` never runs); while a
+    non-daemon thread runs it exits as ``sys.exit`` does, after that thread."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    proc = subprocess.run([sys.executable, "-c", _ENDING, str(tmp_path), "thread" if thread else "none"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                                                                            "PYTHONPATH": REPO})
+    assert proc.returncode == 3 and proc.stdout == "buffered", proc.stderr
+    made = sorted(path.name for path in tmp_path.iterdir())
+    assert made == (["atexit", "finalized", "thread"] if thread else ["atexit"]), made
+
+
+def test_the_command_ends_through_end_process_and_main_with_argv_raises(monkeypatch, tmp_path, capsys):
+    """Run as the command (no argv: the process's own) roll-convert ends with ``end_process``, here after a
+    usage error (exit 2); called with argv (as tests and scripts do) it raises SystemExit as before."""
+    import sys
+
+    from roll import fast_exit
+
+    ended = []
+
+    def end(code):
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(fast_exit, "end_process", end)
+    argv = ["hf2mca", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", ["roll-convert", *argv])
+    with pytest.raises(SystemExit) as stop:
+        convert_cli.main()
+    assert stop.value.code == 2 and ended == [2]
+    with pytest.raises(SystemExit) as stop:
+        convert_cli.main(argv)
+    assert stop.value.code == 2 and ended == [2]
+    assert capsys.readouterr().err.count("roll-convert: error:") == 2

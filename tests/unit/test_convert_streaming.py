@@ -361,6 +361,9 @@ def test_roll_convert_writes_from_its_own_process_with_progress(tiny_model_facto
     for log in ("GB of HF weights from", "saved model checkpoint (torch_dist", "loaded model checkpoint", "GB/s",
                 "GB of them mapped, not copied"):  # hf2mca maps what it stores unchanged: the round trip is exact
         assert log in proc.stderr, output_of(proc)
+    for command, folder in (("hf2mca", hf), ("mca2hf", old_back)):  # its own time and GB/s (roll-bench reads it)
+        gb = sum(os.path.getsize(path) for path in glob.glob(os.path.join(folder, "*.safetensors"))) / 1e9
+        assert f"{command}: converted {gb:.3f} GB of HF weights in " in proc.stderr, output_of(proc)
     tensors = sum(1 for name in a if not name.endswith("_extra_state"))  # fused in Megatron: fewer, never 0
     counts = [int(word) for word in proc.stdout.split("tensors read in place")[1].split() if word.isdigit()]
     assert counts[0] >= tensors // 2 and counts[1] == 0, proc.stdout  # every tensor in place
@@ -502,7 +505,7 @@ def test_bench_times_a_process_with_its_peak_memory_and_cpu():
     for row in rows:
         row.update(startup_s=2.0, startup_rss_gb=0.5)
     table = "\n".join(report.conversion_table(rows))
-    assert "| hf2mca | 1.000 | 4.0 | 0.250 | 2.00 | 0.500 | - | 2.70 | 2.20 | ok |" in table, table
+    assert "| hf2mca | 1.000 | 4.0 | 0.250 | 2.00 | 0.500 | - | - | 2.70 | 2.20 | ok |" in table, table
 
 
 def test_fused_gate_up_merges_into_the_parameter_itself():
