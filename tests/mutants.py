@@ -713,9 +713,14 @@ MUTANTS: list[Mutant] = [
            ("tests/unit/test_convert_cli.py::test_end_process_skips_the_finalization_not_atexit_nor_a_running_thread",),
            fast=True),
     Mutant("roll_convert_finalizes_the_interpreter", "roll-convert ends through Python's finalization again: about a "
-           "second after its files are written, in every process of a launched conversion", "backends/mca/convert_cli.py",
-           "        end_process(code)\n", "",
-           ("tests/unit/test_convert_cli.py::test_the_command_ends_through_end_process_and_main_with_argv_raises",),
+           "second after its files are written, twice what converting a 0.47 GB model takes",
+           "backends/mca/convert_cli.py", "    end_process(_command(None))", "    sys.exit(_command(None))",
+           ("tests/unit/test_convert_cli.py::test_the_commands_end_through_end_process_and_main_with_argv_raises",),
+           fast=True),
+    Mutant("roll_train_finalizes_the_interpreter", "roll-train ends through Python's finalization again: 1-2 s "
+           "after a run's last line, in the launcher and in every rank", "roll/cli.py",
+           "    end_process(main())", "    sys.exit(main())",
+           ("tests/unit/test_convert_cli.py::test_the_commands_end_through_end_process_and_main_with_argv_raises",),
            fast=True),
     Mutant("direct_write_tail_not_cut", "a checkpoint file written past the page cache keeps the zero padding "
            "of its last block (the ftruncate to its length missing; test_mca_checkpoint's byte check catches it too)",

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from typing import NoReturn
 
 from roll import launch
 from roll.errors import EXIT_USAGE, RollError
@@ -153,8 +154,19 @@ def _age() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The ``roll-convert`` command. Run as the command (``argv`` None: this process's own arguments) it ends the
-    process without Python's finalization once done (``roll.fast_exit``); with ``argv`` it raises SystemExit."""
+    """``roll-convert`` in this process: raises SystemExit with the exit code (scripts and tests call it)."""
+    sys.exit(_command(argv))
+
+
+def command() -> NoReturn:
+    """The ``roll-convert`` command (its entry point, and ``python -m backends.mca.convert_cli``): once its files
+    are written the process ends without Python's finalization (``roll.fast_exit``)."""
+    from roll.fast_exit import end_process
+
+    end_process(_command(None))
+
+
+def _command(argv: list[str] | None) -> int:
     from roll.logging import setup_logging
 
     setup_logging()
@@ -168,11 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         _shutdown()
     launch.write_status(code, message)  # a no-op unless roll-convert launched this rank
-    if argv is None:
-        from roll.fast_exit import end_process
-
-        end_process(code)
-    sys.exit(code)
+    return code
 
 
 def _shutdown() -> None:
@@ -187,4 +195,4 @@ def _shutdown() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command()

@@ -91,12 +91,12 @@ def test_end_process_skips_the_finalization_not_atexit_nor_a_running_thread(tmp_
     assert made == (["atexit", "finalized", "thread"] if thread else ["atexit"]), made
 
 
-def test_the_command_ends_through_end_process_and_main_with_argv_raises(monkeypatch, tmp_path, capsys):
-    """Run as the command (no argv: the process's own) roll-convert ends with ``end_process``, here after a
-    usage error (exit 2); called with argv (as tests and scripts do) it raises SystemExit as before."""
+def test_the_commands_end_through_end_process_and_main_with_argv_raises(monkeypatch, tmp_path, capsys):
+    """``roll-convert`` and ``roll-train`` (their entry points, ``command``) end with ``end_process``, here after
+    a usage error (exit 2); ``main(argv)``, which tests and scripts call, raises SystemExit or returns as before."""
     import sys
 
-    from roll import fast_exit
+    from roll import cli, fast_exit
 
     ended = []
 
@@ -108,9 +108,14 @@ def test_the_command_ends_through_end_process_and_main_with_argv_raises(monkeypa
     argv = ["hf2mca", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "out")]
     monkeypatch.setattr(sys, "argv", ["roll-convert", *argv])
     with pytest.raises(SystemExit) as stop:
-        convert_cli.main()
+        convert_cli.command()
     assert stop.value.code == 2 and ended == [2]
     with pytest.raises(SystemExit) as stop:
         convert_cli.main(argv)
     assert stop.value.code == 2 and ended == [2]
     assert capsys.readouterr().err.count("roll-convert: error:") == 2
+    monkeypatch.setattr(sys, "argv", ["roll-train"])  # bare: the usage, exit 2
+    with pytest.raises(SystemExit) as stop:
+        cli.command()
+    assert stop.value.code == 2 and ended == [2, 2]
+    assert cli.main([]) == 2 and ended == [2, 2]
