@@ -35,4 +35,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from roll.fast_exit import end_process
+
+    end_process(main())  # without the interpreter's finalization (0.7 s with torch loaded): roll.fast_exit
