@@ -164,15 +164,16 @@ def saves_table(rows: list[dict]) -> list[str]:
     if not rows:
         return ["(saves not timed: --no-saves)"]
     lines = ["| backend | saves | training s (steps 2-N; mean of the rounds) | lost per save s | async / sync "
-             "| step after a save, excess s | update waited for the writer s | writer CPU s | wall s | status |",
-             "|" + "---|" * 10]
+             "| step after a save, excess s | async / sync (step after a save) | update waited for the writer s "
+             "| writer CPU s | wall s | status |", "|" + "---|" * 11]
     labels = {"none": "no saves", "sync": "save_async: false", "async": "save_async: true"}
     for r in rows:
         rounds = r.get("train_s_rounds") or []
         each = f" ({' / '.join(_num(t, '.2f') for t in rounds)})" if len(rounds) > 1 else ""
         lines.append(f"| {r['runner']} ({labels[r['mode']]}) | {r['saves']} | {_num(r['train_s'], '.2f')}{each} "
                      f"| {_num(r.get('lost_per_save_s'), '.2f')} | {_num(r.get('vs_sync'), '.2f')} "
-                     f"| {_num(r.get('save_step_excess_s'), '.2f')} | {_num(r.get('update_waited_s'), '.2f')} "
+                     f"| {_num(r.get('save_step_excess_s'), '.2f')} | {_num(r.get('excess_vs_sync'), '.2f')} "
+                     f"| {_num(r.get('update_waited_s'), '.2f')} "
                      f"| {_num(r.get('writer_cpu_s'), '.2f')} | {r['wall_s']:.0f} "
                      f"| {r['status'][:80]} |")
     return lines

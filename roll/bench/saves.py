@@ -81,7 +81,9 @@ def background_costs(log_text: str) -> tuple[float | None, float | None]:
 
 
 def lost_per_save(rows: list[dict]) -> list[dict]:
-    """Fill ``lost_per_save_s`` (and, for async, ``vs_sync``: its share of the sync loss) per backend."""
+    """Fill ``lost_per_save_s`` per backend and, for async, its share of the sync figure by the two measures:
+    ``vs_sync`` by training time, ``excess_vs_sync`` by the step that holds a save (which a change of the load
+    between runs does not move: the rounds' training times of one setting differ by seconds on an idle machine)."""
     by = {(r["runner"], r["mode"]): r for r in rows}
     for row in rows:
         base = by.get((row["runner"], "none"), {}).get("train_s")
@@ -91,6 +93,9 @@ def lost_per_save(rows: list[dict]) -> list[dict]:
         sync = by.get((row["runner"], "sync"), {}).get("lost_per_save_s")
         if row["mode"] == "async" and row.get("lost_per_save_s") is not None and sync:
             row["vs_sync"] = round(row["lost_per_save_s"] / sync, 2)
+        sync_excess = by.get((row["runner"], "sync"), {}).get("save_step_excess_s")
+        if row["mode"] == "async" and row.get("save_step_excess_s") is not None and sync_excess:
+            row["excess_vs_sync"] = round(row["save_step_excess_s"] / sync_excess, 2)
     return rows
 
 

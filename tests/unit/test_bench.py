@@ -105,10 +105,12 @@ def test_time_lost_per_save_is_the_difference_to_the_run_without_saves_per_save_
     assert saves.training_seconds(records) == 8 + 3 + 5  # steps 2..9; step 1's start-up left out
     assert saves.training_seconds(records[:-1]) is None  # a step missing: no number rather than a wrong one
     assert saves.save_step_excess(records) == (3 + 5) / 2  # steps 4 and 7 against the others' median (1.0)
-    rows = [{"runner": "mca", "mode": m, "train_s": t} for m, t in (("none", 8.0), ("sync", 16.0), ("async", 9.0))]
+    rows = [{"runner": "mca", "mode": m, "train_s": t, "save_step_excess_s": e}
+            for m, t, e in (("none", 8.0, None), ("sync", 16.0, 2.5), ("async", 9.0, 0.4))]
     rows = {r["mode"]: r for r in saves.lost_per_save(rows)}
     assert rows["sync"]["lost_per_save_s"] == 4.0 and rows["async"]["lost_per_save_s"] == 0.5
     assert rows["async"]["vs_sync"] == 0.12 and "lost_per_save_s" not in rows["none"]
+    assert rows["async"]["excess_vs_sync"] == 0.16 and "excess_vs_sync" not in rows["sync"]
     recipe = saves.save_recipe({"max_steps": 5, "save_strategy": "no"}, "async")
     assert (recipe["max_steps"], recipe["save_steps"], recipe["save_async"]) == (9, 3, True)
 
@@ -219,6 +221,11 @@ def test_save_timings_are_the_means_of_interleaved_rounds(monkeypatch, tmp_path)
     mca = rows[("mca", "async")]
     assert mca["train_s_rounds"] == [10.0, 18.0] and mca["train_s"] == 14.0
     assert mca["lost_per_save_s"] == 1.0 and mca["vs_sync"] == 0.25 and mca["save_step_excess_s"] == 1.0
+    assert mca["excess_vs_sync"] == 0.25 and rows[("mca", "sync")]["save_step_excess_s"] == 4.0
+    from roll.bench.report import saves_table
+
+    table = "\n".join(saves_table(list(rows.values())))
+    assert "| mca (save_async: true) | 2 | 14.00 (10.00 / 18.00) | 1.00 | 0.25 | 1.00 | 0.25 | - | - | 10 | ok |" in table
 
 
 def test_background_save_costs_are_read_from_the_runs_log():
