@@ -40,6 +40,8 @@ BACKGROUND = "tests/unit/test_background_save.py"
 ASYNC_KILL = ("tests/distributed/test_reliability.py::"
               "test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does")
 ASYNC_KILL_MCA = f"{ASYNC_KILL}[mca]"
+STD_FILES = ("tests/unit/test_standard_checkpoint_files.py::"
+             "test_optimizer_file_loads_as_torch_saves_and_its_large_tensors_are_written_in_place")
 
 
 @dataclass(frozen=True)
@@ -728,5 +730,14 @@ MUTANTS: list[Mutant] = [
            "if locator.found is None:",
            ("tests/unit/test_direct_write.py::test_mca_background_archives_are_placed_so_their_tensors_are_written_in_place",),
            fast=True),
+    Mutant("standard_optimizer_padding_misses_the_descriptor", "the standard backend's optimizer.pt placement "
+           "forgets the 16-byte descriptor after each zip member: its large tensors land off their addresses and "
+           "are copied through the aligned buffer again (the writer's CPU back up)",
+           "backends/standard/checkpoint_files.py", "return 24 if cursor >= _U32_MAX else 16",
+           "return 24 if cursor >= _U32_MAX else 0", (STD_FILES,), fast=True),
+    Mutant("standard_optimizer_crc32_back", "the standard backend's optimizer.pt computes torch.save's CRC-32 again "
+           "(reading every byte once more: 0.3 CPU s per GB, in the writer training shares its cores with)",
+           "backends/standard/_compat.py", "PyTorchFileWriter(stream, False, _get_storage_alignment())",
+           "PyTorchFileWriter(stream, True, _get_storage_alignment())", (STD_FILES,), fast=True),
 
 ]
