@@ -739,5 +739,10 @@ MUTANTS: list[Mutant] = [
            "(reading every byte once more: 0.3 CPU s per GB, in the writer training shares its cores with)",
            "backends/standard/_compat.py", "PyTorchFileWriter(stream, False, _get_storage_alignment())",
            "PyTorchFileWriter(stream, True, _get_storage_alignment())", (STD_FILES,), fast=True),
+    Mutant("safetensors_header_not_placed", "a background save's model.safetensors header is never padded: weights "
+           "loaded from a file with another header length are copied through the aligned buffer again",
+           "roll/safetensors_file.py", "    if not best:\n        return header\n", "    return header\n",
+           ("tests/unit/test_standard_checkpoint_files.py::"
+            "test_weights_in_one_buffer_in_file_order_go_to_the_device_whole",), fast=True),
 
 ]
