@@ -735,6 +735,12 @@ MUTANTS: list[Mutant] = [
            "are copied through the aligned buffer again (the writer's CPU back up)",
            "backends/standard/checkpoint_files.py", "return 24 if cursor >= _U32_MAX else 16",
            "return 24 if cursor >= _U32_MAX else 0", (STD_FILES,), fast=True),
+    Mutant("standard_optimizer_padding_misses_zip64", "the standard backend's optimizer.pt placement forgets the zip64 "
+           "offset field of headers past 4 GiB: every large tensor after the first 4 GiB of a big model's Adam state "
+           "is copied through the aligned buffer again",
+           "backends/standard/checkpoint_files.py", " + (8 if cursor >= _U32_MAX else 0)", "",
+           ("tests/unit/test_standard_checkpoint_files.py::test_placement_holds_past_4_gib_where_the_archive_is_zip64",),
+           fast=True),
     Mutant("standard_optimizer_crc32_back", "the standard backend's optimizer.pt computes torch.save's CRC-32 again "
            "(reading every byte once more: 0.3 CPU s per GB, in the writer training shares its cores with)",
            "backends/standard/_compat.py", "PyTorchFileWriter(stream, False, _get_storage_alignment())",

@@ -110,3 +110,41 @@ def test_weights_in_one_buffer_in_file_order_go_to_the_device_whole(tmp_path):
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[n], tensors[n]) for n in names)
     if _supports_o_direct(tmp_path):
         assert 3 * 262_144 * 4 - 3 * 4096 <= in_place <= 3 * 262_144 * 4  # each: a block at most through the buffer
+
+
+class _Positions:
+    """A stream that keeps no byte (``alignment`` as ``DirectFile``'s): the file offset of each large write whose
+    memory is one of ``watched`` (address -> name)."""
+
+    alignment = 4096
+
+    def __init__(self, watched: dict[int, str]) -> None:
+        self.position, self.watched, self.found = 0, watched, {}
+
+    def tell(self) -> int:
+        return self.position
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) >= 1 << 20 and direct_write.address_of(view) in self.watched:
+            self.found[self.watched[direct_write.address_of(view)]] = self.position
+        self.position += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_placement_holds_past_4_gib_where_the_archive_is_zip64():
+    """A record of over 4 GiB and records whose headers start past 4 GiB get zip64 fields and descriptors: each
+    large tensor's bytes still land at an offset congruent to its address (never-touched memory: no RAM used)."""
+    from backends.standard import _compat
+    from backends.standard.checkpoint_files import _place
+
+    state = {"huge": torch.empty(1_100_000_000)}
+    state.update({f"after{k}": torch.empty(262_144 + 3 * k) for k in range(24)})  # headers at every offset mod 64
+    out = _Positions({tensor.data_ptr(): name for name, tensor in state.items()})
+    _compat.torch_save_records(state, out, before_storage=lambda write_record, name, storage, size:
+                               _place(out, write_record, name, storage.data_ptr(), size))
+    assert out.found.keys() == state.keys() and out.found["after0"] > 4 << 30
+    assert all((out.found[name] - tensor.data_ptr()) % 4096 == 0 for name, tensor in state.items())
