@@ -8,7 +8,12 @@ name), so a file written from it has that function's bytes.
 
 ``write_direct`` is for background checkpoint writers: safetensors' own ``save_file`` holds the GIL for the
 whole write (transformers says so beside its call) and writes through the page cache; this one writes through
-``roll.direct_write.DirectFile``, whose copies and writes release the GIL.
+``roll.direct_write.DirectFile``, whose copies and writes release the GIL, and hands tensors whose memory lies as
+their bytes will in the file (modulo the device's block size) to the device uncopied. The format allows no gap
+between tensors, so only the header can move them: it is padded with spaces (JSON whitespace, which the format's
+readers skip; safetensors' own writer pads it so, to a multiple of 8) so that the most bytes land so. Weights
+loaded from a safetensors file lie in one buffer in the file's order (transformers 5), so a model saved with the
+names it was loaded with goes to the device whole.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import Counter
 
 import torch
 
 from roll.direct_write import DirectFile
+
+IN_PLACE_FROM = 1 << 20
+"""Bytes from which a tensor's placement counts when the header's padding is chosen (``DirectFile``'s threshold)."""
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -50,11 +59,29 @@ def encode_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | N
 def write_direct(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
                  metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file(tensors, path, metadata)``'s file, written past the page cache (the same
-    signature, so it can stand in for it)."""
+    signature, so it can stand in for it); its header may end in more spaces (``place``)."""
     header, order = encode_header(tensors, metadata)
     with DirectFile(path) as out:
-        out.write(header)
+        out.write(place(header, [tensors[name] for name in order], out.alignment))
         for name in order:
             tensor = tensors[name]
             if tensor.nbytes:
                 out.write(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def place(header: bytes, tensors: list[torch.Tensor], block: int) -> bytes:
+    """``header`` (``encode_header``'s, for ``tensors`` in file order) padded with spaces, a multiple of 8 of them,
+    so that the most bytes of tensors of at least ``IN_PLACE_FROM`` lie at file offsets congruent to their addresses
+    modulo ``block``; as it is when ``block`` is 0 (a buffered file) or no padding places more than none."""
+    if not block:
+        return header
+    shifts: Counter[int] = Counter()
+    at = len(header)
+    for tensor in tensors:
+        if tensor.nbytes >= IN_PLACE_FROM:
+            shifts[(tensor.data_ptr() - at) % block] += tensor.nbytes
+        at += tensor.nbytes
+    best = max((shift for shift in shifts if shift % 8 == 0), key=lambda shift: (shifts[shift], -shift), default=0)
+    if not best:
+        return header
+    return struct.pack("<Q", len(header) - 8 + best) + header[8:] + b" " * best

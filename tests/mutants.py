@@ -40,6 +40,8 @@ BACKGROUND = "tests/unit/test_background_save.py"
 ASYNC_KILL = ("tests/distributed/test_reliability.py::"
               "test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does")
 ASYNC_KILL_MCA = f"{ASYNC_KILL}[mca]"
+STD_FILES = ("tests/unit/test_standard_checkpoint_files.py::"
+             "test_optimizer_file_loads_as_torch_saves_and_its_large_tensors_are_written_in_place")
 
 
 @dataclass(frozen=True)
@@ -743,5 +745,25 @@ MUTANTS: list[Mutant] = [
            "if locator.found is None:",
            ("tests/unit/test_direct_write.py::test_mca_background_archives_are_placed_so_their_tensors_are_written_in_place",),
            fast=True),
+    Mutant("standard_optimizer_padding_misses_the_descriptor", "the standard backend's optimizer.pt placement "
+           "forgets the 16-byte descriptor after each zip member: its large tensors land off their addresses and "
+           "are copied through the aligned buffer again (the writer's CPU back up)",
+           "backends/standard/checkpoint_files.py", "return 24 if cursor >= _U32_MAX else 16",
+           "return 24 if cursor >= _U32_MAX else 0", (STD_FILES,), fast=True),
+    Mutant("standard_optimizer_padding_misses_zip64", "the standard backend's optimizer.pt placement forgets the zip64 "
+           "offset field of headers past 4 GiB: every large tensor after the first 4 GiB of a big model's Adam state "
+           "is copied through the aligned buffer again",
+           "backends/standard/checkpoint_files.py", " + (8 if cursor >= _U32_MAX else 0)", "",
+           ("tests/unit/test_standard_checkpoint_files.py::test_placement_holds_past_4_gib_where_the_archive_is_zip64",),
+           fast=True),
+    Mutant("standard_optimizer_crc32_back", "the standard backend's optimizer.pt computes torch.save's CRC-32 again "
+           "(reading every byte once more: 0.3 CPU s per GB, in the writer training shares its cores with)",
+           "backends/standard/_compat.py", "PyTorchFileWriter(stream, False, _get_storage_alignment())",
+           "PyTorchFileWriter(stream, True, _get_storage_alignment())", (STD_FILES,), fast=True),
+    Mutant("safetensors_header_not_placed", "a background save's model.safetensors header is never padded: weights "
+           "loaded from a file with another header length are copied through the aligned buffer again",
+           "roll/safetensors_file.py", "    if not best:\n        return header\n", "    return header\n",
+           ("tests/unit/test_standard_checkpoint_files.py::"
+            "test_weights_in_one_buffer_in_file_order_go_to_the_device_whole",), fast=True),
 
 ]

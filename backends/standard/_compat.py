@@ -1,7 +1,7 @@
 """Workarounds for running HF Trainer / TRL / DeepSpeed, on CPU (gloo) in particular.
 
 Every version- or platform-specific fix of the standard backend lives here, numbered as in the
-research notes (W1-W11; W12 is roll's own), so users and tests need no tricks of their own. Each says what it fixes
+research notes (W1-W11; W12 and W13 are roll's own), so users and tests need no tricks of their own. Each says what it fixes
 and when it can go, and checks (``_verified``) that the installed packages are the versions it was
 verified with: outside that range it still runs, with one warning per package.
 """
@@ -14,6 +14,7 @@ import importlib.metadata
 import logging
 import os
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from packaging.version import Version
@@ -25,7 +26,7 @@ from roll.logging import warn_once
 logger = logging.getLogger(__name__)
 
 VERIFIED_VERSIONS = {
-    "torch": ("2.13", "2.14"),          # W2
+    "torch": ("2.13", "2.14"),          # W2, W13
     "transformers": ("5.23", "5.24"),   # W3, W4, W12
     "accelerate": ("1.15", "1.16"),     # W1, W6
     "deepspeed": ("0.19", "0.20"),      # W3, W5, W6, W7, W8, W9, W10
@@ -366,3 +367,37 @@ def safetensors_written_past_the_gil():
         yield
     finally:
         modeling_utils.safe_save_file = original
+
+
+def torch_save_records(obj, stream, before_storage: Callable[[Callable, str, object, int], None] | None = None) -> None:
+    """W13: ``torch.save(obj, stream)`` without the CRC-32 of every record (reading each byte once more: 0.3 CPU s
+    per GB; ``torch.load`` never checks it), calling ``before_storage(write_record, name, storage, nbytes)`` before
+    each tensor storage's record is written, so that a writer may add records of its own first (roll pads so that a
+    large tensor's bytes land where ``DirectFile`` writes them from the tensor's own memory). PyTorch has no hook
+    between records: this is ``torch.save``'s zip path (``_save`` on a ``PyTorchFileWriter``, torch 2.13) with the
+    writer's ``write_record`` seen through a proxy. Can go when ``torch.save`` takes a per-record placement."""
+    _verified("W13", "torch")
+    import pickle
+
+    import torch
+    from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
+
+    writer = torch._C.PyTorchFileWriter(stream, False, _get_storage_alignment())  # False: no CRC-32
+    _save(obj, _RecordsSeen(writer, before_storage), pickle, DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    stream.flush()
+
+
+class _RecordsSeen:
+    """A ``PyTorchFileWriter`` whose storage records are announced to ``before`` first (W13)."""
+
+    def __init__(self, writer, before) -> None:
+        self._writer, self._before = writer, before
+
+    def write_record(self, name, data, size) -> None:
+        if self._before is not None and not isinstance(data, (str, bytes)):
+            self._before(self._writer.write_record, name, data, size)
+        self._writer.write_record(name, data, size)
+
+    def __getattr__(self, name):
+        return getattr(self._writer, name)

@@ -28,10 +28,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-from backends.standard import _compat
+from backends.standard.checkpoint_files import save_direct, write_weights
 from roll import checkpoints, reliability, resume_record
 from roll.background_save import BackgroundSaves, host_copy
-from roll.direct_write import DirectFile
 from roll.logging import log_rank0, warn_once
 
 logger = logging.getLogger(__name__)
@@ -169,13 +168,13 @@ class SafeCheckpointMixin:
         if self._roll_deferred is None or not self.args.should_save:
             return super()._save(output_dir, state_dict)
         model, deferred = self.model, self._roll_deferred
-        write_weights = model.save_pretrained
+        save_pretrained = model.save_pretrained
         frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
 
         def save_later(save_directory, state_dict=None, **kwargs):
             weights = host_copy(model.state_dict() if state_dict is None else state_dict,
                                 keep=lambda tensor: tensor.data_ptr() in frozen or self._roll_keeps(tensor))
-            deferred.append(functools.partial(_write_weights, write_weights, save_directory, weights, kwargs))
+            deferred.append(functools.partial(write_weights, save_pretrained, save_directory, weights, kwargs))
 
         model.save_pretrained = save_later  # on this instance, for this call: HF's _save writes through it
         try:
@@ -201,21 +200,6 @@ class SafeCheckpointMixin:
             warnings.simplefilter("ignore")  # torch's reminder to save the optimizer too: it is, above
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         return None
-
-
-def _write_weights(save_pretrained, save_directory: str, weights: dict, kwargs: dict) -> None:
-    """The model's ``save_pretrained`` of ``weights`` in the background thread: its shards through roll's writer
-    (``_compat.safetensors_written_past_the_gil``)."""
-    with _compat.safetensors_written_past_the_gil():
-        save_pretrained(save_directory, state_dict=weights, **kwargs)
-
-
-def save_direct(obj, path: str) -> None:
-    """``torch.save(obj, path)`` through ``roll.direct_write`` (a fraction of a buffered write's CPU). The file
-    differs from ``torch.save(obj, path)``'s in one name only: the archive's folder is ``archive/`` (what
-    ``torch.save`` writes to any stream) instead of the file's stem; ``torch.load`` reads both alike."""
-    with DirectFile(path) as out:
-        torch.save(obj, out)
 
 
 class RunComplete(Exception):
