@@ -173,7 +173,7 @@ def _archive_frame(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     the next. ``torch.save``'s cost per call is a few hundred Python-level writes through the stream and a pickler
     class made per call: about 0.1 s of the writer's CPU per save of the bench model's 198 tensors."""
     if (type(tensor) is not torch.Tensor or tensor.device.type != "cpu" or tensor.layout != torch.strided
-            or not tensor.numel() or not tensor.is_contiguous() or tensor.storage_offset()
+            or tensor.is_quantized or not tensor.numel() or not tensor.is_contiguous() or tensor.storage_offset()
             or tensor.untyped_storage().nbytes() != tensor.nbytes or tensor.__dict__):
         return None
     # the stride too: a contiguous tensor's stride along a dimension of size 1 is free, and torch.save records it

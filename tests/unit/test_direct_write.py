@@ -158,7 +158,7 @@ def test_mca_background_writer_writes_torch_saves_bytes_each_large_tensor_in_pla
     """``checkpoint_background._write_buckets`` (save_async's writer): every tensor's entry is byte for byte what
     ``torch.save`` writes of it, though a tensor of a dtype and shape seen before is written as a cached frame around
     its own memory (tensors alike in size but not in shape, dtype or the stride of a dimension of size 1 must not
-    share one); bytes items are their bytes; every entry starts at a multiple of 64 bytes (mca2hf maps it); a
+    share one; tensors alike in all of it but their values do); bytes items are their bytes; every entry starts at a multiple of 64 bytes (mca2hf maps it); a
     large tensor whose address allows it is written from its own memory. Twice, the second time from the cache."""
     if not _supports_o_direct(tmp_path):
         pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
@@ -174,7 +174,7 @@ def test_mca_background_writer_writes_torch_saves_bytes_each_large_tensor_in_pla
     tensors = [torch.randn(300_000), torch.randn(5), odd, torch.randn(1000, 700)[:, :512].contiguous(),
                torch.randn(4, 8), torch.randn(8, 4), torch.randn(2, 8), torch.randn(32).to(torch.int32),
                torch.randn(64).to(torch.bfloat16), torch.randn(1, 8), torch.randn(8, 1).t(), torch.tensor(3.0),
-               torch.zeros(0, 4), torch.randn(6, 5).t(), torch.randn(2 << 18)]
+               torch.zeros(0, 4), torch.randn(6, 5).t(), torch.randn(2 << 18), torch.randn(4, 8), torch.randn(300_000)]
     blobs = [io.BytesIO(os.urandom(n)) for n in (1, 100, 5000)]
     items = [(WriteItem(MetadataIndex(f"b{i}"), WriteItemType.BYTE_IO), blob) for i, blob in enumerate(blobs)]
     items += [(WriteItem(MetadataIndex(f"t{i}"), WriteItemType.TENSOR), t) for i, t in enumerate(tensors)]
