@@ -37,6 +37,7 @@ MCA_DPO = "tests/distributed/test_mca_dpo.py"
 ONE_PROCESS = f"{MCA_TRAIN}::test_export_accumulation_and_resume_on_one_process"
 SWEEP = "tests/parity/test_sweep.py"
 BACKGROUND = "tests/unit/test_background_save.py"
+DIRECT_WRITE_UNIT = "tests/unit/test_direct_write.py"
 ASYNC_KILL = ("tests/distributed/test_reliability.py::"
               "test_sigkill_inside_an_async_save_resumes_as_a_sync_save_does")
 ASYNC_KILL_MCA = f"{ASYNC_KILL}[mca]"
@@ -741,9 +742,15 @@ MUTANTS: list[Mutant] = [
            fast=True),
     Mutant("mca_background_archive_off_its_alignment", "save_async on the mca backend pads an archive to its tensor's "
            "address without keeping its start at a multiple of 64 bytes (mca2hf's maps then read the wrong bytes)",
-           "backends/mca/checkpoint_background.py", "if locator.found is None or (tensor.data_ptr() - locator.found) % ALIGNMENT:",
-           "if locator.found is None:",
-           ("tests/unit/test_direct_write.py::test_mca_background_archives_are_placed_so_their_tensors_are_written_in_place",),
+           "backends/mca/checkpoint_background.py", " or (tensor.data_ptr() - data_at) % ALIGNMENT:", ":",
+           (f"{DIRECT_WRITE_UNIT}::test_mca_background_writer_writes_torch_saves_bytes_each_large_tensor_in_place",),
+           fast=True),
+    Mutant("mca_background_frame_keyed_by_size", "save_async on the mca backend reuses a cached torch.save frame for "
+           "any tensor of the same dtype and byte count: a [8, 4] tensor is written with a [4, 8] tensor's header "
+           "(it loads with the wrong shape)",
+           "backends/mca/checkpoint_background.py", "key = (tensor.dtype, tuple(tensor.shape), tensor.stride(),",
+           "key = (tensor.dtype, tensor.nbytes,",
+           (f"{DIRECT_WRITE_UNIT}::test_mca_background_writer_writes_torch_saves_bytes_each_large_tensor_in_place",),
            fast=True),
     Mutant("standard_optimizer_padding_misses_the_descriptor", "the standard backend's optimizer.pt placement "
            "forgets the 16-byte descriptor after each zip member: its large tensors land off their addresses and "

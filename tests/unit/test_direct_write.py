@@ -142,27 +142,53 @@ def test_a_source_in_memory_order_goes_to_the_device_uncopied_with_the_same_byte
     source.close()
 
 
-def test_mca_background_archives_are_placed_so_their_tensors_are_written_in_place(tmp_path):
-    """``checkpoint_background._place_in_memory_order``: each large tensor's ``torch.save`` archive starts at a
-    multiple of 64 bytes (mca2hf maps it) where its data lands at a file offset congruent to the tensor's address,
-    so ``DirectFile`` writes the tensor from its own memory; every archive reads back as its tensor."""
+def _saved(value) -> bytes:
+    """The reference: ``torch.save``'s own bytes of ``value`` with the CRC-32 off (as roll's writers save)."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        out = io.BytesIO()
+        torch.save(value, out)
+        return out.getvalue()
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def test_mca_background_writer_writes_torch_saves_bytes_each_large_tensor_in_place(tmp_path):
+    """``checkpoint_background._write_buckets`` (save_async's writer): every tensor's entry is byte for byte what
+    ``torch.save`` writes of it, though a tensor of a dtype and shape seen before is written as a cached frame around
+    its own memory (tensors alike in size but not in shape, dtype or the stride of a dimension of size 1 must not
+    share one; tensors alike in all of it but their values do); bytes items are their bytes; every entry starts at a multiple of 64 bytes (mca2hf maps it); a
+    large tensor whose address allows it is written from its own memory. Twice, the second time from the cache."""
     if not _supports_o_direct(tmp_path):
         pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
-    from backends.mca.checkpoint_background import _place_in_memory_order
-    from backends.mca.checkpoint_io import direct_streams, exact_storage
+    import queue
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from backends.mca.checkpoint_background import _write_buckets
+    from backends.mca.checkpoint_io import exact_storage
 
     odd = exact_storage(torch.randn(400_001)[1:])  # 4 bytes past a 64-byte boundary: cannot agree, not placed
     tensors = [torch.randn(300_000), torch.randn(5), odd, torch.randn(1000, 700)[:, :512].contiguous(),
-               torch.randn(2 << 18)]
-    spans, before = [], direct_write.stats["in_place_bytes"]
-    with direct_streams()(str(tmp_path / "__0_0.distcp"), "wb") as stream:
-        for tensor in tensors:
-            _place_in_memory_order(stream, tensor)
-            start = stream.tell()
-            torch.save(tensor, stream)
-            spans.append((start, stream.tell()))
+               torch.randn(4, 8), torch.randn(8, 4), torch.randn(2, 8), torch.randn(32).to(torch.int32),
+               torch.randn(64).to(torch.bfloat16), torch.randn(1, 8), torch.randn(8, 1).t(), torch.tensor(3.0),
+               torch.zeros(0, 4), torch.randn(6, 5).t(), torch.randn(2 << 18), torch.randn(4, 8), torch.randn(300_000)]
+    blobs = [io.BytesIO(os.urandom(n)) for n in (1, 100, 5000)]
+    items = [(WriteItem(MetadataIndex(f"b{i}"), WriteItemType.BYTE_IO), blob) for i, blob in enumerate(blobs)]
+    items += [(WriteItem(MetadataIndex(f"t{i}"), WriteItemType.TENSOR), t) for i, t in enumerate(tensors)]
     large = sum(t.nbytes for t in tensors if t.nbytes >= 1 << 20 and t is not odd)
-    assert large - 3 * 2 * 4096 <= direct_write.stats["in_place_bytes"] - before <= large  # 2 partial blocks each
-    data = (tmp_path / "__0_0.distcp").read_bytes()
-    for tensor, (start, end) in zip(tensors, spans):
-        assert start % 64 == 0 and torch.equal(torch.load(io.BytesIO(data[start:end])), tensor)
+    for attempt in range(2):
+        path, results, before = tmp_path / f"__0_{attempt}.distcp", queue.SimpleQueue(), direct_write.stats["in_place_bytes"]
+        _write_buckets([(str(path), path.name, items[1:]), (str(tmp_path / "other.distcp"), "other", items[:1])], results)
+        written = results.get()
+        assert large - 3 * 2 * 4096 <= direct_write.stats["in_place_bytes"] - before <= large  # 2 partial blocks each
+        data = path.read_bytes()
+        assert [r.index for r in written[0]] == [item.index for item, _ in items[1:]]
+        for result, (_, value) in zip(written[0], items[1:]):
+            info = result.storage_data
+            assert info.relative_path == path.name and info.offset % 64 == 0 and result.size_in_bytes == info.length
+            stored = data[info.offset:info.offset + info.length]
+            assert stored == (value.getvalue() if isinstance(value, io.BytesIO) else _saved(value)), result.index
+        assert (tmp_path / "other.distcp").read_bytes() == blobs[0].getvalue()
