@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,7 +121,11 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
     its files written; median over CONVERT_ROUNDS runs), next to the conversions' wall time minus that of an
     import-only process sampled just before each run (``wall_minus_startup_s``, median; each pair in
     ``net_s_rounds``: start-up moves by +-0.5 s between samples even on an idle machine, more than converting
-    the bench model takes), and the process's peak RSS next to that of the import-only process."""
+    the bench model takes), and the process's peak RSS next to that of the import-only process.
+
+    Each copy and conversion writes into a directory removed just before its process starts, as converting a
+    model into a new folder does: over the previous run's files the file system first frees their blocks (hf2mca
+    of the bench model 0.49-0.54 s over an existing output, 0.33-0.38 s into a fresh one; 2026-11-28, idle)."""
     size = safetensors_bytes(model_dir)
     mca_dir, back_dir = os.path.join(root, "convert", "mca"), os.path.join(root, "convert", "hf")
     py = sys.executable
@@ -128,8 +133,9 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
     wall, status, out, rss, cpu = _timed([py, "-c", _RAW_READ, model_dir], timeout)
     read_s = json.loads(out.strip().splitlines()[-1])["read_s"] if status == "ok" else None
     rows.append(_row("raw read (safetensors load_file + clone)", size, wall, status, net=read_s, rss=rss))
-    wall, status, out, rss, cpu = _timed([py, "-c", _RAW_COPY, model_dir, os.path.join(root, "convert", "copy")],
-                                         timeout)
+    copy_dir = os.path.join(root, "convert", "copy")
+    shutil.rmtree(copy_dir, ignore_errors=True)  # every row writes new files (the docstring)
+    wall, status, out, rss, cpu = _timed([py, "-c", _RAW_COPY, model_dir, copy_dir], timeout)
     copied = json.loads(out.strip().splitlines()[-1]) if status == "ok" else {}
     rows.append(_row("raw copy (read into new memory + write a new file)", size, wall, status,
                      net=copied.get("read_s"), rss=rss))
@@ -140,6 +146,7 @@ def time_conversion(model_dir: str, root: str, timeout: float) -> list[dict]:
         for name, src, dst in (("hf2mca", model_dir, mca_dir), ("mca2hf", mca_dir, back_dir)):
             startup, _, _, base_rss, base_cpu = _timed([py, "-c", STARTUP], timeout)
             startups.append((startup, base_rss))
+            shutil.rmtree(dst, ignore_errors=True)
             cmd = [py, "-m", "backends.mca.convert_cli", name, "--input", src, "--output", dst]
             wall, status, out, rss, cpu = _timed(cmd, timeout, stderr_too=True)
             own = _CONVERTED.search(out)

@@ -256,7 +256,8 @@ def test_conversion_net_is_roll_converts_own_time_next_to_its_wall_net_of_each_s
             return next(startups), "ok", "", 300_000_000, 2.0
         if cmd[1] == "-c":  # the raw read / copy rows
             return 1.0, "ok", '{"read_s": 0.2, "cpu_s": 0.3}', 800_000_000, 1.0
-        assert stderr_too
+        assert stderr_too and not os.path.exists(cmd[-1])  # a fresh output directory: the last round's is gone
+        os.makedirs(cmd[-1])
         calls.append(cmd[3])
         start = calls.count(cmd[3]) - 1
         wall = [3.0, 3.8, 3.2][start] + (0.4 if cmd[3] == "hf2mca" else 0.5) + 0.1 * start
