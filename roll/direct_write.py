@@ -41,8 +41,9 @@ _lock = threading.Lock()
 stats = {"direct_files": 0, "buffered_files": 0, "in_place_bytes": 0}
 """How many files ``DirectFile`` wrote each way in this process, and how many bytes went to the device from the
 caller's memory, uncopied (tests check the direct paths were taken)."""
-_ZERO_COPY = 1 << 20
-"""Bytes from which a write whose memory agrees with its file offset is written from that memory."""
+IN_PLACE_FROM = 1 << 20
+"""Bytes from which a write whose memory agrees with its file offset is written from that memory (the writers that
+place tensors for it, in roll and both backends, place those of at least this size)."""
 
 
 def _buffer() -> tuple[mmap.mmap, bool]:
@@ -91,7 +92,7 @@ class DirectFile:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        if self.direct and n >= _ZERO_COPY and (address_of(view) - self.tell()) % self._align == 0:
+        if self.direct and n >= IN_PLACE_FROM and (address_of(view) - self.tell()) % self._align == 0:
             self._write_in_place(view)
             return n
         while view:

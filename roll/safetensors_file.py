@@ -25,10 +25,7 @@ from collections import Counter
 
 import torch
 
-from roll.direct_write import DirectFile
-
-IN_PLACE_FROM = 1 << 20
-"""Bytes from which a tensor's placement counts when the header's padding is chosen (``DirectFile``'s threshold)."""
+from roll.direct_write import IN_PLACE_FROM, DirectFile
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

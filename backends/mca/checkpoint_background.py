@@ -28,7 +28,7 @@ import queue
 
 import torch
 
-from roll.direct_write import DirectFile, address_of
+from roll.direct_write import IN_PLACE_FROM, DirectFile, address_of
 
 
 def background_save_strategy(thread_count: int = 2):
@@ -197,15 +197,11 @@ def _place_in_memory_order(stream, tensor: torch.Tensor, data_at: int) -> None:
     from backends.mca.checkpoint_map import ALIGNMENT
 
     block = getattr(stream, "alignment", 0)
-    if not block or tensor.nbytes < _IN_PLACE_FROM or (tensor.data_ptr() - data_at) % ALIGNMENT:
+    if not block or tensor.nbytes < IN_PLACE_FROM or (tensor.data_ptr() - data_at) % ALIGNMENT:
         return
     pad = (tensor.data_ptr() - data_at - stream.tell()) % block
     if pad:
         stream.write(bytes(pad))
-
-
-_IN_PLACE_FROM = 1 << 20
-"""Bytes from which a tensor's archive is placed so that its data is written from the tensor's own memory."""
 
 
 class _Frame:

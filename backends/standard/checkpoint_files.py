@@ -23,10 +23,8 @@ import os
 import torch
 
 from backends.standard import _compat
-from roll.direct_write import DirectFile
+from roll.direct_write import IN_PLACE_FROM, DirectFile
 
-IN_PLACE_FROM = 1 << 20
-"""Bytes from which a tensor's record is placed for a write from its own memory (``DirectFile``'s threshold)."""
 PAD_PREFIX = "roll_pad/"
 """Zip members that only place the next record (zeros; never read)."""
 

@@ -116,7 +116,7 @@ def test_two_files_open_at_once_in_one_thread_keep_their_own_bytes(tmp_path, sma
 
 @pytest.mark.parametrize("lead", [100, 4096 + 64, 0])
 def test_a_source_in_memory_order_goes_to_the_device_uncopied_with_the_same_bytes(tmp_path, small_chunks, lead):
-    """A write of at least ``_ZERO_COPY`` bytes whose address agrees with its file offset modulo the block size is
+    """A write of at least ``IN_PLACE_FROM`` bytes whose address agrees with its file offset modulo the block size is
     written from the caller's memory (the aligned middle; the partial blocks around it through the buffer); one
     that does not agree is copied. The file's bytes are the same either way."""
     if not _supports_o_direct(tmp_path):
