@@ -36,7 +36,11 @@ generator, read once an epoch): their reads are not counted, as they never wait 
 def counting_host_reads(enabled: bool):
     """Count ``HOST_READS`` calls inside each ``MegatronTrainer._train_step`` and in the ``_settle`` calls
     after it (one count per step; a read nested in another, e.g. through the CPU platform's torch-function
-    mode, counts once; a read made in a ``CPU_SIDE`` module is not counted)."""
+    mode, counts once; a read made in a ``CPU_SIDE`` module is not counted). Only the training thread's reads
+    count: an async save's background writer reads its host copies (``numpy()``) while the next steps run,
+    and never makes the training thread wait (CI of stop 44 counted its 53 reads into step 3)."""
+    import threading
+
     import torch
 
     from backends.mca.trainer.loop import MegatronTrainer
@@ -45,14 +49,15 @@ def counting_host_reads(enabled: bool):
     if not enabled:
         yield counts
         return
-    state = {"step": False, "inside": False}
+    state = {"step": False, "inside": False, "thread": threading.get_ident()}
     originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
     original_step, original_settle = MegatronTrainer._train_step, MegatronTrainer._settle
 
     def counted(name):
         def read(self, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if state["step"] and not state["inside"] and not caller.endswith(CPU_SIDE):
+            if (state["step"] and not state["inside"] and threading.get_ident() == state["thread"]
+                    and not caller.endswith(CPU_SIDE)):
                 counts[-1] += 1
             outer, state["inside"] = state["inside"], True
             try:
