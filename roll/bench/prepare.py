@@ -92,6 +92,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _as_written(word: str) -> str:
+    """A command-line word as the ledger records it: an absolute path inside this checkout (``--work-dir
+    /home/me/roll/outputs/bench``, or ``--json-out=...``) relative to it, so docs/performance.md names no
+    user's directory and reruns from any clone; anything else as typed."""
+    flag, equals, value = word.rpartition("=") if word.startswith("--") else ("", "", word)
+    if not os.path.isabs(value):
+        return word
+    inside = os.path.relpath(os.path.realpath(value), os.path.realpath(REPO))
+    if inside == os.pardir or inside.startswith(os.pardir + os.sep):
+        return word
+    return f"{flag}{equals}{inside}"
+
+
 def parse_options(argv: list[str]) -> BenchOptions:
     args = _parser().parse_args(argv)
     opts = BenchOptions(quick=args.quick, full=args.full, device_kind=args.device_kind, data=args.data,
@@ -99,7 +112,7 @@ def parse_options(argv: list[str]) -> BenchOptions:
                         dataloader_workers=args.dataloader_workers,
                         work_dir=args.work_dir, no_convert=args.no_convert, no_saves=args.no_saves,
                         only=args.only or (),
-                        command=" ".join(["roll-bench", *argv]))
+                        command=" ".join(["roll-bench", *map(_as_written, argv)]))
     if args.quick:
         opts.steps, opts.warmup, opts.seqs, opts.dtypes, opts.tokens_per_step = 2, 1, (64,), ("fp32",), 128
         opts.model_shape = "tiny"

@@ -86,6 +86,21 @@ def test_options_are_checked_before_anything_runs():
     assert parse_options(["--quick", "--work-dir", "w"]).markdown_out == os.path.join("w", "bench.md")
 
 
+def test_the_recorded_command_names_no_users_directory(tmp_path):
+    """The ledger's command line (docs/performance.md) has the checkout's own absolute paths relative to it (an
+    absolute --work-dir once put the author's directory in the docs, which test_doc_links refuses); a path
+    outside the checkout, and every other word, stays as typed."""
+    from roll.bench.prepare import REPO
+
+    inside = os.path.join(REPO, "outputs", "bench")
+    (tmp_path / "d.json").write_text("[]")
+    options = parse_options(["--work-dir", inside, f"--json-out={inside}/b.json", "--only", "mca",
+                             "--data", str(tmp_path / "d.json")])
+    assert options.command == (f"roll-bench --work-dir {os.path.join('outputs', 'bench')} --json-out="
+                               f"{os.path.join('outputs', 'bench', 'b.json')} --only mca --data {tmp_path / 'd.json'}")
+    assert options.work_dir == inside  # only the record changes: the run writes where it was told
+
+
 def _report(status: str = "ok") -> dict:
     case = bench.Case("hf", "1p", "fp32", 64, False)
     result = bench.CaseResult(case, status, wall_s=3.0, peak_rss_gb=0.5,
