@@ -38,7 +38,7 @@ def counting_host_reads(enabled: bool):
     after it (one count per step; a read nested in another, e.g. through the CPU platform's torch-function
     mode, counts once; a read made in a ``CPU_SIDE`` module is not counted). Only the training thread's reads
     count: an async save's background writer reads its host copies (``numpy()``) while the next steps run,
-    and never makes the training thread wait (CI of stop 44 counted its 53 reads into step 3)."""
+    and never makes the training thread wait (the CI run of session 44's submission counted its 53 reads into step 3)."""
     import threading
 
     import torch
