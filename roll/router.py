@@ -16,6 +16,7 @@ from roll.checkpoints import clean_stale
 from roll.config import RunConfig
 from roll.contract import TrainJob, TrainResult
 from roll.errors import ConfigError
+from roll.gc_pause import start_up_objects_frozen
 from roll.logging import is_rank0, log_rank0
 from roll.registry import get_backend_class
 
@@ -164,7 +165,8 @@ def run(config: RunConfig, *, dry_run: bool = False, as_json: bool = False,
         models = backend.apply_finetuning(backend.load_models(job.stage, job.tokenizer))
         if is_rank0():  # after the model loaded: a mistake found while loading leaves output_dir untouched
             write_marker(config.training.output_dir, run_identity(config))
-        result = backend.train(job, models)
+        with start_up_objects_frozen():  # no full garbage-collector pass over the start-up's objects mid-training
+            result = backend.train(job, models)
         if job.eval_dataset is not None:
             metrics = backend.evaluate(job, models)
             result.metrics.update(metrics)

@@ -710,6 +710,15 @@ MUTANTS: list[Mutant] = [
            "        _host = (weakref.ref(world), lambda kept=group: kept)",
            ("tests/unit/test_reliability_units.py::test_the_stop_polls_host_group_goes_with_the_default_group",),
            fast=True),
+    Mutant("training_walks_the_start_up_objects", "the router trains without freezing the start-up's objects: a full "
+           "collection mid-training walks every import and module again (0.24 s inside the first save's planning)",
+           "roll/router.py", "        with start_up_objects_frozen():", "        with __import__('contextlib').nullcontext():",
+           ("tests/unit/test_stage_dispatch.py::test_the_backend_trains_with_the_start_ups_objects_frozen",),
+           fast=True),
+    Mutant("gc_freeze_never_handed_back", "the frozen objects stay frozen after training: a process that trains again "
+           "(tests, sweeps) never frees an earlier run's cyclic garbage", "roll/gc_pause.py",
+           "        gc.unfreeze()", "        pass",
+           ("tests/unit/test_gc_pause.py::test_the_start_ups_objects_are_frozen_and_handed_back",), fast=True),
     Mutant("fast_exit_skips_atexit", "roll-convert ends without running the atexit handlers: logging's last lines "
            "(the conversion's summary) and a wandb run's finish lost", "roll/fast_exit.py",
            "    atexit._run_exitfuncs()", "    pass  #",
